@@ -1,0 +1,356 @@
+#include "runtime/trainer/trainer.h"
+
+#include <omp.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <chrono>
+#include <fstream>
+#include <memory>
+#include <vector>
+
+#include "kernels/cpu/grad_clip.h"
+#include "runtime/checkpoint/checkpoint.h"
+#include "runtime/common/error.h"
+#include "runtime/common/version.h"
+#include "runtime/data/sequence_loader.h"
+#include "runtime/model/model.h"
+
+namespace megacpp {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+template <typename T>
+T read_field(const json& object, const char* key, const std::string& where, T fallback,
+             bool required = false) {
+  auto it = object.find(key);
+  if (it == object.end() || it->is_null()) {
+    if (required) fail(ErrorKind::kInvalidArgument, "{}: missing required field {}", where, key);
+    return fallback;
+  }
+  try {
+    if constexpr (std::is_integral_v<T>) {
+      if (!it->is_number_integer()) throw std::invalid_argument("expected an integer");
+    } else if constexpr (std::is_floating_point_v<T>) {
+      if (!it->is_number()) throw std::invalid_argument("expected a number");
+    }
+    return it->get<T>();
+  } catch (const std::exception& e) {
+    fail(ErrorKind::kInvalidArgument, "{}: field {} = {} has the wrong type: {}", where, key,
+         it->dump(), e.what());
+  }
+}
+
+void refuse_unknown_keys(const json& object, std::initializer_list<const char*> known,
+                         const std::string& where) {
+  for (const auto& [key, value] : object.items()) {
+    if (std::none_of(known.begin(), known.end(), [&](const char* k) { return key == k; })) {
+      fail(ErrorKind::kInvalidArgument, "{}: unknown field {}", where, key);
+    }
+  }
+}
+
+}  // namespace
+
+TrainJob parse_train_job(const json& j, const std::string& source) {
+  if (!j.is_object()) fail(ErrorKind::kInvalidArgument, "{}: a job must be a JSON object", source);
+  refuse_unknown_keys(j, {"model", "data", "steps", "batch", "seqlen", "grad_accum", "optimizer",
+                          "eval", "checkpoint", "seed", "max_seconds", "scan", "threads", "log"},
+                      source);
+  TrainJob job;
+  if (!j.contains("model") || !j["model"].is_object()) {
+    fail(ErrorKind::kInvalidArgument,
+         "{}: missing field model: give {{\"preset\": NAME}}, {{\"config\": {{...}}}} or "
+         "{{\"config_file\": PATH}}",
+         source);
+  }
+  const json& m = j["model"];
+  refuse_unknown_keys(m, {"preset", "config", "config_file"}, source + ": model");
+  if (m.size() != 1) {
+    fail(ErrorKind::kInvalidArgument,
+         "{}: model must have exactly one of preset, config, config_file", source);
+  }
+  if (m.contains("preset")) {
+    job.model_source = "preset " + m["preset"].get<std::string>();
+    job.model = model_preset(m["preset"].get<std::string>());
+  } else if (m.contains("config")) {
+    job.model_source = source + ": model.config";
+    job.model = parse_model_config(m["config"], job.model_source);
+  } else {
+    job.model_source = m["config_file"].get<std::string>();
+    job.model = load_model_config(job.model_source);
+  }
+  if (!j.contains("data") || !j["data"].is_object()) {
+    fail(ErrorKind::kInvalidArgument, "{}: missing field data: {{\"train\": PREFIX, \"valid\": PREFIX}}",
+         source);
+  }
+  refuse_unknown_keys(j["data"], {"train", "valid"}, source + ": data");
+  job.train_data = read_field<std::string>(j["data"], "train", source + ": data", "", true);
+  job.valid_data = read_field<std::string>(j["data"], "valid", source + ": data", "");
+  job.steps = read_field<int64_t>(j, "steps", source, 0, true);
+  job.batch = read_field<int>(j, "batch", source, 0, true);
+  job.seqlen = read_field<int>(j, "seqlen", source, 0, true);
+  job.grad_accum = read_field<int>(j, "grad_accum", source, 1);
+  if (job.steps <= 0) fail(ErrorKind::kInvalidArgument, "{}: steps={} must be positive", source, job.steps);
+  if (job.batch <= 0) fail(ErrorKind::kInvalidArgument, "{}: batch={} must be positive", source, job.batch);
+  if (job.seqlen <= 1) fail(ErrorKind::kInvalidArgument, "{}: seqlen={} must be at least 2", source, job.seqlen);
+  if (job.grad_accum <= 0) {
+    fail(ErrorKind::kInvalidArgument, "{}: grad_accum={} must be positive", source, job.grad_accum);
+  }
+  if (j.contains("optimizer")) {
+    const json& o = j["optimizer"];
+    const std::string where = source + ": optimizer";
+    refuse_unknown_keys(o, {"lr", "min_lr", "warmup_steps", "weight_decay", "beta1", "beta2", "eps",
+                            "grad_clip"},
+                        where);
+    OptimizerConfig& c = job.optimizer;
+    c.lr = read_field<double>(o, "lr", where, c.lr);
+    c.min_lr = read_field<double>(o, "min_lr", where, c.lr / 10);
+    c.warmup_steps = read_field<int>(o, "warmup_steps", where, c.warmup_steps);
+    c.weight_decay = read_field<double>(o, "weight_decay", where, c.weight_decay);
+    c.beta1 = read_field<double>(o, "beta1", where, c.beta1);
+    c.beta2 = read_field<double>(o, "beta2", where, c.beta2);
+    c.eps = read_field<double>(o, "eps", where, c.eps);
+    c.grad_clip = read_field<double>(o, "grad_clip", where, c.grad_clip);
+    if (!(c.lr > 0)) fail(ErrorKind::kInvalidArgument, "{}.lr={} must be positive", where, c.lr);
+    if (c.min_lr < 0 || c.min_lr > c.lr) {
+      fail(ErrorKind::kInvalidArgument, "{}.min_lr={} must be in [0, lr={}]", where, c.min_lr, c.lr);
+    }
+    if (c.warmup_steps < 0) {
+      fail(ErrorKind::kInvalidArgument, "{}.warmup_steps={} must be >= 0", where, c.warmup_steps);
+    }
+    if (c.weight_decay < 0) {
+      fail(ErrorKind::kInvalidArgument, "{}.weight_decay={} must be >= 0", where, c.weight_decay);
+    }
+    if (!(c.beta1 >= 0 && c.beta1 < 1) || !(c.beta2 >= 0 && c.beta2 < 1)) {
+      fail(ErrorKind::kInvalidArgument, "{}.beta1={} and beta2={} must be in [0, 1)", where,
+           c.beta1, c.beta2);
+    }
+    if (!(c.eps > 0)) fail(ErrorKind::kInvalidArgument, "{}.eps={} must be positive", where, c.eps);
+    if (c.grad_clip < 0) {
+      fail(ErrorKind::kInvalidArgument, "{}.grad_clip={} must be >= 0", where, c.grad_clip);
+    }
+  }
+  if (j.contains("eval")) {
+    const std::string where = source + ": eval";
+    refuse_unknown_keys(j["eval"], {"interval", "batches"}, where);
+    job.eval_interval = read_field<int>(j["eval"], "interval", where, 0);
+    job.eval_batches = read_field<int>(j["eval"], "batches", where, job.eval_batches);
+    if (job.eval_interval < 0 || job.eval_batches < 0) {
+      fail(ErrorKind::kInvalidArgument, "{}: interval={} and batches={} must be >= 0", where,
+           job.eval_interval, job.eval_batches);
+    }
+  }
+  if (j.contains("checkpoint")) {
+    const std::string where = source + ": checkpoint";
+    refuse_unknown_keys(j["checkpoint"], {"dir", "interval"}, where);
+    job.checkpoint_dir = read_field<std::string>(j["checkpoint"], "dir", where, "", true);
+    job.checkpoint_interval = read_field<int>(j["checkpoint"], "interval", where, 0);
+    if (job.checkpoint_interval < 0) {
+      fail(ErrorKind::kInvalidArgument, "{}: interval={} must be >= 0", where, job.checkpoint_interval);
+    }
+  }
+  job.seed = read_field<uint64_t>(j, "seed", source, job.seed);
+  job.max_seconds = read_field<double>(j, "max_seconds", source, 0.0);
+  if (job.max_seconds < 0) {
+    fail(ErrorKind::kInvalidArgument, "{}: max_seconds={} must be >= 0", source, job.max_seconds);
+  }
+  const std::string scan = read_field<std::string>(j, "scan", source, "chunked");
+  if (scan == "chunked") {
+    job.scan_form = ScanForm::kChunked;
+  } else if (scan == "recurrent") {
+    job.scan_form = ScanForm::kRecurrent;
+  } else {
+    fail(ErrorKind::kInvalidArgument, "{}: scan=\"{}\" must be \"chunked\" or \"recurrent\"", source, scan);
+  }
+  job.threads = read_field<int>(j, "threads", source, 0);
+  if (job.threads < 0) fail(ErrorKind::kInvalidArgument, "{}: threads={} must be >= 0", source, job.threads);
+  job.log = read_field<std::string>(j, "log", source, "");
+  return job;
+}
+
+TrainJob load_train_job(const fs::path& path) {
+  return parse_train_job(load_json_file(path), path.string());
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double mean_eval_loss(Model<float>& model, const data::IndexedDataset& dataset, int seqlen,
+                      int batch, int64_t max_windows, int64_t* windows_used) {
+  const int64_t available = data::num_eval_windows(dataset, seqlen);
+  const int64_t windows = max_windows > 0 ? std::min(max_windows, available) : available;
+  std::vector<int32_t> tokens(static_cast<size_t>(batch) * (seqlen + 1));
+  double total = 0;
+  int64_t counted = 0;
+  // Whole batches only: the model is planned for `batch` rows.
+  for (int64_t first = 0; first + batch <= windows; first += batch) {
+    for (int b = 0; b < batch; ++b) {
+      data::eval_window(dataset, first + b, seqlen, tokens.data() + static_cast<size_t>(b) * (seqlen + 1));
+    }
+    total += model.forward(tokens.data()) * batch;
+    counted += batch;
+  }
+  if (counted == 0) {
+    fail(ErrorKind::kInvalidArgument,
+         "{}: {} evaluation windows of {} tokens, fewer than one batch of {}",
+         dataset.index_path().string(), available, seqlen + 1, batch);
+  }
+  *windows_used = counted;
+  return total / static_cast<double>(counted);
+}
+
+}  // namespace
+
+RunSummary train(const TrainJob& job, TrainingObserver& observer, const TrainOptions& options) {
+  if (job.threads > 0) omp_set_num_threads(job.threads);
+  auto train_set = std::make_shared<const data::IndexedDataset>(job.train_data);
+  std::shared_ptr<const data::IndexedDataset> valid_set;
+  if (!job.valid_data.empty()) valid_set = std::make_shared<const data::IndexedDataset>(job.valid_data);
+  data::SequenceLoader loader(train_set, job.seqlen);
+
+  Model<float> model(job.model, ModelOptions{job.scan_form});
+  AdamW<float> optimizer(model.parameters(), job.optimizer);
+  int64_t step = 0;
+  if (options.resume && !job.checkpoint_dir.empty()) {
+    if (auto dir = latest_checkpoint(job.checkpoint_dir)) {
+      const ModelConfig saved = load_checkpoint_config(*dir);
+      if (model_config_to_json(saved) != model_config_to_json(job.model)) {
+        fail(ErrorKind::kFailedPrecondition,
+             "{}: the checkpoint's model config differs from the job's ({}): refusing to resume",
+             dir->string(), job.model_source);
+      }
+      load_model_weights(*dir, model);
+      load_optimizer_state(*dir / "optimizer.safetensors", model.parameters(), optimizer);
+      const json state = load_json_file(*dir / "trainer_state.json");
+      step = state.at("step").get<int64_t>();
+      loader.seek(state.at("data_position").get<uint64_t>());
+      spdlog::info("resumed from {} at step {}", dir->string(), step);
+    }
+  }
+  if (step == 0) model.init_parameters(job.seed);
+  model.plan(job.batch, job.seqlen);
+
+  const double flops_per_micro = model.step_flops(job.batch, job.seqlen);
+  const double flops_per_step = flops_per_micro * job.grad_accum;
+  const int64_t tokens_per_step = static_cast<int64_t>(job.batch) * job.seqlen * job.grad_accum;
+  observer.on_start({{"version", version_string()},
+                     {"model", model_config_to_json(job.model)},
+                     {"parameters", model.parameters().total()},
+                     {"threads", omp_get_max_threads()},
+                     {"first_step", step + 1},
+                     {"steps", job.steps},
+                     {"tokens_per_step", tokens_per_step},
+                     {"flops_per_step", flops_per_step}});
+
+  auto save_checkpoint = [&](int64_t at_step) {
+    if (job.checkpoint_dir.empty()) return;
+    const fs::path dir = step_checkpoint_dir(job.checkpoint_dir, at_step);
+    save_model_checkpoint(dir, model);
+    save_optimizer_state(dir / "optimizer.safetensors", model.parameters(), optimizer);
+    save_json_atomically(dir / "trainer_state.json",
+                         {{"step", at_step},
+                          {"data_position", loader.position()},
+                          {"seed", job.seed},
+                          {"total_steps", job.steps},
+                          {"lr_schedule",
+                           {{"lr", job.optimizer.lr},
+                            {"min_lr", job.optimizer.min_lr},
+                            {"warmup_steps", job.optimizer.warmup_steps}}}});
+    mark_latest_checkpoint(job.checkpoint_dir, at_step);
+    observer.on_checkpoint(at_step, dir);
+  };
+  double last_val = -1;
+  auto run_eval = [&](int64_t at_step) {
+    if (!valid_set) return;
+    int64_t windows = 0;
+    last_val = mean_eval_loss(model, *valid_set, job.seqlen, job.batch, job.eval_batches > 0 ? int64_t{job.eval_batches} * job.batch : 0, &windows);
+    observer.on_eval({at_step, last_val, windows * job.seqlen});
+  };
+
+  RunSummary summary;
+  summary.first_step = step + 1;
+  summary.total_steps = job.steps;
+  summary.flops_per_step = flops_per_step;
+  summary.stop_reason = "completed";
+  std::vector<int32_t> tokens(static_cast<size_t>(job.batch) * (job.seqlen + 1));
+  std::vector<double> step_ms;
+  const auto run_start = Clock::now();
+  bool checkpoint_current = false;
+  auto& params = model.parameters();
+  while (step < job.steps) {
+    const auto t0 = Clock::now();
+    ++step;
+    params.zero_grad();
+    double loss = 0;
+    for (int micro = 0; micro < job.grad_accum; ++micro) {
+      loader.next_batch(job.batch, tokens.data());
+      loss += model.forward_backward(tokens.data(), 1.0 / job.grad_accum) / job.grad_accum;
+    }
+    const cpu::GradBuffer<float> all{params.grads().data(), params.total()};
+    const double grad_norm = cpu::clip_grad_norm<float>(std::span(&all, 1), job.optimizer.grad_clip);
+    const double lr = learning_rate(job.optimizer, step, job.steps);
+    optimizer.step(lr);
+    const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+    step_ms.push_back(ms);
+    StepRecord record{step, loss, grad_norm, lr, tokens_per_step, ms,
+                      static_cast<double>(tokens_per_step) / (ms / 1000.0), flops_per_step / (ms / 1000.0)};
+    observer.on_step(record);
+    summary.final_loss = loss;
+    summary.tokens += tokens_per_step;
+    checkpoint_current = false;
+    if (job.eval_interval > 0 && step % job.eval_interval == 0 && step < job.steps) run_eval(step);
+    if (job.checkpoint_interval > 0 && step % job.checkpoint_interval == 0) {
+      save_checkpoint(step);
+      checkpoint_current = true;
+    }
+    const double elapsed = std::chrono::duration<double>(Clock::now() - run_start).count();
+    if (options.stop_at > 0 && step >= options.stop_at && step < job.steps) {
+      summary.stop_reason = "stop_at";
+      break;
+    }
+    if (job.max_seconds > 0 && elapsed >= job.max_seconds && step < job.steps) {
+      summary.stop_reason = "time_limit";
+      break;
+    }
+    if (options.stop_requested && options.stop_requested->load() && step < job.steps) {
+      summary.stop_reason = "stopped";
+      break;
+    }
+  }
+  summary.last_step = step;
+  if (summary.stop_reason != "stopped") run_eval(step);
+  summary.final_val_loss = last_val;
+  if (!checkpoint_current && step >= summary.first_step) save_checkpoint(step);
+  summary.wall_seconds = std::chrono::duration<double>(Clock::now() - run_start).count();
+  if (!step_ms.empty()) {
+    std::vector<double> sorted = step_ms;
+    std::nth_element(sorted.begin(), sorted.begin() + static_cast<long>(sorted.size() / 2), sorted.end());
+    summary.median_step_ms = sorted[sorted.size() / 2];
+    summary.tokens_per_s = static_cast<double>(tokens_per_step) / (summary.median_step_ms / 1000.0);
+    summary.flops_per_s = flops_per_step / (summary.median_step_ms / 1000.0);
+  }
+  observer.on_finish(summary);
+  return summary;
+}
+
+EvalResult evaluate_checkpoint(const fs::path& checkpoint_dir, const fs::path& data_prefix,
+                               int seqlen, int batch, int64_t max_windows) {
+  if (seqlen <= 1 || batch <= 0) {
+    fail(ErrorKind::kInvalidArgument, "seqlen={} must be >= 2 and batch={} positive", seqlen, batch);
+  }
+  Model<float> model(load_checkpoint_config(checkpoint_dir));
+  load_model_weights(checkpoint_dir, model);
+  model.plan(batch, seqlen);
+  const data::IndexedDataset dataset(data_prefix);
+  EvalResult result;
+  result.loss = mean_eval_loss(model, dataset, seqlen, batch, max_windows, &result.windows);
+  result.tokens = result.windows * seqlen;
+  return result;
+}
+
+}  // namespace megacpp

@@ -1,0 +1,5 @@
+#include <gtest/gtest.h>
+
+#include "runtime/common/version.h"
+
+TEST(Version, NamesTheProject) { EXPECT_NE(megacpp::version_string().find("megacpp"), std::string::npos); }
