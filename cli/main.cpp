@@ -89,7 +89,12 @@ int main(int argc, char** argv) {
   std::string stats_prefix;
   stats_cmd->add_option("prefix", stats_prefix, "dataset prefix")->required();
 
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    // --help and --version exit 0; every usage error exits 2 like bad input.
+    return app.exit(e) == 0 ? 0 : 2;
+  }
   spdlog::set_pattern("%H:%M:%S.%e %^%l%$ %v");
   try {
     if (*train_cmd) {
