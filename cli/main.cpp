@@ -1,6 +1,6 @@
-// megacpp: the command-line client. Subcommands that run in-process (no daemon):
-// train, eval, data prepare, data stats. Exit codes: 0 success, 1 runtime
-// failure, 2 bad usage or bad input (a field, file or rule named on stderr).
+// megacpp: the command-line client. In-process subcommands (no daemon): train,
+// eval, data prepare, data stats, doctor; the others talk to megacppd over gRPC
+// (cli/commands/). Exit codes: see cli/commands/daemon_commands.h.
 #include <CLI/CLI.hpp>
 #include <spdlog/spdlog.h>
 
@@ -8,6 +8,7 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
+#include "cli/commands/daemon_commands.h"
 #include "runtime/common/error.h"
 #include "runtime/common/version.h"
 #include "runtime/data/indexed_dataset.h"
@@ -89,6 +90,8 @@ int main(int argc, char** argv) {
   std::string stats_prefix;
   stats_cmd->add_option("prefix", stats_prefix, "dataset prefix")->required();
 
+  megacpp::cli::GlobalOptions global;
+  const auto run_daemon_command = megacpp::cli::add_daemon_commands(app, global);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -96,7 +99,9 @@ int main(int argc, char** argv) {
     return app.exit(e) == 0 ? 0 : 2;
   }
   spdlog::set_pattern("%H:%M:%S.%e %^%l%$ %v");
+  global.json = as_json;
   try {
+    if (const int code = run_daemon_command(); code >= 0) return code;
     if (*train_cmd) {
       const megacpp::TrainJob job = megacpp::load_train_job(job_file);
       std::unique_ptr<megacpp::JsonLinesObserver> observer;

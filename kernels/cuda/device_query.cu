@@ -51,4 +51,14 @@ std::string vector_add_on_device(int device, const std::vector<float>& a, std::v
   return status == cudaSuccess ? std::string() : std::string(cudaGetErrorString(status));
 }
 
+std::string probe_kernel_image(int device) {
+  cudaError_t status = cudaSetDevice(device);
+  if (status == cudaSuccess) {
+    cudaFuncAttributes attributes{};
+    status = cudaFuncGetAttributes(&attributes, vector_add_kernel);
+  }
+  if (status == cudaSuccess) return std::string();
+  return std::string(cudaGetErrorName(status)) + ": " + cudaGetErrorString(status);
+}
+
 }  // namespace megacpp::cuda

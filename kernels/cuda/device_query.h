@@ -29,4 +29,11 @@ RuntimeInfo query_devices();
 // Returns an empty string on success, else the CUDA error.
 std::string vector_add_on_device(int device, const std::vector<float>& a, std::vector<float>& b);
 
+// Asks the runtime for the attributes of a kernel in this binary on `device` without launching
+// it: fails exactly when the binary carries neither SASS for the device's compute capability nor
+// PTX the driver can compile for it. Returns an empty string when the kernel image is usable,
+// else the CUDA error (cudaErrorNoKernelImageForDevice or cudaErrorInvalidDeviceFunction for a
+// missing image; any other error, e.g. an invalid device index, is returned as well).
+std::string probe_kernel_image(int device);
+
 }  // namespace megacpp::cuda

@@ -1,0 +1,478 @@
+// Benchmark of the CUDA Mamba-3 scan (kernels/cuda/mamba3_scan.h) at M3-ref (batch 8,
+// seqlen 8192, H 16, G 1, N 64, P 64, R 4, chunk 16) and its SISO variant (R 1, chunk
+// 64): forward, backward and forward+backward timed with CUDA events (min/median/max of
+// the timed repeats after warm-up), against the two floors (FLOPs over the measured
+// matrix-unit rate, minimal bytes over the measured copy bandwidth), plus each kernel's
+// registers, shared memory and occupancy, and the PsiV cache on versus off.
+//
+// Usage: mamba3_scan_cuda_bench [--repeats N] [--profile-once]
+//   --profile-once: one forward + backward at M3-ref and exit (for ncu).
+// Writes mamba3_scan_cuda_bench.json under $MEGACPP_RESULTS_DIR when set.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/mamba3_scan.h"
+
+#ifdef MEGACPP_HAVE_CUDA
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/mamba3_scan.h"
+#endif
+
+#ifdef MEGACPP_HAVE_CUDA
+namespace {
+
+using megacpp::cpu::ScanShape;
+
+void ok(cudaError_t status, const char* what) {
+  if (status != cudaSuccess) {
+    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(status));
+    std::exit(1);
+  }
+}
+
+void ok(cublasStatus_t status, const char* what) {
+  if (status != CUBLAS_STATUS_SUCCESS) {
+    std::fprintf(stderr, "%s: cuBLAS status %d\n", what, static_cast<int>(status));
+    std::exit(1);
+  }
+}
+
+struct Stats {
+  double min_ms = 0, median_ms = 0, max_ms = 0;
+};
+
+Stats stats_of(std::vector<double> ms) {
+  std::sort(ms.begin(), ms.end());
+  Stats s;
+  s.min_ms = ms.front();
+  s.max_ms = ms.back();
+  const size_t n = ms.size();
+  s.median_ms = n % 2 == 1 ? ms[n / 2] : 0.5 * (ms[n / 2 - 1] + ms[n / 2]);
+  return s;
+}
+
+// Times `body` (already warmed up) `repeats` times with events around each run.
+template <class Body>
+Stats time_events(int repeats, Body body) {
+  cudaEvent_t start, stop;
+  ok(cudaEventCreate(&start), "cudaEventCreate");
+  ok(cudaEventCreate(&stop), "cudaEventCreate");
+  std::vector<double> ms;
+  for (int i = 0; i < repeats; ++i) {
+    ok(cudaEventRecord(start), "cudaEventRecord");
+    body();
+    ok(cudaEventRecord(stop), "cudaEventRecord");
+    ok(cudaEventSynchronize(stop), "cudaEventSynchronize");
+    float elapsed = 0.f;
+    ok(cudaEventElapsedTime(&elapsed, start, stop), "cudaEventElapsedTime");
+    ms.push_back(static_cast<double>(elapsed));
+  }
+  ok(cudaGetLastError(), "timed body");
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return stats_of(ms);
+}
+
+// Random bf16 bits with a cheap generator (the values matter, not their quality):
+// uniform in [center − spread, center + spread].
+std::vector<uint16_t> random_bf16(size_t count, float center, float spread, uint64_t seed) {
+  std::vector<uint16_t> out(count);
+  uint64_t state = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (size_t i = 0; i < count; ++i) {
+    state ^= state << 13;
+    state ^= state >> 7;
+    state ^= state << 17;
+    const float unit = static_cast<float>(state >> 40) / static_cast<float>(1ull << 24);
+    const float value = center + spread * (2.f * unit - 1.f);
+    uint32_t bits = 0;
+    std::memcpy(&bits, &value, sizeof(bits));
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    out[i] = static_cast<uint16_t>(bits >> 16);
+  }
+  return out;
+}
+
+uint16_t* upload(const std::vector<uint16_t>& host) {
+  void* p = nullptr;
+  ok(cudaMalloc(&p, host.size() * sizeof(uint16_t)), "cudaMalloc");
+  ok(cudaMemcpy(p, host.data(), host.size() * sizeof(uint16_t), cudaMemcpyHostToDevice), "upload");
+  return static_cast<uint16_t*>(p);
+}
+
+template <typename T>
+T* scratch(size_t count) {
+  void* p = nullptr;
+  ok(cudaMalloc(&p, count * sizeof(T)), "cudaMalloc");
+  return static_cast<T*>(p);
+}
+
+struct Ceilings {
+  std::string device;
+  double copy_tb_s = 0;     // bytes read + written
+  double bf16_tflop_s = 0;  // cuBLAS bf16 GEMM 8192³, fp32 accumulate
+  double fp32_tflop_s = 0;  // cuBLAS SGEMM 8192³ (the CUDA-core rate)
+};
+
+Ceilings measure_ceilings(int repeats) {
+  Ceilings c;
+  cudaDeviceProp prop{};
+  ok(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+  c.device = prop.name;
+  {
+    const size_t bytes = size_t{2} << 30;
+    void* a = scratch<unsigned char>(bytes);
+    void* b = scratch<unsigned char>(bytes);
+    ok(cudaMemset(a, 1, bytes), "cudaMemset");
+    for (int i = 0; i < 3; ++i) ok(cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice), "copy");
+    const Stats s =
+        time_events(repeats, [&] { cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice); });
+    c.copy_tb_s = 2.0 * static_cast<double>(bytes) / (s.median_ms * 1e-3) / 1e12;
+    cudaFree(a);
+    cudaFree(b);
+  }
+  cublasHandle_t handle;
+  ok(cublasCreate(&handle), "cublasCreate");
+  const int n = 8192;
+  const size_t elems = static_cast<size_t>(n) * n;
+  const double flops = 2.0 * n * static_cast<double>(n) * n;
+  {
+    uint16_t* a = upload(random_bf16(elems, 0.f, 1.f, 11));
+    uint16_t* b = upload(random_bf16(elems, 0.f, 1.f, 12));
+    uint16_t* out = scratch<uint16_t>(elems);
+    const float one = 1.f, zero = 0.f;
+    const auto gemm = [&] {
+      ok(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, a, CUDA_R_16BF, n, b,
+                      CUDA_R_16BF, n, &zero, out, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
+                      CUBLAS_GEMM_DEFAULT),
+         "cublasGemmEx");
+    };
+    for (int i = 0; i < 3; ++i) gemm();
+    const Stats s = time_events(std::max(10, repeats / 2), gemm);
+    c.bf16_tflop_s = flops / (s.median_ms * 1e-3) / 1e12;
+    cudaFree(a);
+    cudaFree(b);
+    cudaFree(out);
+  }
+  {
+    float* a = scratch<float>(elems);
+    float* b = scratch<float>(elems);
+    float* out = scratch<float>(elems);
+    // Small nonzero values, not zeros (zeros run faster than real data).
+    std::vector<float> host(elems);
+    for (size_t i = 0; i < elems; ++i)
+      host[i] = static_cast<float>((i * 2654435761u) % 1000) * 1e-3f;
+    ok(cudaMemcpy(a, host.data(), elems * sizeof(float), cudaMemcpyHostToDevice), "upload");
+    ok(cudaMemcpy(b, host.data(), elems * sizeof(float), cudaMemcpyHostToDevice), "upload");
+    const float one = 1.f, zero = 0.f;
+    const auto gemm = [&] {
+      ok(cublasSgemm(handle, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, a, n, b, n, &zero, out, n),
+         "cublasSgemm");
+    };
+    for (int i = 0; i < 2; ++i) gemm();
+    const Stats s = time_events(5, gemm);
+    c.fp32_tflop_s = flops / (s.median_ms * 1e-3) / 1e12;
+    cudaFree(a);
+    cudaFree(b);
+    cudaFree(out);
+  }
+  cublasDestroy(handle);
+  return c;
+}
+
+// FLOPs of the matrix products the chunked algorithm performs (2 per multiply-add), and
+// the fewest bytes each pass must move (every input read once, every output written once).
+struct Work {
+  double fwd_flops = 0, bwd_flops = 0;
+  double fwd_bytes = 0, bwd_bytes = 0;
+  double state_bytes_fwd = 0, state_bytes_bwd = 0;  // this implementation's state traffic
+};
+
+Work work_of(const ScanShape& s) {
+  const double chunks = std::ceil(static_cast<double>(s.seqlen) / s.chunk);
+  const double blocks = static_cast<double>(s.batch) * s.heads * chunks;
+  const double m = static_cast<double>(s.chunk) * s.rank, n = s.state, p = s.headdim;
+  Work w;
+  w.fwd_flops = blocks * 2.0 * (2 * p * n * m + m * m * (n + p));
+  w.bwd_flops = blocks * 2.0 * (5 * p * n * m + 3 * m * m * (n + p));
+  const double tokens = static_cast<double>(s.batch) * s.seqlen;
+  const double qk = tokens * s.rank * s.groups * s.state * 2;
+  const double xz = tokens * s.heads * s.headdim * 2;
+  const double scalars = tokens * s.heads * 2 * 3 + tokens * s.angles * 2;
+  w.fwd_bytes = 2 * qk + 2 * xz + scalars + xz;  // q k v z coefficients, y
+  w.bwd_bytes = (2 * qk + 3 * xz + scalars) + (2 * qk + 2 * xz + scalars);  // + dy; grads
+  const double matrix = blocks * n * p * 4;
+  w.state_bytes_fwd = 4 * matrix;  // F written, read+written by the pass, entry read
+  w.state_bytes_bwd = 6 * matrix;  // H written, pass read+write, G read, E read twice
+  return w;
+}
+
+struct Measured {
+  std::string name;
+  bool psiv = false;
+  bool tensor = true;
+  Stats fwd, bwd, both;
+  size_t workspace = 0, psiv_bytes = 0;
+  std::vector<megacpp::cuda::KernelAttributes> kernels;
+};
+
+struct Problem {
+  ScanShape shape;
+  std::vector<uint16_t*> tensors;
+  megacpp::cuda::ScanDeviceInputs in;
+  uint16_t* y = nullptr;
+  uint16_t* dy = nullptr;
+  megacpp::cuda::ScanDeviceGrads grads;
+};
+
+Problem make_problem(const ScanShape& s) {
+  Problem pr;
+  pr.shape = s;
+  const size_t tokens = static_cast<size_t>(s.batch) * s.seqlen;
+  const size_t qk = tokens * s.rank * s.groups * s.state;
+  const size_t xz = tokens * s.heads * s.headdim;
+  const size_t th = tokens * s.heads;
+  const size_t rn = static_cast<size_t>(s.heads) * s.rank * s.state;
+  const size_t rp = static_cast<size_t>(s.heads) * s.rank * s.headdim;
+  const float inv_rank = 1.f / static_cast<float>(s.rank);
+  const auto add = [&pr](std::vector<uint16_t> host) {
+    pr.tensors.push_back(upload(host));
+    return pr.tensors.back();
+  };
+  pr.in.q = add(random_bf16(qk, 0.f, 1.7f, 1));
+  pr.in.k = add(random_bf16(qk, 0.f, 1.7f, 2));
+  pr.in.v = add(random_bf16(xz, 0.f, 1.7f, 3));
+  pr.in.z = add(random_bf16(xz, 0.f, 1.7f, 4));
+  pr.in.adt = add(random_bf16(th, -0.1f, 0.09f, 5));
+  pr.in.dt = add(random_bf16(th, 0.05f, 0.045f, 6));
+  pr.in.trap = add(random_bf16(th, 0.f, 1.5f, 7));
+  pr.in.angles = add(random_bf16(tokens * s.angles, 0.f, 1.5f, 8));
+  pr.in.q_bias = add(random_bf16(rn, 1.f, 0.3f, 9));
+  pr.in.k_bias = add(random_bf16(rn, 1.f, 0.3f, 10));
+  pr.in.mimo_x = add(random_bf16(rp, inv_rank, 0.3f * inv_rank, 11));
+  pr.in.mimo_z = add(random_bf16(rp, 1.f, 0.3f, 12));
+  pr.in.mimo_o = add(random_bf16(rp, inv_rank, 0.3f * inv_rank, 13));
+  pr.in.d = add(random_bf16(static_cast<size_t>(s.heads), 1.f, 0.5f, 14));
+  pr.dy = add(random_bf16(xz, 0.f, 1.7f, 15));
+  pr.y = scratch<uint16_t>(xz);
+  pr.grads.q = scratch<uint16_t>(qk);
+  pr.grads.k = scratch<uint16_t>(qk);
+  pr.grads.v = scratch<uint16_t>(xz);
+  pr.grads.z = scratch<uint16_t>(xz);
+  pr.grads.adt = scratch<uint16_t>(th);
+  pr.grads.dt = scratch<uint16_t>(th);
+  pr.grads.trap = scratch<uint16_t>(th);
+  pr.grads.angles = scratch<uint16_t>(std::max<size_t>(tokens * s.angles, 1));
+  pr.grads.q_bias = scratch<float>(rn);
+  pr.grads.k_bias = scratch<float>(rn);
+  pr.grads.mimo_x = scratch<float>(rp);
+  pr.grads.mimo_z = scratch<float>(rp);
+  pr.grads.mimo_o = scratch<float>(rp);
+  pr.grads.d = scratch<float>(static_cast<size_t>(s.heads));
+  return pr;
+}
+
+void free_problem(Problem& pr) {
+  for (uint16_t* t : pr.tensors) cudaFree(t);
+  cudaFree(pr.y);
+  void* grads[] = {pr.grads.q,      pr.grads.k,      pr.grads.v,      pr.grads.z,
+                   pr.grads.adt,    pr.grads.dt,     pr.grads.trap,   pr.grads.angles,
+                   pr.grads.q_bias, pr.grads.k_bias, pr.grads.mimo_x, pr.grads.mimo_z,
+                   pr.grads.mimo_o, pr.grads.d};
+  for (void* g : grads) cudaFree(g);
+}
+
+Measured measure(const std::string& name, Problem& pr, bool psiv, bool tensor, int repeats) {
+  Measured m;
+  m.name = name;
+  m.psiv = psiv;
+  m.tensor = tensor;
+  megacpp::cuda::Mamba3ScanCuda scan(pr.shape, psiv, tensor);
+  m.workspace = scan.workspace_bytes();
+  m.psiv_bytes = scan.psiv_bytes();
+  m.kernels = scan.kernel_attributes();
+  for (int i = 0; i < 3; ++i) {
+    scan.forward(pr.in, pr.y);
+    scan.backward(pr.in, pr.dy, pr.grads);
+  }
+  ok(cudaDeviceSynchronize(), "warm-up");
+  m.fwd = time_events(repeats, [&] { scan.forward(pr.in, pr.y); });
+  m.bwd = time_events(repeats, [&] { scan.backward(pr.in, pr.dy, pr.grads); });
+  m.both = time_events(repeats, [&] {
+    scan.forward(pr.in, pr.y);
+    scan.backward(pr.in, pr.dy, pr.grads);
+  });
+  return m;
+}
+
+ScanShape m3_ref(int rank, int chunk) {
+  ScanShape s;
+  s.batch = 8;
+  s.seqlen = 8192;
+  s.heads = 16;
+  s.groups = 1;
+  s.state = 64;
+  s.headdim = 64;
+  s.rank = rank;
+  s.chunk = chunk;
+  s.angles = 16;
+  return s;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int repeats = 30;
+  bool profile_once = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--repeats" && i + 1 < argc) {
+      repeats = std::max(20, std::atoi(argv[++i]));
+    } else if (arg == "--profile-once") {
+      profile_once = true;
+    }
+  }
+  if (profile_once) {
+    Problem pr = make_problem(m3_ref(4, 16));
+    megacpp::cuda::Mamba3ScanCuda scan(pr.shape, false);
+    scan.forward(pr.in, pr.y);
+    scan.backward(pr.in, pr.dy, pr.grads);
+    ok(cudaDeviceSynchronize(), "profile run");
+    free_problem(pr);
+    return 0;
+  }
+  const Ceilings ceil = measure_ceilings(repeats);
+  std::printf("device %s: copy %.2f TB/s, bf16 GEMM %.0f TFLOP/s, fp32 SGEMM %.1f TFLOP/s\n",
+              ceil.device.c_str(), ceil.copy_tb_s, ceil.bf16_tflop_s, ceil.fp32_tflop_s);
+  struct Config {
+    std::string name;
+    ScanShape shape;
+  };
+  const Config configs[] = {{"M3-ref MIMO R=4 C=16", m3_ref(4, 16)},
+                            {"M3-ref SISO R=1 C=64", m3_ref(1, 64)}};
+  std::vector<Measured> results;
+  std::vector<Work> works;
+  for (const Config& c : configs) {
+    Problem pr = make_problem(c.shape);
+    // Tensor cores with and without the PsiV cache, then the CUDA-core variant.
+    const bool variants[3][2] = {{true, false}, {true, true}, {false, false}};
+    for (const auto& v : variants) {
+      results.push_back(measure(c.name, pr, v[1], v[0], repeats));
+      works.push_back(work_of(c.shape));
+    }
+    free_problem(pr);
+  }
+
+  // The arithmetic floor of each variant uses the rate of the unit its chunk products run
+  // on: the bf16 GEMM rate for the tensor-core variant, the SGEMM rate for the CUDA-core
+  // one (both floors are listed).
+  std::ostringstream table, json;
+  table << "\n| config | math | psiv | pass | min ms | median ms | max ms | GFLOP | MB min | fp32 "
+           "floor ms "
+           "| bf16 floor ms | bytes floor ms | median / larger floor |\n"
+        << "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+  json << "{\n  \"device\": \"" << ceil.device << "\",\n  \"date\": \"2026-11-22\",\n"
+       << "  \"copy_tb_s\": " << ceil.copy_tb_s
+       << ",\n  \"bf16_gemm_tflop_s\": " << ceil.bf16_tflop_s
+       << ",\n  \"fp32_sgemm_tflop_s\": " << ceil.fp32_tflop_s << ",\n  \"runs\": [\n";
+  char line[512];
+  for (size_t i = 0; i < results.size(); ++i) {
+    const Measured& m = results[i];
+    const Work& w = works[i];
+    struct Pass {
+      const char* name;
+      const Stats* stats;
+      double flops, bytes;
+    };
+    const Pass passes[] = {
+        {"fwd", &m.fwd, w.fwd_flops, w.fwd_bytes},
+        {"bwd", &m.bwd, w.bwd_flops, w.bwd_bytes},
+        {"fwd+bwd", &m.both, w.fwd_flops + w.bwd_flops, w.fwd_bytes + w.bwd_bytes}};
+    for (const Pass& p : passes) {
+      const double fp32_floor = p.flops / (ceil.fp32_tflop_s * 1e12) * 1e3;
+      const double bf16_floor = p.flops / (ceil.bf16_tflop_s * 1e12) * 1e3;
+      const double bytes_floor = p.bytes / (ceil.copy_tb_s * 1e12) * 1e3;
+      const double larger = std::max(m.tensor ? bf16_floor : fp32_floor, bytes_floor);
+      std::snprintf(
+          line, sizeof(line),
+          "| %s | %s | %s | %s | %.3f | %.3f | %.3f | %.1f | %.0f | %.3f | %.3f | %.3f | %.1fx |\n",
+          m.name.c_str(), m.tensor ? "tensor" : "fp32", m.psiv ? "on" : "off", p.name,
+          p.stats->min_ms, p.stats->median_ms, p.stats->max_ms, p.flops * 1e-9, p.bytes * 1e-6,
+          fp32_floor, bf16_floor, bytes_floor, p.stats->median_ms / larger);
+      table << line;
+      json << "    {\"config\": \"" << m.name
+           << "\", \"tensor_cores\": " << (m.tensor ? "true" : "false")
+           << ", \"psiv\": " << (m.psiv ? "true" : "false") << ", \"pass\": \"" << p.name
+           << "\", \"min_ms\": " << p.stats->min_ms << ", \"median_ms\": " << p.stats->median_ms
+           << ", \"max_ms\": " << p.stats->max_ms << ", \"flops\": " << p.flops
+           << ", \"min_bytes\": " << p.bytes << ", \"fp32_floor_ms\": " << fp32_floor
+           << ", \"bf16_floor_ms\": " << bf16_floor << ", \"bytes_floor_ms\": " << bytes_floor
+           << ", \"workspace_bytes\": " << m.workspace << ", \"psiv_bytes\": " << m.psiv_bytes
+           << "},\n";
+    }
+  }
+  table << "\n| config | kernel | regs | static smem | dynamic smem | local B | block | grid | "
+           "blocks/SM | occupancy |\n|---|---|---|---|---|---|---|---|---|---|\n";
+  json << "    null\n  ],\n  \"kernels\": [\n";
+  for (size_t i = 0; i < results.size(); ++i) {
+    if (results[i].psiv) continue;
+    for (const auto& k : results[i].kernels) {
+      std::snprintf(
+          line, sizeof(line), "| %s | %s | %d | %zu | %zu | %zu | %d | %lld | %d | %.2f |\n",
+          (results[i].name + (results[i].tensor ? " tensor" : " fp32")).c_str(), k.name.c_str(),
+          k.registers_per_thread, k.static_shared_bytes, k.dynamic_shared_bytes,
+          k.local_bytes_per_thread, k.block_threads, k.grid_blocks, k.blocks_per_sm, k.occupancy);
+      table << line;
+      json << "    {\"config\": \"" << results[i].name
+           << "\", \"tensor_cores\": " << (results[i].tensor ? "true" : "false")
+           << ", \"kernel\": \"" << k.name << "\", \"registers\": " << k.registers_per_thread
+           << ", \"static_smem\": " << k.static_shared_bytes
+           << ", \"dynamic_smem\": " << k.dynamic_shared_bytes
+           << ", \"local_bytes\": " << k.local_bytes_per_thread
+           << ", \"block\": " << k.block_threads << ", \"grid\": " << k.grid_blocks
+           << ", \"blocks_per_sm\": " << k.blocks_per_sm << ", \"occupancy\": " << k.occupancy
+           << "},\n";
+    }
+  }
+  json << "    null\n  ],\n  \"state_traffic_bytes\": [\n";
+  table << "\n| config | workspace MB | psiv MB | state traffic fwd MB | state traffic bwd MB |\n"
+        << "|---|---|---|---|---|\n";
+  for (size_t i = 0; i < results.size(); ++i) {
+    std::snprintf(line, sizeof(line), "| %s %s psiv %s | %.0f | %.0f | %.0f | %.0f |\n",
+                  results[i].name.c_str(), results[i].tensor ? "tensor" : "fp32",
+                  results[i].psiv ? "on" : "off", static_cast<double>(results[i].workspace) * 1e-6,
+                  static_cast<double>(results[i].psiv_bytes) * 1e-6,
+                  works[i].state_bytes_fwd * 1e-6, works[i].state_bytes_bwd * 1e-6);
+    table << line;
+    json << "    {\"config\": \"" << results[i].name
+         << "\", \"psiv\": " << (results[i].psiv ? "true" : "false")
+         << ", \"fwd\": " << works[i].state_bytes_fwd << ", \"bwd\": " << works[i].state_bytes_bwd
+         << "},\n";
+  }
+  json << "    null\n  ]\n}\n";
+  std::printf("%s", table.str().c_str());
+  if (const char* dir = std::getenv("MEGACPP_RESULTS_DIR")) {
+    std::ofstream(std::string(dir) + "/mamba3_scan_cuda_bench.json") << json.str();
+    std::ofstream(std::string(dir) + "/mamba3_scan_cuda_bench.md") << table.str();
+  }
+  return 0;
+}
+
+#else  // no CUDA in this build
+
+int main() {
+  std::printf(
+      "mamba3_scan_cuda_bench: this build has no CUDA (MEGACPP_CUDA=OFF); nothing to run\n");
+  return 0;
+}
+
+#endif

@@ -1,0 +1,180 @@
+// megacppd: the long-running service that owns this machine's devices. Startup:
+// config → preconditions (nothing served and no device touched if one fails) →
+// boot receipt → recovery of interrupted jobs → gRPC + HTTP. SIGTERM/SIGINT:
+// stop accepting, checkpoint and stop executors, flush the store, exit 0.
+#include <CLI/CLI.hpp>
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <signal.h>
+#include <spdlog/spdlog.h>
+#include <sys/resource.h>
+
+#include <csignal>
+#include <fstream>
+#include <iostream>
+
+#include "daemon/boot.h"
+#include "daemon/http_endpoint.h"
+#include "daemon/job_manager.h"
+#include "daemon/services.h"
+#include "receipts/store.h"
+#include "receipts/batched_writer.h"
+#include "runtime/common/atomic_file.h"
+#include "runtime/common/error.h"
+#include "runtime/common/version.h"
+#include "runtime/daemon_config/daemon_config.h"
+#include "runtime/preconditions/preconditions.h"
+
+namespace {
+
+std::string read_secret(const std::filesystem::path& file, const char* what) {
+  std::string text = megacpp::read_file(file);
+  while (!text.empty() && (text.back() == '\n' || text.back() == '\r' || text.back() == ' ')) text.pop_back();
+  if (text.empty()) megacpp::fail(megacpp::ErrorKind::kInvalidArgument, "{} {} is empty", what, file.string());
+  return text;
+}
+
+std::vector<megacpp::receipts::PreconditionResult> to_receipts(
+    const std::vector<megacpp::preconditions::CheckResult>& checks, int64_t boot_id) {
+  std::vector<megacpp::receipts::PreconditionResult> out;
+  const std::string now = megacpp::daemon::now_iso8601();
+  for (const auto& c : checks) {
+    const char* status = c.status == megacpp::preconditions::CheckResult::Status::kPass   ? "pass"
+                         : c.status == megacpp::preconditions::CheckResult::Status::kFail ? "fail"
+                                                                                          : "skip";
+    out.push_back({boot_id, c.name, status, c.detail, c.fix, now});
+  }
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"megacppd: the megacpp training daemon"};
+  app.set_version_flag("--version", megacpp::version_string());
+  std::string config_file = "configs/daemon.json";
+  bool check_only = false;
+  app.add_option("--config", config_file, "daemon config JSON")->capture_default_str();
+  app.add_flag("--check", check_only, "run the preconditions, print them and exit (megacpp doctor)");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+  spdlog::set_pattern("%Y-%m-%d %H:%M:%S.%e %^%l%$ %v");
+  // Block the stop signals in every thread; one thread waits for them below.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  std::signal(SIGPIPE, SIG_IGN);
+
+  namespace mc = megacpp;
+  try {
+    const mc::DaemonConfig config = mc::load_daemon_config(config_file);
+    const auto checks = mc::preconditions::run_preconditions(config.precondition_config());
+    const bool passed = mc::preconditions::all_passed(checks);
+    if (check_only || !passed) std::cout << mc::preconditions::format_report(checks);
+    // The store, when usable, records even a refused boot.
+    std::unique_ptr<mc::receipts::Store> store;
+    try {
+      store = std::make_unique<mc::receipts::Store>(config.store_path, mc::receipts::OpenMode::kReadWrite);
+    } catch (const std::exception& e) {
+      spdlog::error("receipt store {} unusable: {}", config.store_path.string(), e.what());
+    }
+    if (!passed || check_only) {
+      if (store) {
+        auto boot = mc::daemon::describe_boot(mc::daemon::inventory_devices(config, false));
+        boot.status = passed ? "checked" : "refused";
+        const int64_t id = store->insert_boot(boot);
+        store->insert_preconditions(to_receipts(checks, id));
+      }
+      if (!passed) {
+        spdlog::error("a startup precondition failed: not serving (see the table above)");
+        return 3;
+      }
+      return 0;
+    }
+    if (!store) mc::fail(mc::ErrorKind::kFailedPrecondition, "the receipt store cannot be opened");
+
+    const auto devices = mc::daemon::inventory_devices(config, true);
+    auto boot = mc::daemon::describe_boot(devices);
+    const int64_t boot_id = store->insert_boot(boot);
+    store->insert_preconditions(to_receipts(checks, boot_id));
+    mc::receipts::BatchedWriter writer(*store);  // the daemon is the store's only writer
+
+    const auto executor = config.executor_path_for(std::filesystem::canonical("/proc/self/exe"));
+    mc::daemon::JobManager jobs(config, writer, config.store_path, boot_id, devices, executor);
+    jobs.recover();
+    writer.flush();
+    jobs.start();
+
+    std::string token;
+    if (!config.security.token_file.empty()) token = read_secret(config.security.token_file, "security.token_file");
+    mc::daemon::TokenCheck auth(token);
+    mc::daemon::StatusSource status_source(jobs, config.store_path, boot_id);
+    mc::daemon::JobServiceImpl job_service(jobs, auth);
+    mc::daemon::ReceiptServiceImpl receipt_service(config.store_path, auth);
+    mc::daemon::StatusServiceImpl status_service(status_source, auth);
+
+    grpc::EnableDefaultHealthCheckService(true);
+    grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+    grpc::ServerBuilder builder;
+    std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
+    if (!config.security.tls_cert_file.empty()) {
+      grpc::SslServerCredentialsOptions ssl;
+      ssl.pem_key_cert_pairs.push_back({read_secret(config.security.tls_key_file, "security.tls_key_file"),
+                                        read_secret(config.security.tls_cert_file, "security.tls_cert_file")});
+      credentials = grpc::SslServerCredentials(ssl);
+    }
+    int port = 0;
+    builder.AddListeningPort(config.listen_address, credentials, &port);
+    builder.SetMaxReceiveMessageSize(static_cast<int>(config.limits.max_message_bytes));
+    builder.SetMaxSendMessageSize(static_cast<int>(config.limits.max_message_bytes));
+    builder.RegisterService(&job_service);
+    builder.RegisterService(&receipt_service);
+    builder.RegisterService(&status_service);
+    std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+    if (!server || port == 0) {
+      writer.enqueue(mc::receipts::BootStatusUpdate{boot_id, "refused"});
+      writer.flush();
+      mc::fail(mc::ErrorKind::kFailedPrecondition, "listen_address {}: cannot listen (in use?)",
+               config.listen_address);
+    }
+    std::unique_ptr<mc::daemon::HttpEndpoint> http;
+    if (!config.http_address.empty()) {
+      http = std::make_unique<mc::daemon::HttpEndpoint>(status_source, config.http_address);
+      http->start();
+    }
+    writer.enqueue(mc::receipts::BootStatusUpdate{boot_id, "serving"});
+    writer.flush();
+    // Announce the real ports (a config may ask for port 0): tests and scripts read this.
+    const std::string host = config.listen_address.substr(0, config.listen_address.rfind(':'));
+    const nlohmann::json ready = {{"grpc", host + ":" + std::to_string(port)},
+                                  {"http", http ? host + ":" + std::to_string(http->port()) : ""},
+                                  {"pid", ::getpid()},
+                                  {"boot_id", boot_id}};
+    mc::write_file_atomically(config.state_dir / "daemon.json", ready.dump() + "\n");
+    spdlog::info("megacppd serving gRPC on {}:{}{}, boot {}", host, port,
+                 http ? ", HTTP on port " + std::to_string(http->port()) : "", boot_id);
+
+    int signal_number = 0;
+    sigwait(&stop_signals, &signal_number);
+    spdlog::info("signal {}: stopping (executors checkpoint first)", signal_number);
+    jobs.shutdown();
+    server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    if (http) http->stop();
+    writer.enqueue(mc::receipts::BootStatusUpdate{boot_id, "stopped"});
+    writer.flush();
+    spdlog::info("stopped cleanly");
+    return 0;
+  } catch (const megacpp::Error& e) {
+    spdlog::error("{}", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    spdlog::error("internal error: {}", e.what());
+    return 1;
+  }
+}

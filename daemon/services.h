@@ -1,0 +1,97 @@
+#pragma once
+// The gRPC services (proto/megacpp/v1): jobs, receipts, status. Every RPC but
+// the standard health service requires the bearer token when one is configured.
+#include <chrono>
+#include <filesystem>
+#include <string>
+
+#include "daemon/job_manager.h"
+#include "megacpp/v1/jobs.grpc.pb.h"
+#include "megacpp/v1/receipts.grpc.pb.h"
+#include "megacpp/v1/status.grpc.pb.h"
+
+namespace megacpp::daemon {
+
+// Checks "authorization: Bearer <token>" metadata; an empty token disables it.
+class TokenCheck {
+ public:
+  explicit TokenCheck(std::string token) : token_(std::move(token)) {}
+  grpc::Status check(const grpc::ServerContext* context) const;
+
+ private:
+  std::string token_;
+};
+
+class JobServiceImpl final : public megacpp::v1::JobService::Service {
+ public:
+  JobServiceImpl(JobManager& jobs, const TokenCheck& auth) : jobs_(jobs), auth_(auth) {}
+  grpc::Status SubmitJob(grpc::ServerContext*, const megacpp::v1::SubmitJobRequest*,
+                         megacpp::v1::SubmitJobResponse*) override;
+  grpc::Status GetJob(grpc::ServerContext*, const megacpp::v1::GetJobRequest*, megacpp::v1::Job*) override;
+  grpc::Status ListJobs(grpc::ServerContext*, const megacpp::v1::ListJobsRequest*,
+                        megacpp::v1::ListJobsResponse*) override;
+  grpc::Status CancelJob(grpc::ServerContext*, const megacpp::v1::CancelJobRequest*,
+                         megacpp::v1::Job*) override;
+  grpc::Status WatchJob(grpc::ServerContext*, const megacpp::v1::WatchJobRequest*,
+                        grpc::ServerWriter<megacpp::v1::JobEvent>*) override;
+
+ private:
+  JobManager& jobs_;
+  const TokenCheck& auth_;
+};
+
+class ReceiptServiceImpl final : public megacpp::v1::ReceiptService::Service {
+ public:
+  ReceiptServiceImpl(std::filesystem::path store_path, const TokenCheck& auth)
+      : store_path_(std::move(store_path)), auth_(auth) {}
+  grpc::Status ListBoots(grpc::ServerContext*, const megacpp::v1::ListBootsRequest*,
+                         megacpp::v1::ListBootsResponse*) override;
+  grpc::Status ListPreconditions(grpc::ServerContext*, const megacpp::v1::ListPreconditionsRequest*,
+                                 megacpp::v1::ListPreconditionsResponse*) override;
+  grpc::Status ListGateDecisions(grpc::ServerContext*, const megacpp::v1::JobReceiptsRequest*,
+                                 megacpp::v1::ListGateDecisionsResponse*) override;
+  grpc::Status ListStepReceipts(grpc::ServerContext*, const megacpp::v1::ListStepReceiptsRequest*,
+                                megacpp::v1::ListStepReceiptsResponse*) override;
+  grpc::Status ListKernelReceipts(grpc::ServerContext*, const megacpp::v1::JobReceiptsRequest*,
+                                  megacpp::v1::ListKernelReceiptsResponse*) override;
+  grpc::Status GetRunSummary(grpc::ServerContext*, const megacpp::v1::JobReceiptsRequest*,
+                             megacpp::v1::RunSummaryReceipt*) override;
+  grpc::Status CompareRuns(grpc::ServerContext*, const megacpp::v1::CompareRunsRequest*,
+                           megacpp::v1::CompareRunsResponse*) override;
+
+ private:
+  std::filesystem::path store_path_;
+  const TokenCheck& auth_;
+};
+
+// Assembles GetStatus: also the HTTP endpoint's /status and /metrics source.
+class StatusSource {
+ public:
+  StatusSource(JobManager& jobs, std::filesystem::path store_path, int64_t boot_id)
+      : jobs_(jobs), store_path_(std::move(store_path)), boot_id_(boot_id),
+        started_(std::chrono::steady_clock::now()) {}
+  megacpp::v1::Status status() const;
+  std::string prometheus_metrics() const;
+
+ private:
+  JobManager& jobs_;
+  std::filesystem::path store_path_;
+  int64_t boot_id_;
+  std::chrono::steady_clock::time_point started_;
+};
+
+class StatusServiceImpl final : public megacpp::v1::StatusService::Service {
+ public:
+  StatusServiceImpl(const StatusSource& source, const TokenCheck& auth) : source_(source), auth_(auth) {}
+  grpc::Status GetStatus(grpc::ServerContext*, const megacpp::v1::GetStatusRequest*,
+                         megacpp::v1::Status*) override;
+
+ private:
+  const StatusSource& source_;
+  const TokenCheck& auth_;
+};
+
+// Maps the runtime's error kinds onto gRPC status codes.
+grpc::Status to_grpc_status(const std::exception& error);
+
+}  // namespace megacpp::daemon

@@ -1,0 +1,133 @@
+#pragma once
+// The Mamba-3 MIMO scan on a CUDA GPU: steps 3-7 of the mixer in shared/spec/model.md,
+// the same function as kernels/cpu/mamba3_scan_chunked.h, forward and all 14 gradients.
+//
+// Plain C++ (no CUDA types), so host code compiled by the C++ compiler can include it.
+// Device tensors are bf16 passed as uint16_t bit patterns, in the layouts of
+// kernels/cpu/mamba3_scan.h. Accumulation and the SSM state are fp32. The gradients of
+// the per-head parameters (biases, mimo weights, D) are fp32.
+//
+// The computation is the SSD structure over chunks of `chunk` tokens:
+//   forward   angle offsets per chunk (a prefix over chunks), chunk-local exit states in
+//             parallel, a sequential-over-chunks pass per (batch, head) that turns them
+//             into chunk-entry states, then every chunk's outputs in parallel;
+//   backward  chunk-local gradients of the entry states in parallel, a reverse
+//             sequential pass that turns them into exit-state gradients, every chunk's
+//             gradients in parallel (one block per (batch, group, chunk) looping over the
+//             group's heads, so q and k gradients are summed over heads in a fixed order),
+//             then the cross-chunk suffix sums (angles) and fixed-order reductions of the
+//             per-head parameter gradients. No floating-point atomics: results are
+//             bitwise reproducible.
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/mamba3_scan.h"
+
+namespace megacpp::cuda {
+
+// Device pointers, bf16 (uint16_t bit patterns), shapes and layouts of cpu::ScanInputs.
+struct ScanDeviceInputs {
+  const uint16_t* q = nullptr;
+  const uint16_t* k = nullptr;
+  const uint16_t* v = nullptr;
+  const uint16_t* z = nullptr;
+  const uint16_t* adt = nullptr;
+  const uint16_t* dt = nullptr;
+  const uint16_t* trap = nullptr;
+  const uint16_t* angles = nullptr;
+  const uint16_t* q_bias = nullptr;
+  const uint16_t* k_bias = nullptr;
+  const uint16_t* mimo_x = nullptr;
+  const uint16_t* mimo_z = nullptr;
+  const uint16_t* mimo_o = nullptr;
+  const uint16_t* d = nullptr;
+};
+
+// Device pointers for the 14 gradients; backward() overwrites them. Per-token tensors
+// are bf16, per-head parameter gradients fp32.
+struct ScanDeviceGrads {
+  uint16_t* q = nullptr;
+  uint16_t* k = nullptr;
+  uint16_t* v = nullptr;
+  uint16_t* z = nullptr;
+  uint16_t* adt = nullptr;
+  uint16_t* dt = nullptr;
+  uint16_t* trap = nullptr;
+  uint16_t* angles = nullptr;
+  float* q_bias = nullptr;
+  float* k_bias = nullptr;
+  float* mimo_x = nullptr;
+  float* mimo_z = nullptr;
+  float* mimo_o = nullptr;
+  float* d = nullptr;
+};
+
+// What the CUDA runtime says about one kernel at the launch configuration it gets.
+struct KernelAttributes {
+  std::string name;
+  int registers_per_thread = 0;
+  size_t static_shared_bytes = 0;
+  size_t dynamic_shared_bytes = 0;
+  size_t local_bytes_per_thread = 0;  // stack frame / spills
+  int max_threads_per_block = 0;      // the most this kernel could be launched with
+  int block_threads = 0;              // what it is launched with
+  long long grid_blocks = 0;
+  int blocks_per_sm = 0;  // theoretical, from the occupancy API
+  double occupancy = 0;   // resident warps / the SM's maximum warps
+};
+
+class Mamba3ScanCuda {
+ public:
+  // Validates the shape against what the kernels cover (throws megacpp::Error
+  // kInvalidArgument naming the field and value otherwise), then allocates all device
+  // workspace once. psiv_cache: forward stores PsiV = v ⊙ mimo_x ([B, L, H, R, P], bf16)
+  // and backward reads it instead of recomputing it. tensor_cores: the chunk products run
+  // on the tensor cores (bf16 operands, fp32 accumulation); off, on CUDA cores in fp32
+  // (operands held in shared memory as bf16 either way).
+  explicit Mamba3ScanCuda(const cpu::ScanShape& shape, bool psiv_cache = false,
+                          bool tensor_cores = true);
+  ~Mamba3ScanCuda();
+  Mamba3ScanCuda(const Mamba3ScanCuda&) = delete;
+  Mamba3ScanCuda& operator=(const Mamba3ScanCuda&) = delete;
+
+  // y: [B, L, H, P] bf16. Keeps the chunk-entry states (and PsiV) for backward().
+  // stream: a cudaStream_t, or null for the default stream. Asynchronous.
+  void forward(const ScanDeviceInputs& in, uint16_t* y, void* stream = nullptr);
+  // Needs a forward() with the same inputs first (throws kFailedPrecondition otherwise).
+  void backward(const ScanDeviceInputs& in, const uint16_t* dy, const ScanDeviceGrads& grads,
+                void* stream = nullptr);
+
+  const cpu::ScanShape& shape() const { return shape_; }
+  bool psiv_cache() const { return psiv_cache_; }
+  bool tensor_cores() const { return tensor_cores_; }
+  size_t workspace_bytes() const { return workspace_bytes_; }
+  size_t psiv_bytes() const { return psiv_bytes_; }
+  std::vector<KernelAttributes> kernel_attributes() const;
+
+ private:
+  cpu::ScanShape shape_;
+  bool psiv_cache_;
+  bool tensor_cores_;
+  bool has_forward_ = false;
+  int device_ = 0;
+  void* arena_ = nullptr;
+  size_t workspace_bytes_ = 0;
+  size_t psiv_bytes_ = 0;
+  struct Buffers;
+  Buffers* buffers_ = nullptr;
+};
+
+// The attributes of every kernel the scan launches for `shape` (with psiv_cache off and
+// on the launch shapes are the same), for the tensor-core or the CUDA-core variant.
+// Throws like the constructor for shapes not covered.
+std::vector<KernelAttributes> kernel_attributes(const cpu::ScanShape& shape,
+                                                bool tensor_cores = true);
+
+// Dynamic shared memory (bytes) per block of the largest kernel for `shape` (no device
+// needed). The constructor refuses a shape when this exceeds the device's opt-in limit per
+// block (232448 bytes on Hopper).
+size_t scan_shared_bytes_needed(const cpu::ScanShape& shape);
+
+}  // namespace megacpp::cuda

@@ -1,0 +1,132 @@
+#pragma once
+// Starts a real megacppd (built beside the tests) on free ports with a temporary
+// state directory, and gives tests gRPC stubs to it.
+#include <grpcpp/grpcpp.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+
+#include "megacpp/v1/jobs.grpc.pb.h"
+#include "megacpp/v1/receipts.grpc.pb.h"
+#include "megacpp/v1/status.grpc.pb.h"
+#include "runtime/data/prepare.h"
+#include "tests/support/temp_dir.h"
+
+namespace megacpp::testing {
+
+inline const std::string kBinDir = std::string(MEGACPP_BINARY_DIR) + "/bin";
+
+class Daemon {
+ public:
+  // A toy dataset under root/data and a config under root; `edit` may change it.
+  explicit Daemon(const std::function<void(nlohmann::json&)>& edit = {}) {
+    for (int i = 0; i < 8; ++i) {
+      write_text(dir_ / ("corpus/f" + std::to_string(i) + ".txt"), pseudo_text(static_cast<uint64_t>(i), 400));
+    }
+    data::PrepareOptions prepare;
+    prepare.input = dir_ / "corpus";
+    prepare.output_prefix = dir_ / "data/toy";
+    prepare.valid_fraction = 0.25;
+    data::prepare_dataset(prepare);
+    config_ = {{"listen_address", "127.0.0.1:0"},
+               {"http_address", "127.0.0.1:0"},
+               {"state_dir", (dir_ / "state").string()},
+               {"data_roots", {(dir_ / "data").string()}},
+               {"min_free_bytes", 1 << 20},
+               {"devices", {{"cpu_slots", 2}}},
+               {"executor_path", kBinDir + "/megacpp-executor"}};
+    if (edit) edit(config_);
+    std::ofstream(dir_ / "daemon.json") << config_.dump(2);
+  }
+  ~Daemon() { stop(SIGKILL); }
+
+  // Starts megacppd; returns its exit code if it exits before serving, else -1.
+  int start() {
+    std::filesystem::remove(state() / "daemon.json");
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      const std::string log = (dir_ / "megacppd.log").string();
+      const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+      ::dup2(fd, 1);
+      ::dup2(fd, 2);
+      const std::string bin = kBinDir + "/megacppd", cfg = (dir_ / "daemon.json").string();
+      ::execl(bin.c_str(), bin.c_str(), "--config", cfg.c_str(), nullptr);
+      ::_exit(127);
+    }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (std::chrono::steady_clock::now() < deadline) {
+      int status = 0;
+      if (::waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = 0;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      }
+      if (std::filesystem::exists(state() / "daemon.json")) {
+        const auto ready = nlohmann::json::parse(read_bytes(state() / "daemon.json"));
+        grpc_address_ = ready["grpc"];
+        http_address_ = ready["http"];
+        channel_ = grpc::CreateChannel(grpc_address_, grpc::InsecureChannelCredentials());
+        return -1;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    ADD_FAILURE() << "megacppd did not start; log:\n" << log();
+    return -2;
+  }
+
+  // Sends `sig` and waits; returns the exit status as waitpid reports it.
+  int stop(int sig = SIGTERM) {
+    if (pid_ <= 0) return 0;
+    ::kill(pid_, sig);
+    int status = 0;
+    ::waitpid(pid_, &status, 0);
+    pid_ = 0;
+    return status;
+  }
+
+  pid_t pid() const { return pid_; }
+  std::string log() const { return read_bytes(dir_ / "megacppd.log"); }
+  const TempDir& dir() const { return dir_; }
+  std::filesystem::path state() const { return dir_ / "state"; }
+  std::filesystem::path store_path() const { return dir_ / "state/receipts.db"; }
+  std::string data(const std::string& split) const { return (dir_ / ("data/toy_" + split)).string(); }
+  const std::string& http_address() const { return http_address_; }
+  std::shared_ptr<grpc::Channel> channel() const { return channel_; }
+  auto jobs() const { return megacpp::v1::JobService::NewStub(channel_); }
+  auto receipts() const { return megacpp::v1::ReceiptService::NewStub(channel_); }
+  auto status() const { return megacpp::v1::StatusService::NewStub(channel_); }
+
+  // A small CPU job over the toy data.
+  megacpp::v1::JobSpec small_job(int64_t steps) const {
+    megacpp::v1::JobSpec spec;
+    spec.set_name("test");
+    spec.set_config_json(R"({"d_model": 32, "pattern": "M*", "d_intermediate": 32, "vocab_size": 257,
+        "ssm_cfg": {"d_state": 16, "headdim": 16, "mimo_rank": 2, "chunk_size": 8},
+        "attn_cfg": {"num_heads": 2, "rotary_emb_dim": 8}})");
+    spec.set_train_data(data("train"));
+    spec.set_valid_data(data("valid"));
+    spec.set_steps(steps);
+    spec.set_batch(2);
+    spec.set_seqlen(32);
+    spec.set_eval_interval(0);
+    spec.set_checkpoint_interval(5);
+    spec.set_threads(1);
+    return spec;
+  }
+
+ private:
+  TempDir dir_;
+  nlohmann::json config_;
+  pid_t pid_ = 0;
+  std::string grpc_address_, http_address_;
+  std::shared_ptr<grpc::Channel> channel_;
+};
+
+}  // namespace megacpp::testing
