@@ -1,18 +1,37 @@
 #!/usr/bin/env bash
-# The main job: builds megacpp, turns the C++ headers under /usr/include into a
-# byte-level dataset, trains the `tiny` preset on the CPU (at most ~3 minutes),
-# and evaluates the final checkpoint against the validation split.
+# The main job: builds megacpp, starts the daemon (megacppd) with its embedded
+# receipt store, turns the C++ headers under /usr/include into a byte-level
+# dataset, submits the `tiny` training job (CPU, at most ~3 minutes), watches it
+# to the end, evaluates the final checkpoint on the whole validation split and
+# prints the run summary from the receipt store. Then stops the daemon.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash deploy/install-deps.sh
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release > /dev/null
-cmake --build build -j "$(nproc)" --target megacpp
-cli=build/bin/megacpp
+cmake --build build -j "$(nproc)" --target megacpp megacppd megacpp-executor
+bin=build/bin
 
 headers=${MEGACPP_DEMO_CORPUS:-$(ls -d /usr/include/c++/*/ | sort -V | tail -n 1)}
-$cli data prepare --input "$headers" --output data/cxx --seed 1 --valid-fraction 0.05
-$cli data stats data/cxx_valid
-rm -rf runs/tiny
-$cli train configs/tiny_cpu.json
-latest=runs/tiny/$(cat runs/tiny/latest)
-$cli eval --checkpoint "$latest" --data data/cxx_valid --seqlen 256 --batch 8
+$bin/megacpp data prepare --input "$headers" --output data/cxx --seed 1 --valid-fraction 0.05
+$bin/megacpp data stats data/cxx_valid
+
+rm -rf state
+mkdir -p state
+$bin/megacppd --config configs/daemon.json > state/megacppd.log 2>&1 &
+daemon=$!
+trap 'kill -TERM $daemon 2>/dev/null; wait $daemon 2>/dev/null || true' EXIT
+for _ in $(seq 1 100); do
+  [ -f state/daemon.json ] && break
+  kill -0 $daemon 2>/dev/null || { cat state/megacppd.log; exit 1; }
+  sleep 0.1
+done
+export MEGACPP_DAEMON=127.0.0.1:50551
+$bin/megacpp status
+
+job=$($bin/megacpp submit configs/tiny_job.json)
+echo "submitted $job"
+$bin/megacpp watch "$job"
+$bin/megacpp receipts gates "$job"
+$bin/megacpp receipts runs "$job"
+latest=state/checkpoints/$job/$(cat "state/checkpoints/$job/latest")
+$bin/megacpp eval --checkpoint "$latest" --data data/cxx_valid --seqlen 256 --batch 8

@@ -114,9 +114,14 @@ GateDecision decide_one(const GateInfo& gate, bool requested, DeviceKind device)
 const GateRegistry& GateRegistry::builtin() {
   static const GateRegistry registry({
       {"psiv_cache",
-       "forward writes PsiV = v ⊙ mimo_x once and backward reads it instead of recomputing it",
+       "forward writes PsiV = v ⊙ mimo_x once and backward reads it instead of recomputing it. "
+       "Kept refused on measurement (bench/RESULTS.md, H200, 2026-11-22): at M3-ref the CUDA "
+       "kernels' cache leaves outputs bitwise unchanged but costs +0.3 ms and +537 MB, because "
+       "recomputing PsiV is one multiply on an x that backward reads anyway",
        GateImplementation::kScaffold,
-       {{"materialize PsiV in forward", false}, {"reuse in backward", false}},
+       {{"materialize PsiV in forward", true},
+        {"reuse in backward", true},
+        {"pays for itself in a measured receipt", false}},
        {DeviceKind::kCpu, DeviceKind::kCuda}},
       {"tma",
        "Hopper Tensor Memory Accelerator bulk copies for the chunked-scan and attention tile loads",

@@ -194,7 +194,7 @@ TEST(Daemon, RequestedScaffoldGateIsRefusedAndRecorded) {
   bool refused = false;
   for (const auto& g : decisions.decisions()) {
     if (g.gate() == "psiv_cache") {
-      refused = g.decision() == "refused" && g.reason().find("materialize PsiV") != std::string::npos;
+      refused = g.decision() == "refused" && g.reason().find("pays for itself") != std::string::npos;
     }
   }
   EXPECT_TRUE(refused) << decisions.DebugString();

@@ -85,9 +85,11 @@ TEST(Builtin, RegistersTheFourScaffolds) {
             (std::vector<std::string>{"psiv_cache", "tma", "cuda_graphs", "fused_out_norm"}));
   const GateInfo* psiv = registry.find("psiv_cache");
   ASSERT_NE(psiv, nullptr);
-  ASSERT_EQ(psiv->stages.size(), 2u);
+  ASSERT_EQ(psiv->stages.size(), 3u);
   EXPECT_EQ(psiv->stages[0].name, "materialize PsiV in forward");
   EXPECT_EQ(psiv->stages[1].name, "reuse in backward");
+  EXPECT_EQ(psiv->stages[2].name, "pays for itself in a measured receipt");
+  EXPECT_FALSE(psiv->stages[2].done);
   EXPECT_TRUE(contains(psiv->description, "PsiV"));
   EXPECT_EQ(registry.find("nope"), nullptr);
 }
@@ -113,11 +115,12 @@ TEST(Builtin, RequestedScaffoldIsRefusedNamingItsStagesAndDevice) {
   EXPECT_EQ(psiv.decision, Decision::kRefused);
   EXPECT_TRUE(contains(psiv.reason, "psiv_cache"));
   EXPECT_TRUE(contains(psiv.reason, "scaffold"));
-  EXPECT_TRUE(contains(psiv.reason, "materialize PsiV in forward"));
-  EXPECT_TRUE(contains(psiv.reason, "reuse in backward"));
+  // Built and measured, but it bought nothing: the unfinished stage is the reason.
+  EXPECT_TRUE(contains(psiv.reason, "pays for itself in a measured receipt"));
   EXPECT_TRUE(contains(psiv.reason, "cuda"));
-  ASSERT_EQ(psiv.stages.size(), 2u);
-  EXPECT_FALSE(psiv.stages[0].done);
+  ASSERT_EQ(psiv.stages.size(), 3u);
+  EXPECT_TRUE(psiv.stages[0].done);
+  EXPECT_FALSE(psiv.stages[2].done);
   for (const char* other : {"tma", "cuda_graphs", "fused_out_norm"}) {
     EXPECT_EQ(decision_for(decisions, other).decision, Decision::kOff) << other;
   }
@@ -131,7 +134,9 @@ TEST(Builtin, EveryScaffoldIsRefusedOnEveryDevice) {
       EXPECT_EQ(d.decision, Decision::kRefused) << gate.name;
       EXPECT_TRUE(contains(d.reason, gate.name));
       EXPECT_TRUE(contains(d.reason, std::string(to_string(device))));
-      for (const GateStage& stage : gate.stages) EXPECT_TRUE(contains(d.reason, stage.name));
+      for (const GateStage& stage : gate.stages) {
+        EXPECT_EQ(contains(d.reason, stage.name), !stage.done) << gate.name << ": " << stage.name;
+      }
     }
   }
 }
