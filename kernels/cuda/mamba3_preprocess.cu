@@ -1,0 +1,444 @@
+// CUDA Mamba-3 preprocessing: see mamba3_preprocess.h for the structure. The formulas are
+// those of kernels/cpu/mamba3_preprocess.h, evaluated in fp32 from bf16 inputs.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstring>
+#include <sstream>
+#include <string>
+
+#define MEGACPP_MAMBA3_PREPROCESS_CUDA_UNIT
+#include "kernels/cuda/mamba3_preprocess.h"
+#include "runtime/common/error.h"
+
+namespace megacpp::cuda {
+namespace {
+
+using bf16 = __nv_bfloat16;
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+
+// Shape constants and column offsets every kernel needs, passed by value.
+struct Dims {
+  int rows, heads, state, angles;
+  int cols, d_inner, bc_width, vecs;  // vecs = R·G vectors of B (and of C) per row
+  int col_x, col_b, col_c, col_dd_dt, col_dd_a, col_trap, col_angles;
+  int tiles;          // backward tiles of Mamba3PreprocessCuda::kRowsPerTile rows
+  int partial_width;  // H + 2·N floats per tile
+  float a_floor, norm_eps;
+};
+
+// ---------------------------------------------------------------------------------
+// Device helpers.
+
+__device__ __forceinline__ float to_f(bf16 v) {
+  return __bfloat162float(v);
+}
+__device__ __forceinline__ float heavy_tail(float v) {
+  return v >= 0.f ? 1.f + v : 1.f / (1.f - v);
+}
+__device__ __forceinline__ float heavy_tail_derivative(float v) {
+  if (v >= 0.f) return 1.f;
+  const float d = 1.f - v;
+  return 1.f / (d * d);
+}
+__device__ __forceinline__ float softplus(float v) {
+  return v > 20.f ? v : log1pf(expf(v));
+}
+// A butterfly sum: every lane ends with the same bits (each step adds a pair in both
+// orders, and addition commutes exactly), so no broadcast is needed.
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// ---------------------------------------------------------------------------------
+// Kernels.
+
+struct FwdOut {
+  bf16 *z, *x, *k, *q, *adt, *dt, *trap, *angles;
+};
+
+// One block per row.
+__global__ void __launch_bounds__(kThreads)
+    forward_kernel(Dims d, const bf16* __restrict__ proj, const float* __restrict__ dt_bias,
+                   const float* __restrict__ b_weight, const float* __restrict__ c_weight,
+                   FwdOut out, float* __restrict__ rstd) {
+  const int row = blockIdx.x;
+  const bf16* p = proj + static_cast<int64_t>(row) * d.cols;
+  const int64_t row_di = static_cast<int64_t>(row) * d.d_inner;
+  for (int i = threadIdx.x; i < d.d_inner; i += blockDim.x) {
+    out.z[row_di + i] = p[i];
+    out.x[row_di + i] = p[d.col_x + i];
+  }
+  for (int h = threadIdx.x; h < d.heads; h += blockDim.x) {
+    const int64_t o = static_cast<int64_t>(row) * d.heads + h;
+    const float a = fminf(-heavy_tail(to_f(p[d.col_dd_a + h])), -d.a_floor);
+    const float dt = softplus(to_f(p[d.col_dd_dt + h]) + dt_bias[h]);
+    out.dt[o] = __float2bfloat16(dt);
+    out.adt[o] = __float2bfloat16(a * dt);
+    out.trap[o] = p[d.col_trap + h];
+  }
+  for (int j = threadIdx.x; j < d.angles; j += blockDim.x) {
+    out.angles[static_cast<int64_t>(row) * d.angles + j] = p[d.col_angles + j];
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const float inv_n = 1.f / static_cast<float>(d.state);
+  // Vector u < vecs is B's vector u, else C's vector u − vecs: the bc_rstd order.
+  for (int u = warp; u < 2 * d.vecs; u += kWarps) {
+    const bool is_c = u >= d.vecs;
+    const int offset = (is_c ? u - d.vecs : u) * d.state;
+    const bf16* in = p + (is_c ? d.col_c : d.col_b) + offset;
+    const float* weight = is_c ? c_weight : b_weight;
+    bf16* normalized = (is_c ? out.q : out.k) + static_cast<int64_t>(row) * d.bc_width + offset;
+    float sum_sq = 0.f;
+    for (int i = lane; i < d.state; i += 32) {
+      const float v = to_f(in[i]);
+      sum_sq = fmaf(v, v, sum_sq);
+    }
+    const float inv = 1.f / sqrtf(warp_sum(sum_sq) * inv_n + d.norm_eps);
+    if (lane == 0) rstd[static_cast<int64_t>(row) * 2 * d.vecs + u] = inv;
+    for (int i = lane; i < d.state; i += 32) {
+      normalized[i] = __float2bfloat16(to_f(in[i]) * inv * weight[i]);
+    }
+  }
+}
+
+struct BwdIn {
+  const bf16 *z, *x, *k, *q, *adt, *dt, *trap, *angles;
+};
+
+// One block per tile of rows. Shared memory: the dt_bias partial [H] (entry h owned by
+// thread h mod blockDim), then per warp the B and C norm-weight partials [2N] (entry i of
+// each half owned by lane i mod 32 of that warp). Owners add rows in increasing order, and
+// the tile's partial sums the warps in increasing order: a fixed order throughout.
+__global__ void __launch_bounds__(kThreads)
+    backward_kernel(Dims d, const bf16* __restrict__ proj, const float* __restrict__ dt_bias,
+                    const float* __restrict__ b_weight, const float* __restrict__ c_weight,
+                    const float* __restrict__ rstd, BwdIn g, bf16* __restrict__ dproj,
+                    float* __restrict__ partials) {
+  extern __shared__ float smem[];
+  const int heads_padded = (d.heads + 3) / 4 * 4;
+  float* s_dt_bias = smem;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float* s_weight = smem + heads_padded + warp * 2 * d.state;
+  for (int h = threadIdx.x; h < d.heads; h += blockDim.x) s_dt_bias[h] = 0.f;
+  for (int i = lane; i < 2 * d.state; i += 32) s_weight[i] = 0.f;
+  __syncthreads();
+
+  const int row_begin = blockIdx.x * Mamba3PreprocessCuda::kRowsPerTile;
+  const int row_end = min(d.rows, row_begin + Mamba3PreprocessCuda::kRowsPerTile);
+  const float inv_n = 1.f / static_cast<float>(d.state);
+  for (int row = row_begin; row < row_end; ++row) {
+    const bf16* p = proj + static_cast<int64_t>(row) * d.cols;
+    bf16* dp = dproj + static_cast<int64_t>(row) * d.cols;
+    const int64_t row_di = static_cast<int64_t>(row) * d.d_inner;
+    for (int i = threadIdx.x; i < d.d_inner; i += blockDim.x) {
+      dp[i] = g.z[row_di + i];
+      dp[d.col_x + i] = g.x[row_di + i];
+    }
+    for (int h = threadIdx.x; h < d.heads; h += blockDim.x) {
+      const int64_t o = static_cast<int64_t>(row) * d.heads + h;
+      const float dd_a = to_f(p[d.col_dd_a + h]);
+      const float f = heavy_tail(dd_a);
+      const float a = fminf(-f, -d.a_floor);
+      const float pre = to_f(p[d.col_dd_dt + h]) + dt_bias[h];
+      const float dt = softplus(pre);
+      const float g_adt = to_f(g.adt[o]);
+      const float d_dt = fmaf(g_adt, a, to_f(g.dt[o]));
+      const float d_pre = d_dt / (1.f + expf(-pre));
+      dp[d.col_dd_dt + h] = __float2bfloat16(d_pre);
+      s_dt_bias[h] += d_pre;
+      // A is clamped at −A_floor: no gradient flows where the floor binds.
+      dp[d.col_dd_a + h] =
+          __float2bfloat16(f > d.a_floor ? -g_adt * dt * heavy_tail_derivative(dd_a) : 0.f);
+      dp[d.col_trap + h] = g.trap[o];
+    }
+    for (int j = threadIdx.x; j < d.angles; j += blockDim.x) {
+      dp[d.col_angles + j] = g.angles[static_cast<int64_t>(row) * d.angles + j];
+    }
+    for (int u = warp; u < 2 * d.vecs; u += kWarps) {
+      const bool is_c = u >= d.vecs;
+      const int offset = (is_c ? u - d.vecs : u) * d.state;
+      const int column = (is_c ? d.col_c : d.col_b) + offset;
+      const bf16* in = p + column;
+      const bf16* dy = (is_c ? g.q : g.k) + static_cast<int64_t>(row) * d.bc_width + offset;
+      const float* weight = is_c ? c_weight : b_weight;
+      float* acc = s_weight + (is_c ? d.state : 0);
+      const float r = rstd[static_cast<int64_t>(row) * 2 * d.vecs + u];
+      float dot = 0.f;
+      for (int i = lane; i < d.state; i += 32)
+        dot = fmaf(to_f(dy[i]) * weight[i], to_f(in[i]), dot);
+      const float coef = warp_sum(dot) * inv_n * r * r * r;
+      for (int i = lane; i < d.state; i += 32) {
+        const float dyi = to_f(dy[i]), xi = to_f(in[i]);
+        dp[column + i] = __float2bfloat16(dyi * weight[i] * r - coef * xi);
+        acc[i] = fmaf(dyi * xi, r, acc[i]);
+      }
+    }
+  }
+  __syncthreads();
+  float* out = partials + static_cast<int64_t>(blockIdx.x) * d.partial_width;
+  const float* warp_parts = smem + heads_padded;
+  for (int c = threadIdx.x; c < d.partial_width; c += blockDim.x) {
+    if (c < d.heads) {
+      out[c] = s_dt_bias[c];
+    } else {
+      float sum = 0.f;
+      for (int w = 0; w < kWarps; ++w) sum += warp_parts[w * 2 * d.state + c - d.heads];
+      out[c] = sum;
+    }
+  }
+}
+
+// One thread per parameter-gradient entry: the tiles' partials summed in tile order.
+__global__ void reduce_kernel(Dims d, const float* __restrict__ partials, float* d_dt_bias,
+                              float* d_b_weight, float* d_c_weight) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= d.partial_width) return;
+  double sum = 0.0;
+  for (int t = 0; t < d.tiles; ++t) sum += partials[static_cast<int64_t>(t) * d.partial_width + c];
+  const float total = static_cast<float>(sum);
+  if (c < d.heads) {
+    d_dt_bias[c] = total;
+  } else if (c < d.heads + d.state) {
+    d_b_weight[c - d.heads] = total;
+  } else {
+    d_c_weight[c - d.heads - d.state] = total;
+  }
+}
+
+// ---------------------------------------------------------------------------------
+// Host side.
+
+// megacpp::fail formats through libfmt, which this library does not link: messages are
+// formatted here with the same "{}" placeholders and thrown as the same megacpp::Error.
+inline void format_into(std::ostringstream& out, const char* format) {
+  out << format;
+}
+
+template <class First, class... Rest>
+void format_into(std::ostringstream& out, const char* format, const First& first,
+                 const Rest&... rest) {
+  const char* hole = std::strstr(format, "{}");
+  if (hole == nullptr) {
+    out << format;
+    return;
+  }
+  out.write(format, hole - format);
+  out << first;
+  format_into(out, hole + 2, rest...);
+}
+
+template <class... Args>
+[[noreturn]] void refuse(ErrorKind kind, const char* format, const Args&... args) {
+  std::ostringstream out;
+  format_into(out, format, args...);
+  throw Error(kind, out.str());
+}
+
+void check(cudaError_t status, const char* what) {
+  if (status != cudaSuccess) {
+    refuse(ErrorKind::kInternal, "Mamba3PreprocessCuda: {} failed: {}", what,
+           cudaGetErrorString(status));
+  }
+}
+
+void check_launch(const char* name) {
+  const cudaError_t status = cudaGetLastError();
+  if (status != cudaSuccess) {
+    refuse(ErrorKind::kInternal, "Mamba3PreprocessCuda: launching {} failed: {}", name,
+           cudaGetErrorString(status));
+  }
+}
+
+// Refuses, naming the field and value, every shape the kernels do not compute.
+void validate(const PreprocessLayout& s) {
+  const auto positive = [](int value, const char* field) {
+    if (value <= 0) {
+      refuse(ErrorKind::kInvalidArgument,
+             "Mamba3PreprocessCuda: Mamba3PreprocessShape.{}={} must be positive", field, value);
+    }
+  };
+  positive(s.rows, "rows");
+  positive(s.heads, "heads");
+  positive(s.headdim, "headdim");
+  positive(s.state, "state");
+  positive(s.groups, "groups");
+  positive(s.rank, "rank");
+  if (s.angles < 0) {
+    refuse(ErrorKind::kInvalidArgument,
+           "Mamba3PreprocessCuda: Mamba3PreprocessShape.angles={} must not be negative", s.angles);
+  }
+  if (s.state > Mamba3PreprocessCuda::kMaxState) {
+    refuse(ErrorKind::kInvalidArgument,
+           "Mamba3PreprocessCuda: Mamba3PreprocessShape.state={} exceeds {} (the backward "
+           "kernel's shared memory holds 2·state floats per warp)",
+           s.state, Mamba3PreprocessCuda::kMaxState);
+  }
+  if (s.heads > Mamba3PreprocessCuda::kMaxHeads) {
+    refuse(ErrorKind::kInvalidArgument,
+           "Mamba3PreprocessCuda: Mamba3PreprocessShape.heads={} exceeds {} (the backward "
+           "kernel's shared memory holds the dt_bias partial)",
+           s.heads, Mamba3PreprocessCuda::kMaxHeads);
+  }
+  const long long di = static_cast<long long>(s.heads) * s.headdim;
+  const long long bc = static_cast<long long>(s.state) * s.groups * s.rank;
+  const long long columns = 2 * di + 2 * bc + 3LL * s.heads + s.angles;
+  if (columns > INT_MAX || static_cast<long long>(s.rows) * 2 * s.groups * s.rank > INT_MAX) {
+    refuse(ErrorKind::kInvalidArgument,
+           "Mamba3PreprocessCuda: Mamba3PreprocessShape gives {} in_proj columns (heads={}, "
+           "headdim={}, state={}, groups={}, rank={}, angles={}, rows={}); at most {} columns "
+           "and rows·2·groups·rank norm scales are supported",
+           columns, s.heads, s.headdim, s.state, s.groups, s.rank, s.angles, s.rows, INT_MAX);
+  }
+  if (!std::isfinite(s.a_floor) || s.a_floor < 0) {
+    refuse(ErrorKind::kInvalidArgument,
+           "Mamba3PreprocessCuda: Mamba3PreprocessShape.a_floor={} must be finite and >= 0",
+           s.a_floor);
+  }
+  if (!std::isfinite(s.norm_eps) || s.norm_eps <= 0) {
+    refuse(ErrorKind::kInvalidArgument,
+           "Mamba3PreprocessCuda: Mamba3PreprocessShape.norm_eps={} must be finite and > 0",
+           s.norm_eps);
+  }
+}
+
+// The split order of cpu::Mamba3PreprocessShape: z, x, B, C, dd_dt, dd_A, trap, angles.
+// (validate() has bounded every offset by INT_MAX.)
+Dims dims_of(const PreprocessLayout& s) {
+  Dims d{};
+  d.rows = s.rows;
+  d.heads = s.heads;
+  d.state = s.state;
+  d.angles = s.angles;
+  d.d_inner = s.heads * s.headdim;
+  d.bc_width = s.state * s.groups * s.rank;
+  d.vecs = s.rank * s.groups;
+  d.col_x = d.d_inner;
+  d.col_b = 2 * d.d_inner;
+  d.col_c = d.col_b + d.bc_width;
+  d.col_dd_dt = d.col_c + d.bc_width;
+  d.col_dd_a = d.col_dd_dt + s.heads;
+  d.col_trap = d.col_dd_a + s.heads;
+  d.col_angles = d.col_trap + s.heads;
+  d.cols = d.col_angles + s.angles;
+  d.tiles = (s.rows + Mamba3PreprocessCuda::kRowsPerTile - 1) / Mamba3PreprocessCuda::kRowsPerTile;
+  d.partial_width = s.heads + 2 * s.state;
+  d.a_floor = static_cast<float>(s.a_floor);
+  d.norm_eps = static_cast<float>(s.norm_eps);
+  return d;
+}
+
+size_t backward_shared_bytes(const Dims& d) {
+  const size_t heads_padded = static_cast<size_t>(d.heads + 3) / 4 * 4;
+  return (heads_padded + static_cast<size_t>(kWarps) * 2 * d.state) * sizeof(float);
+}
+
+size_t aligned(size_t bytes) {
+  return (bytes + 255) / 256 * 256;
+}
+
+template <class T>
+void require(const T* pointer, const char* field) {
+  if (pointer == nullptr) {
+    refuse(ErrorKind::kInvalidArgument, "Mamba3PreprocessCuda: {} is null", field);
+  }
+}
+
+void require_params(const PreprocessDeviceParams& params) {
+  require(params.dt_bias, "PreprocessDeviceParams.dt_bias");
+  require(params.b_norm_weight, "PreprocessDeviceParams.b_norm_weight");
+  require(params.c_norm_weight, "PreprocessDeviceParams.c_norm_weight");
+}
+
+const bf16* as_bf16(const uint16_t* p) {
+  return reinterpret_cast<const bf16*>(p);
+}
+bf16* as_bf16(uint16_t* p) {
+  return reinterpret_cast<bf16*>(p);
+}
+
+}  // namespace
+
+Mamba3PreprocessCuda::Mamba3PreprocessCuda(const PreprocessLayout& layout) : layout_(layout) {
+  validate(layout);
+  check(cudaGetDevice(&device_), "cudaGetDevice");
+  const Dims d = dims_of(layout);
+  const size_t rstd_bytes = aligned(static_cast<size_t>(d.rows) * 2 * d.vecs * sizeof(float));
+  const size_t partial_bytes =
+      aligned(static_cast<size_t>(d.tiles) * d.partial_width * sizeof(float));
+  workspace_bytes_ = rstd_bytes + partial_bytes;
+  check(cudaMalloc(&arena_, workspace_bytes_), "cudaMalloc(workspace)");
+  rstd_ = static_cast<float*>(arena_);
+  partials_ = reinterpret_cast<float*>(static_cast<unsigned char*>(arena_) + rstd_bytes);
+  check(cudaMemset(arena_, 0, workspace_bytes_), "cudaMemset(workspace)");
+}
+
+Mamba3PreprocessCuda::~Mamba3PreprocessCuda() {
+  if (arena_ != nullptr) cudaFree(arena_);
+}
+
+void Mamba3PreprocessCuda::forward(const uint16_t* proj, const PreprocessDeviceParams& params,
+                                   const PreprocessDeviceOutputs& out, void* stream) {
+  require(proj, "forward: proj");
+  require_params(params);
+  require(out.z, "PreprocessDeviceOutputs.z");
+  require(out.x, "PreprocessDeviceOutputs.x");
+  require(out.k, "PreprocessDeviceOutputs.k");
+  require(out.q, "PreprocessDeviceOutputs.q");
+  require(out.adt, "PreprocessDeviceOutputs.adt");
+  require(out.dt, "PreprocessDeviceOutputs.dt");
+  require(out.trap, "PreprocessDeviceOutputs.trap");
+  if (layout_.angles > 0) require(out.angles, "PreprocessDeviceOutputs.angles");
+  check(cudaSetDevice(device_), "cudaSetDevice");
+  const Dims d = dims_of(layout_);
+  const FwdOut o{as_bf16(out.z),   as_bf16(out.x),  as_bf16(out.k),    as_bf16(out.q),
+                 as_bf16(out.adt), as_bf16(out.dt), as_bf16(out.trap), as_bf16(out.angles)};
+  forward_kernel<<<d.rows, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      d, as_bf16(proj), params.dt_bias, params.b_norm_weight, params.c_norm_weight, o, rstd_);
+  check_launch("forward_kernel");
+  has_forward_ = true;
+}
+
+void Mamba3PreprocessCuda::backward(const uint16_t* proj, const PreprocessDeviceParams& params,
+                                    const PreprocessDeviceGrads& grads, uint16_t* dproj,
+                                    const PreprocessDeviceParamGrads& param_grads, void* stream) {
+  if (!has_forward_) {
+    refuse(ErrorKind::kFailedPrecondition,
+           "Mamba3PreprocessCuda::backward needs forward() first: the norm scales come from it");
+  }
+  require(proj, "backward: proj");
+  require(dproj, "backward: dproj");
+  require_params(params);
+  require(grads.z, "PreprocessDeviceGrads.z");
+  require(grads.x, "PreprocessDeviceGrads.x");
+  require(grads.k, "PreprocessDeviceGrads.k");
+  require(grads.q, "PreprocessDeviceGrads.q");
+  require(grads.adt, "PreprocessDeviceGrads.adt");
+  require(grads.dt, "PreprocessDeviceGrads.dt");
+  require(grads.trap, "PreprocessDeviceGrads.trap");
+  if (layout_.angles > 0) require(grads.angles, "PreprocessDeviceGrads.angles");
+  require(param_grads.dt_bias, "PreprocessDeviceParamGrads.dt_bias");
+  require(param_grads.b_norm_weight, "PreprocessDeviceParamGrads.b_norm_weight");
+  require(param_grads.c_norm_weight, "PreprocessDeviceParamGrads.c_norm_weight");
+  check(cudaSetDevice(device_), "cudaSetDevice");
+  const Dims d = dims_of(layout_);
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const BwdIn g{as_bf16(grads.z),   as_bf16(grads.x),  as_bf16(grads.k),    as_bf16(grads.q),
+                as_bf16(grads.adt), as_bf16(grads.dt), as_bf16(grads.trap), as_bf16(grads.angles)};
+  backward_kernel<<<d.tiles, kThreads, backward_shared_bytes(d), s>>>(
+      d, as_bf16(proj), params.dt_bias, params.b_norm_weight, params.c_norm_weight, rstd_, g,
+      as_bf16(dproj), partials_);
+  check_launch("backward_kernel");
+  const int blocks = (d.partial_width + kThreads - 1) / kThreads;
+  reduce_kernel<<<blocks, kThreads, 0, s>>>(d, partials_, param_grads.dt_bias,
+                                            param_grads.b_norm_weight, param_grads.c_norm_weight);
+  check_launch("reduce_kernel");
+}
+
+}  // namespace megacpp::cuda

@@ -1,0 +1,157 @@
+#pragma once
+// The Mamba-3 mixer's preprocessing on a CUDA GPU: steps 1-2 of the mixer in
+// shared/spec/model.md, the same function as kernels/cpu/mamba3_preprocess.h, forward and
+// backward. It turns in_proj's output into the inputs of the CUDA scan
+// (kernels/cuda/mamba3_scan.h) and maps the scan's gradients back onto in_proj's output.
+//
+// Plain C++ (no CUDA types), so host code compiled by the C++ compiler can include it.
+// Per-token tensors are bf16 passed as uint16_t bit patterns, row-major, in the layouts of
+// kernels/cpu/mamba3_scan.h (rows = batch · seqlen); the parameters and their gradients are
+// fp32. Arithmetic is fp32.
+//
+//   forward   one block per row: z, x, trap and angles are copied out of the row, A, DT and
+//             ADT computed per head, and every (r, g) vector of B and C normalized by one
+//             warp (a butterfly sum, so the order is fixed); the norm scales (rstd) stay in
+//             the workspace for backward().
+//   backward  one block per tile of rows: dproj row by row; each warp keeps its share of the
+//             norm-weight gradients in shared memory, and each thread the dt_bias gradient
+//             of its heads, so the tile's partial is a fixed-order sum; a second kernel sums
+//             the tiles' partials in tile order. No floating-point atomics: results are
+//             bitwise reproducible.
+#include <cstddef>
+#include <cstdint>
+
+// The CPU header defines the shape; its OpenMP pragmas break the CUDA unit's build (nvcc
+// compiles without OpenMP, warnings are fatal), so the .cu sees a declaration only and
+// receives the shape's fields as a PreprocessLayout.
+#ifndef MEGACPP_MAMBA3_PREPROCESS_CUDA_UNIT
+#include "kernels/cpu/mamba3_preprocess.h"
+#else
+namespace megacpp::cpu {
+struct Mamba3PreprocessShape;
+}  // namespace megacpp::cpu
+#endif
+
+namespace megacpp::cuda {
+
+// The fields of cpu::Mamba3PreprocessShape, by value.
+struct PreprocessLayout {
+  int rows = 0;
+  int heads = 0;
+  int headdim = 0;
+  int state = 0;
+  int groups = 0;
+  int rank = 0;
+  int angles = 0;
+  double a_floor = 0;
+  double norm_eps = 0;
+};
+
+// Device pointers to the fp32 parameters the preprocessing reads.
+struct PreprocessDeviceParams {
+  const float* dt_bias = nullptr;        // [H]
+  const float* b_norm_weight = nullptr;  // [N]
+  const float* c_norm_weight = nullptr;  // [N]
+};
+
+// The scan's per-token inputs (bf16), as ScanDeviceInputs names them: forward() overwrites
+// them. angles may be null when the shape has none.
+struct PreprocessDeviceOutputs {
+  uint16_t* z = nullptr;       // [rows, H·P]
+  uint16_t* x = nullptr;       // [rows, H·P]   the scan's v
+  uint16_t* k = nullptr;       // [rows, R·G·N] normalized B
+  uint16_t* q = nullptr;       // [rows, R·G·N] normalized C
+  uint16_t* adt = nullptr;     // [rows, H]
+  uint16_t* dt = nullptr;      // [rows, H]
+  uint16_t* trap = nullptr;    // [rows, H]
+  uint16_t* angles = nullptr;  // [rows, A_n]
+};
+
+// The gradients of those tensors, bf16, as Mamba3ScanCuda::backward writes them into
+// ScanDeviceGrads (z, v → x, k, q, adt, dt, trap, angles).
+struct PreprocessDeviceGrads {
+  const uint16_t* z = nullptr;
+  const uint16_t* x = nullptr;
+  const uint16_t* k = nullptr;
+  const uint16_t* q = nullptr;
+  const uint16_t* adt = nullptr;
+  const uint16_t* dt = nullptr;
+  const uint16_t* trap = nullptr;
+  const uint16_t* angles = nullptr;
+};
+
+// The fp32 parameter gradients; backward() overwrites them (like the scan, it does not
+// accumulate into them).
+struct PreprocessDeviceParamGrads {
+  float* dt_bias = nullptr;        // [H]
+  float* b_norm_weight = nullptr;  // [N]
+  float* c_norm_weight = nullptr;  // [N]
+};
+
+class Mamba3PreprocessCuda {
+ public:
+  // Rows of one backward tile: the number of per-tile partials is ceil(rows / this).
+  static constexpr int kRowsPerTile = 32;
+  // The widest shapes the kernels take (their shared memory is sized by them).
+  static constexpr int kMaxState = 512;
+  static constexpr int kMaxHeads = 2048;
+
+  // Validates the shape (throws megacpp::Error kInvalidArgument naming the field and value
+  // otherwise), then allocates the device workspace once: the norm scales [rows, 2·R·G]
+  // and the backward tiles' partials.
+  explicit Mamba3PreprocessCuda(const cpu::Mamba3PreprocessShape& shape);
+  ~Mamba3PreprocessCuda();
+  Mamba3PreprocessCuda(const Mamba3PreprocessCuda&) = delete;
+  Mamba3PreprocessCuda& operator=(const Mamba3PreprocessCuda&) = delete;
+
+  // proj: in_proj's output [rows, columns()] bf16. Keeps the norm scales for backward().
+  // stream: a cudaStream_t, or null for the default stream. Asynchronous.
+  void forward(const uint16_t* proj, const PreprocessDeviceParams& params,
+               const PreprocessDeviceOutputs& out, void* stream = nullptr);
+  // Needs a forward() on the same proj and params first (throws kFailedPrecondition
+  // otherwise). dproj [rows, columns()] bf16 is overwritten, every column of it.
+  void backward(const uint16_t* proj, const PreprocessDeviceParams& params,
+                const PreprocessDeviceGrads& grads, uint16_t* dproj,
+                const PreprocessDeviceParamGrads& param_grads, void* stream = nullptr);
+
+  cpu::Mamba3PreprocessShape shape() const;
+  // Device pointer to the norm scales forward() saved, fp32 [rows, 2·R·G]: per row the B
+  // vectors' then the C vectors' 1/sqrt(mean(v²) + eps), as cpu::mamba3_preprocess_forward
+  // lays out its bc_rstd.
+  const float* bc_rstd() const { return rstd_; }
+  size_t workspace_bytes() const { return workspace_bytes_; }
+
+ private:
+  explicit Mamba3PreprocessCuda(const PreprocessLayout& layout);
+
+  PreprocessLayout layout_;
+  bool has_forward_ = false;
+  int device_ = 0;
+  void* arena_ = nullptr;
+  size_t workspace_bytes_ = 0;
+  float* rstd_ = nullptr;
+  float* partials_ = nullptr;  // [tiles, H + 2·N]
+};
+
+#ifndef MEGACPP_MAMBA3_PREPROCESS_CUDA_UNIT
+inline Mamba3PreprocessCuda::Mamba3PreprocessCuda(const cpu::Mamba3PreprocessShape& shape)
+    : Mamba3PreprocessCuda(PreprocessLayout{shape.rows, shape.heads, shape.headdim, shape.state,
+                                            shape.groups, shape.rank, shape.angles, shape.a_floor,
+                                            shape.norm_eps}) {}
+
+inline cpu::Mamba3PreprocessShape Mamba3PreprocessCuda::shape() const {
+  cpu::Mamba3PreprocessShape s;
+  s.rows = layout_.rows;
+  s.heads = layout_.heads;
+  s.headdim = layout_.headdim;
+  s.state = layout_.state;
+  s.groups = layout_.groups;
+  s.rank = layout_.rank;
+  s.angles = layout_.angles;
+  s.a_floor = layout_.a_floor;
+  s.norm_eps = layout_.norm_eps;
+  return s;
+}
+#endif
+
+}  // namespace megacpp::cuda
