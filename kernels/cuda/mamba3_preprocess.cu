@@ -12,6 +12,7 @@
 
 #define MEGACPP_MAMBA3_PREPROCESS_CUDA_UNIT
 #include "kernels/cuda/mamba3_preprocess.h"
+#include "kernels/cuda/host_errors.h"
 #include "runtime/common/error.h"
 
 namespace megacpp::cuda {
@@ -215,31 +216,7 @@ __global__ void reduce_kernel(Dims d, const float* __restrict__ partials, float*
 // ---------------------------------------------------------------------------------
 // Host side.
 
-// megacpp::fail formats through libfmt, which this library does not link: messages are
-// formatted here with the same "{}" placeholders and thrown as the same megacpp::Error.
-inline void format_into(std::ostringstream& out, const char* format) {
-  out << format;
-}
-
-template <class First, class... Rest>
-void format_into(std::ostringstream& out, const char* format, const First& first,
-                 const Rest&... rest) {
-  const char* hole = std::strstr(format, "{}");
-  if (hole == nullptr) {
-    out << format;
-    return;
-  }
-  out.write(format, hole - format);
-  out << first;
-  format_into(out, hole + 2, rest...);
-}
-
-template <class... Args>
-[[noreturn]] void refuse(ErrorKind kind, const char* format, const Args&... args) {
-  std::ostringstream out;
-  format_into(out, format, args...);
-  throw Error(kind, out.str());
-}
+using detail::refuse;
 
 void check(cudaError_t status, const char* what) {
   if (status != cudaSuccess) {
