@@ -417,6 +417,10 @@ void JobManager::scheduler_loop() {
 }
 
 bool JobManager::try_start(Entry& e) {
+  int gpus = 0, running = 0;
+  for (const auto& d : devices_) gpus += d.kind == "cuda" ? 1 : 0;
+  for (const auto& [id, other] : jobs_) running += other->pid > 0 ? 1 : 0;
+  if (running >= config_.max_concurrent_jobs_for(gpus)) return false;
   const std::string kind = e.job.spec().device_kind().empty() ? "cpu" : e.job.spec().device_kind();
   const int needed = std::max(1, e.job.spec().device_count());
   std::vector<DeviceSlot*> free;

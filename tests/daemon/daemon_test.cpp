@@ -374,6 +374,23 @@ TEST(Daemon, ConcurrentClientsReadWhileAJobTrains) {
   EXPECT_EQ(wait_for(d, job.id(), is_terminal).state(), v1::JOB_STATE_SUCCEEDED);
 }
 
+TEST(Daemon, ConcurrencyLimitKeepsASecondJobQueuedDespiteAFreeSlot) {
+  Daemon d([](nlohmann::json& c) { c["limits"] = {{"max_concurrent_jobs", 1}}; });
+  ASSERT_EQ(d.start(), -1) << d.log();
+  v1::Job a, b;
+  ASSERT_TRUE(submit(d, d.small_job(100000), &a).ok());
+  ASSERT_TRUE(submit(d, d.small_job(100000), &b).ok());
+  wait_for(d, a.id(), [](const v1::Job& j) { return j.step() >= 3; });
+  EXPECT_EQ(get_job(d, b.id()).state(), v1::JOB_STATE_QUEUED);  // a free slot, but the limit is 1
+  grpc::ClientContext context;
+  v1::CancelJobRequest cancel;
+  cancel.set_id(a.id());
+  v1::Job out;
+  ASSERT_TRUE(d.jobs()->CancelJob(&context, cancel, &out).ok());
+  const v1::Job started = wait_for(d, b.id(), [](const v1::Job& j) { return j.step() >= 1; });
+  EXPECT_EQ(started.state(), v1::JOB_STATE_RUNNING);
+}
+
 TEST(Daemon, HttpEndpointIsReadOnly) {
   Daemon d;
   ASSERT_EQ(d.start(), -1) << d.log();
