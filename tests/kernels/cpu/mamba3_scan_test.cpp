@@ -510,44 +510,5 @@ TEST(Mamba3Scan, BackwardBeforeForwardIsRefused) {
   }
 }
 
-// Throughput lead for the float chunked scan; run with --gtest_also_run_disabled_tests.
-TEST(Mamba3Scan, DISABLED_ChunkedFloatThroughput) {
-  ScanShape s;
-  s.batch = 8;
-  s.seqlen = 256;
-  s.heads = 4;
-  s.groups = 1;
-  s.state = 32;
-  s.headdim = 64;
-  s.rank = 4;
-  s.chunk = 16;
-  s.angles = 8;
-  const Tensors<float> in = converted<float>(random_inputs(s, 600), s);
-  const std::vector<float> dy = converted<float>(random_vector(output_size(s), 601));
-  Mamba3ScanChunked<float> scan(s);
-  std::vector<float> y(output_size(s));
-  Tensors<float> grads(s);
-  std::vector<double> forward_ms, total_ms;
-  for (int repeat = 0; repeat < 13; ++repeat) {
-    const auto start = std::chrono::steady_clock::now();
-    scan.forward(in.inputs(), y.data());
-    const auto middle = std::chrono::steady_clock::now();
-    scan.backward(in.inputs(), dy.data(), grads.grads());
-    const auto end = std::chrono::steady_clock::now();
-    if (repeat < 3) continue;  // warm-up
-    forward_ms.push_back(std::chrono::duration<double, std::milli>(middle - start).count());
-    total_ms.push_back(std::chrono::duration<double, std::milli>(end - start).count());
-  }
-  std::sort(forward_ms.begin(), forward_ms.end());
-  std::sort(total_ms.begin(), total_ms.end());
-  const double tokens = static_cast<double>(s.batch) * s.seqlen;
-  std::printf(
-      "%s: forward min/median/max %.2f/%.2f/%.2f ms, forward+backward %.2f/%.2f/%.2f ms, "
-      "%.0f tokens/s fwd+bwd\n",
-      describe(s).c_str(), forward_ms.front(), forward_ms[forward_ms.size() / 2], forward_ms.back(),
-      total_ms.front(), total_ms[total_ms.size() / 2], total_ms.back(),
-      tokens / (total_ms[total_ms.size() / 2] / 1000.0));
-}
-
 }  // namespace
 }  // namespace megacpp::cpu
