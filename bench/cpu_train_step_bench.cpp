@@ -12,7 +12,7 @@
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/mamba3_scan_chunked.h"
 #include "runtime/model/model.h"
-#include "runtime/trainer/optimizer.h"
+#include "runtime/optimizer/adamw.h"
 
 namespace {
 
@@ -22,14 +22,21 @@ void BM_Sgemm(benchmark::State& state) {
   std::vector<float> a(static_cast<size_t>(m) * k, 0.5f), b(static_cast<size_t>(n) * k, 0.25f),
       c(static_cast<size_t>(m) * n);
   for (auto _ : state) {
-    megacpp::cpu::gemm<float>(false, true, m, n, k, 1.0f, a.data(), k, b.data(), k, 0.0f, c.data(), n);
+    megacpp::cpu::gemm<float>(false, true, m, n, k, 1.0f, a.data(), k, b.data(), k, 0.0f, c.data(),
+                              n);
     benchmark::DoNotOptimize(c.data());
   }
-  state.counters["FLOP/s"] = benchmark::Counter(2.0 * m * n * k, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["FLOP/s"] =
+      benchmark::Counter(2.0 * m * n * k, benchmark::Counter::kIsIterationInvariantRate);
 }
 // The square ceiling, and the shapes of the tiny preset's largest products.
-BENCHMARK(BM_Sgemm)->Args({1024, 1024, 1024})->Args({2048, 1056, 192})->Args({2048, 192, 384})
-    ->Args({2048, 768, 192})->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Sgemm)
+    ->Args({1024, 1024, 1024})
+    ->Args({2048, 1056, 192})
+    ->Args({2048, 192, 384})
+    ->Args({2048, 768, 192})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 
 void BM_TrainStep(benchmark::State& state) {
   const int batch = 8, seqlen = 256;
@@ -45,14 +52,15 @@ void BM_TrainStep(benchmark::State& state) {
     benchmark::DoNotOptimize(model.forward_backward(tokens.data(), 1.0));
     optimizer.step(1e-3);
   }
-  state.counters["tokens/s"] = benchmark::Counter(batch * seqlen, benchmark::Counter::kIsIterationInvariantRate);
-  state.counters["FLOP/s"] =
-      benchmark::Counter(model.step_flops(batch, seqlen), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["tokens/s"] =
+      benchmark::Counter(batch * seqlen, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["FLOP/s"] = benchmark::Counter(model.step_flops(batch, seqlen),
+                                                benchmark::Counter::kIsIterationInvariantRate);
 }
 BENCHMARK(BM_TrainStep)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(5.0);
 
 void BM_Scan(benchmark::State& state) {
-  megacpp::cpu::ScanShape s;
+  megacpp::ops::ScanShape s;
   s.batch = 8;
   s.seqlen = 256;
   s.heads = 8;
@@ -70,28 +78,35 @@ void BM_Scan(benchmark::State& state) {
     for (auto& x : v) x = offset + scale * u(rng);
     return v;
   };
-  const size_t bc = static_cast<size_t>(s.rank) * s.groups * s.state, hp = static_cast<size_t>(s.heads) * s.headdim;
-  auto q = fill(tok * bc, 1, 0), k = fill(tok * bc, 1, 0), v = fill(tok * hp, 1, 0), z = fill(tok * hp, 1, 0);
-  auto dt = fill(tok * s.heads, 0.05f, 0.1f), adt = fill(tok * s.heads, 0.05f, -0.1f), trap = fill(tok * s.heads, 1, 0);
+  const size_t bc = static_cast<size_t>(s.rank) * s.groups * s.state,
+               hp = static_cast<size_t>(s.heads) * s.headdim;
+  auto q = fill(tok * bc, 1, 0), k = fill(tok * bc, 1, 0), v = fill(tok * hp, 1, 0),
+       z = fill(tok * hp, 1, 0);
+  auto dt = fill(tok * s.heads, 0.05f, 0.1f), adt = fill(tok * s.heads, 0.05f, -0.1f),
+       trap = fill(tok * s.heads, 1, 0);
   auto ang = fill(tok * s.angles, 1, 0);
-  const size_t hrn = static_cast<size_t>(s.heads) * s.rank * s.state, hrp = static_cast<size_t>(s.heads) * s.rank * s.headdim;
-  auto qb = fill(hrn, 0.1f, 1), kb = fill(hrn, 0.1f, 1), mx = fill(hrp, 0.1f, 0.25f), mz = fill(hrp, 0.1f, 1),
-       mo = fill(hrp, 0.1f, 0.25f), d = fill(static_cast<size_t>(s.heads), 0.1f, 1);
-  megacpp::cpu::ScanInputs<float> in{q.data(), k.data(), v.data(), z.data(), adt.data(), dt.data(), trap.data(),
-                                     ang.data(), qb.data(), kb.data(), mx.data(), mz.data(), mo.data(), d.data()};
+  const size_t hrn = static_cast<size_t>(s.heads) * s.rank * s.state,
+               hrp = static_cast<size_t>(s.heads) * s.rank * s.headdim;
+  auto qb = fill(hrn, 0.1f, 1), kb = fill(hrn, 0.1f, 1), mx = fill(hrp, 0.1f, 0.25f),
+       mz = fill(hrp, 0.1f, 1), mo = fill(hrp, 0.1f, 0.25f),
+       d = fill(static_cast<size_t>(s.heads), 0.1f, 1);
+  megacpp::ops::ScanInputs<float> in{q.data(),  k.data(),    v.data(),   z.data(),  adt.data(),
+                                     dt.data(), trap.data(), ang.data(), qb.data(), kb.data(),
+                                     mx.data(), mz.data(),   mo.data(),  d.data()};
   std::vector<float> y(tok * hp), dy = fill(tok * hp, 1, 0);
-  auto gq = q, gk = k, gv = v, gz = z, gadt = adt, gdt = dt, gtrap = trap, gang = ang, gqb = qb, gkb = kb,
-       gmx = mx, gmz = mz, gmo = mo, gd = d;
-  megacpp::cpu::ScanGrads<float> g{gq.data(), gk.data(), gv.data(), gz.data(), gadt.data(), gdt.data(),
-                                   gtrap.data(), gang.data(), gqb.data(), gkb.data(), gmx.data(), gmz.data(),
-                                   gmo.data(), gd.data()};
+  auto gq = q, gk = k, gv = v, gz = z, gadt = adt, gdt = dt, gtrap = trap, gang = ang, gqb = qb,
+       gkb = kb, gmx = mx, gmz = mz, gmo = mo, gd = d;
+  megacpp::ops::ScanGrads<float> g{gq.data(),  gk.data(),    gv.data(),   gz.data(),  gadt.data(),
+                                   gdt.data(), gtrap.data(), gang.data(), gqb.data(), gkb.data(),
+                                   gmx.data(), gmz.data(),   gmo.data(),  gd.data()};
   megacpp::cpu::Mamba3ScanChunked<float> scan(s);
   for (auto _ : state) {
     scan.forward(in, y.data());
     scan.backward(in, dy.data(), g);
     benchmark::DoNotOptimize(gq.data());
   }
-  state.counters["tokens/s"] = benchmark::Counter(static_cast<double>(tok), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["tokens/s"] =
+      benchmark::Counter(static_cast<double>(tok), benchmark::Counter::kIsIterationInvariantRate);
 }
 BENCHMARK(BM_Scan)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(3.0);
 

@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "kernels/cpu/mamba3_scan.h"
+#include "kernels/contracts/mamba3_scan.h"
 
 #ifdef MEGACPP_HAVE_CUDA
 #include <cublas_v2.h>
@@ -31,7 +31,7 @@
 #ifdef MEGACPP_HAVE_CUDA
 namespace {
 
-using megacpp::cpu::ScanShape;
+using megacpp::ops::ScanShape;
 
 void ok(cudaError_t status, const char* what) {
   if (status != cudaSuccess) {

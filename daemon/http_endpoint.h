@@ -1,6 +1,9 @@
 #pragma once
 // The read-only HTTP endpoint for dashboards: /status (GetStatus as JSON),
-// /metrics (Prometheus text format), /healthz.
+// /metrics (Prometheus text format), /healthz. With a bearer token configured every route
+// but /healthz requires it (/metrics too unless public_metrics); with TLS configured it serves
+// HTTPS with the daemon's certificate, so the token never crosses the network in the clear.
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <thread>
@@ -13,18 +16,37 @@ class Server;
 
 namespace megacpp::daemon {
 
+struct HttpOptions {
+  int workers = 64;
+  int idle_timeout_seconds = 2;
+  int io_timeout_seconds = 10;
+  const TokenCheck* auth = nullptr;  // null: no token required
+  bool public_metrics = false;
+  std::filesystem::path tls_cert_file;  // both set: HTTPS
+  std::filesystem::path tls_key_file;
+};
+
 class HttpEndpoint {
  public:
-  HttpEndpoint(const StatusSource& source, std::string address);  // "host:port"
+  HttpEndpoint(const StatusSource& source, std::string address,  // "host:port"
+               HttpOptions options = {});
   ~HttpEndpoint();
-  void start();  // throws Error(kFailedPrecondition) when the address cannot be bound
+  // Takes the port exclusively (no SO_REUSEPORT: a second daemon must not share it). Throws
+  // Error(kFailedPrecondition) naming the address, and its holder when it can be found.
+  void bind();
+  void start();  // serves; binds first when bind() was not called
   void stop();
   int port() const { return port_; }
 
  private:
+  void add_routes();
+
   const StatusSource& source_;
+  HttpOptions options_;
+  std::string address_;
   std::string host_;
   int port_ = 0;
+  bool bound_ = false;
   std::unique_ptr<httplib::Server> server_;
   std::thread thread_;
 };

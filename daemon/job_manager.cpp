@@ -9,14 +9,16 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <climits>
 #include <cstring>
 #include <fstream>
 
+#include "base/error.h"
 #include "runtime/checkpoint/checkpoint.h"
-#include "runtime/common/error.h"
-#include "runtime/executor/event_stream.h"
-#include "runtime/gates/gates.h"
 #include "runtime/trainer/trainer.h"
+#include "service/executor/event_stream.h"
+#include "service/gates/gates.h"
+#include "service/job_states.h"
 
 namespace megacpp::daemon {
 
@@ -30,48 +32,60 @@ struct ExecutorEventView {
   const v1::ExecutorEvent& event;
 };
 
+using Clock = std::chrono::steady_clock;
+
 struct JobManager::Entry {
   v1::Job job;
   json train_job;
-  pid_t pid = 0;
+  pid_t pid = 0;  // 0 once the executor has exited (before it is reaped: never a reused pid)
   bool cancel_requested = false;
   bool summary_received = false;
+  // finish() is committing the job's end: its outcome is decided, nothing may change it.
+  bool finishing = false;
   std::string stop_reason;
   std::string failure_message;
   int64_t last_checkpoint_step = -1;  // -1: none yet
-  std::deque<v1::JobEvent> events;
-  int64_t first_event_seq = 0;  // sequence number of events.front()
-  std::chrono::steady_clock::time_point attempt_started;
+  Clock::time_point attempt_started;
   int64_t attempt_first_step = 1;
+  // Supervision of the running attempt.
+  Clock::time_point last_progress;           // the executor's last event
+  std::optional<Clock::time_point> kill_at;  // SIGTERM was sent: SIGKILL then
+  bool killed = false;
+  std::string abort_reason;      // why the daemon stopped the executor (watchdog, time limit)
+  Clock::time_point not_before;  // restart backoff: not started before then
+  // The watchers' history, bounded by limits.job_event_history_bytes. Events keep their job
+  // without its spec, which is the bulk of a job and never changes: watch() attaches it.
+  struct HistoryEvent {
+    v1::JobEvent event;
+    size_t bytes = 0;
+  };
+  std::deque<HistoryEvent> events;
+  int64_t first_event_seq = 0;  // sequence number of events.front()
+  size_t history_bytes = 0;
+  int64_t evicted_through_step = 0;  // no dropped step event had a larger step
+};
+
+// Where one watch() stream is: in the history, and in what it has sent (which store replays
+// continue from).
+struct JobManager::WatchCursor {
+  int64_t seq = 0;
+  int64_t last_step = 0;
+  int64_t last_eval_step = 0;
+  bool summary_sent = false;
+
+  void sent(const v1::JobEvent& event) {
+    if (event.has_step()) {
+      (event.step().val_loss() < 0 ? last_step : last_eval_step) = event.step().step();
+    }
+    if (event.has_summary()) summary_sent = true;
+  }
 };
 
 namespace {
 
-constexpr size_t kMaxEventsKept = 2000;
-
 bool is_terminal(v1::JobState s) {
   return s == v1::JOB_STATE_SUCCEEDED || s == v1::JOB_STATE_FAILED ||
          s == v1::JOB_STATE_CANCELLED || s == v1::JOB_STATE_REFUSED;
-}
-
-std::string state_name(v1::JobState s) {
-  switch (s) {
-    case v1::JOB_STATE_QUEUED: return "queued";
-    case v1::JOB_STATE_RUNNING: return "running";
-    case v1::JOB_STATE_SUCCEEDED: return "succeeded";
-    case v1::JOB_STATE_FAILED: return "failed";
-    case v1::JOB_STATE_CANCELLED: return "cancelled";
-    case v1::JOB_STATE_INTERRUPTED: return "interrupted";
-    case v1::JOB_STATE_REFUSED: return "refused";
-    default: return "unspecified";
-  }
-}
-
-v1::JobState state_from_name(const std::string& s) {
-  for (int i = v1::JobState_MIN; i <= v1::JobState_MAX; ++i) {
-    if (state_name(static_cast<v1::JobState>(i)) == s) return static_cast<v1::JobState>(i);
-  }
-  return v1::JOB_STATE_UNSPECIFIED;
 }
 
 std::string spec_to_json(const v1::JobSpec& spec) {
@@ -108,37 +122,108 @@ std::string describe_exit(int status) {
 JobManager::JobManager(const DaemonConfig& config, receipts::BatchedWriter& writer,
                        const fs::path& store_path, int64_t boot_id, std::vector<DeviceSlot> devices,
                        fs::path executor_path)
-    : config_(config), writer_(writer), store_path_(store_path), boot_id_(boot_id),
-      executor_path_(std::move(executor_path)), devices_(std::move(devices)) {}
+    : config_(config),
+      writer_(writer),
+      store_path_(store_path),
+      boot_id_(boot_id),
+      executor_path_(std::move(executor_path)),
+      devices_(std::move(devices)) {}
 
-JobManager::~JobManager() { shutdown(); }
+JobManager::~JobManager() {
+  shutdown();
+}
 
-fs::path JobManager::job_dir(const std::string& id) const { return config_.state_dir / "jobs" / id; }
+fs::path JobManager::job_dir(const std::string& id) const {
+  return config_.state_dir / "jobs" / id;
+}
 
-std::string JobManager::new_job_id() { return fmt::format("job-{:06d}", ++id_counter_); }
+std::string JobManager::new_job_id() {
+  return fmt::format("job-{:06d}", ++id_counter_);
+}
 
 void JobManager::record_job(const Entry& e) {
+  record_job(e.job, e.last_checkpoint_step);
+}
+
+void JobManager::record_job(const v1::Job& job, int64_t last_checkpoint_step) {
   receipts::JobRecord r;
-  r.job_id = e.job.id();
+  r.job_id = job.id();
   r.boot_id = boot_id_;
-  r.state = state_name(e.job.state());
-  r.spec = json::parse(spec_to_json(e.job.spec()));
-  r.submitted_at = e.job.submitted_at();
-  r.started_at = e.job.started_at();
-  r.finished_at = e.job.finished_at();
-  r.error = e.job.error();
-  r.attempts = e.job.attempts();
-  r.last_checkpoint_step = e.last_checkpoint_step;
+  r.state = job_state_name(job.state());
+  r.spec = json::parse(spec_to_json(job.spec()));
+  r.submitted_at = job.submitted_at();
+  r.started_at = job.started_at();
+  r.finished_at = job.finished_at();
+  r.error = job.error();
+  r.attempts = job.attempts();
+  r.last_checkpoint_step = last_checkpoint_step;
   writer_.enqueue(r);
 }
 
 void JobManager::push_event(Entry& e, v1::JobEvent event) {
-  *event.mutable_job() = e.job;
-  e.events.push_back(std::move(event));
-  if (e.events.size() > kMaxEventsKept) {
-    e.events.pop_front();
-    ++e.first_event_seq;
+  // An ended job keeps no history (free_history): its watchers read the store.
+  if (!is_terminal(e.job.state())) {
+    // Copy the job without its spec (swapped out and back: no copy of the spec at all).
+    v1::JobSpec spec;
+    spec.Swap(e.job.mutable_spec());
+    *event.mutable_job() = e.job;
+    spec.Swap(e.job.mutable_spec());
+    const size_t bytes = event.SpaceUsedLong() + sizeof(Entry::HistoryEvent);
+    e.history_bytes += bytes;
+    e.events.push_back({std::move(event), bytes});
+    while (e.history_bytes > config_.limits.job_event_history_bytes && e.events.size() > 1) {
+      const auto& front = e.events.front();
+      if (front.event.has_step()) {
+        e.evicted_through_step = std::max(e.evicted_through_step, front.event.step().step());
+      }
+      e.history_bytes -= front.bytes;
+      e.events.pop_front();
+      ++e.first_event_seq;
+    }
   }
+  changed_.notify_all();
+}
+
+void JobManager::free_history(Entry& e) {
+  e.first_event_seq += static_cast<int64_t>(e.events.size());
+  std::deque<Entry::HistoryEvent>().swap(e.events);  // clear() may keep the blocks
+  e.history_bytes = 0;
+}
+
+void JobManager::finish(Lock& lock, Entry& e, v1::JobState state, const std::string& error) {
+  // The job's end is recorded first and published only once the store has committed it and
+  // everything enqueued before it (its step receipts, evals, run summary): the writer commits
+  // in enqueue order, so one flush covers them all. mu_ is released meanwhile so that the
+  // API and the other jobs do not wait for the disk; `finishing` keeps cancel() off the job.
+  e.finishing = true;
+  v1::Job ended = e.job;
+  ended.set_state(state);
+  if (!error.empty()) ended.set_error(error);
+  ended.set_finished_at(now_iso8601());
+  record_job(ended, e.last_checkpoint_step);
+  lock.unlock();
+  try {
+    writer_.flush();
+  } catch (const std::exception& failure) {
+    // A job must still end; the writer logged each lost receipt.
+    spdlog::error("job {}: the receipt store did not commit everything before the job ended: {}",
+                  ended.id(), failure.what());
+  }
+  lock.lock();
+  e.finishing = false;
+  e.job.set_state(state);
+  e.job.set_error(ended.error());
+  e.job.set_finished_at(ended.finished_at());
+  release_devices(e);
+  if (is_terminal(state)) {
+    free_history(e);
+  } else {
+    v1::JobEvent event;
+    event.set_state_changed(state);
+    push_event(e, std::move(event));
+  }
+  spdlog::info("job {}: {}{}", e.job.id(), job_state_name(state),
+               error.empty() ? "" : ": " + error);
   changed_.notify_all();
 }
 
@@ -146,12 +231,14 @@ void JobManager::set_state(Entry& e, v1::JobState state, const std::string& erro
   e.job.set_state(state);
   if (!error.empty()) e.job.set_error(error);
   if (state == v1::JOB_STATE_RUNNING) e.job.set_started_at(now_iso8601());
-  if (is_terminal(state) || state == v1::JOB_STATE_INTERRUPTED) e.job.set_finished_at(now_iso8601());
+  if (is_terminal(state) || state == v1::JOB_STATE_INTERRUPTED)
+    e.job.set_finished_at(now_iso8601());
   record_job(e);
   v1::JobEvent event;
   event.set_state_changed(state);
   push_event(e, std::move(event));
-  spdlog::info("job {}: {}{}", e.job.id(), state_name(state), error.empty() ? "" : ": " + error);
+  spdlog::info("job {}: {}{}", e.job.id(), job_state_name(state),
+               error.empty() ? "" : ": " + error);
 }
 
 void JobManager::record_gate_decisions(const std::string& id,
@@ -170,66 +257,119 @@ void JobManager::record_gate_decisions(const std::string& id,
   }
 }
 
+struct JobManager::Submission {
+  std::unique_ptr<Entry> entry;
+  bool refused = false;
+  std::string refusal;
+  bool has_directory = false;
+};
+
+// Nothing a client can see is uncommitted: a submission's records (the job row and its gate
+// decisions, or its refusal) are written and flushed to the store first, and only then does the
+// job enter jobs_ (GetJob, ListJobs, /status) and the queue. A submission that fails on the way
+// (an unwritable job directory, a full disk, a store that cannot commit) leaves nothing behind
+// but, at worst, a gap in the job ids; an accepted job survives a crash right after SubmitJob
+// returns.
 v1::Job JobManager::submit(const v1::JobSpec& spec) {
-  // An accepted job must survive a crash right after SubmitJob returns: wait for
-  // its row (and its gate decisions, or its refusal) to be committed.
-  struct FlushOnExit {
-    receipts::BatchedWriter& writer;
-    ~FlushOnExit() {
-      try {
-        writer.flush();
-      } catch (const std::exception& e) {
-        spdlog::error("receipt store flush after a submission failed: {}", e.what());
-      }
+  std::lock_guard serial(submit_mu_);
+  Submission submission = prepare_submission(spec);
+  const std::string id = submission.entry->job.id();
+  try {
+    writer_.flush();
+  } catch (const std::exception& e) {
+    if (submission.has_directory) {
+      std::error_code ignored;
+      fs::remove_all(job_dir(id), ignored);
     }
-  } flush_on_exit{writer_};
-  return submit_locked(spec);
+    fail(ErrorKind::kIo,
+         "job {} was not accepted: the receipt store could not commit it ({}); nothing was "
+         "queued",
+         id, e.what());
+  }
+  return publish_submission(std::move(submission));
 }
 
-v1::Job JobManager::submit_locked(const v1::JobSpec& spec) {
-  std::unique_lock lock(mu_);
-  if (!accepting_) fail(ErrorKind::kFailedPrecondition, "the daemon is shutting down: not accepting jobs");
+JobManager::Submission JobManager::prepare_submission(const v1::JobSpec& spec) {
+  Lock lock(mu_);
+  if (!accepting_)
+    fail(ErrorKind::kFailedPrecondition, "the daemon is shutting down: not accepting jobs");
   if (static_cast<int>(queue_.size()) >= config_.limits.max_queued_jobs) {
-    fail(ErrorKind::kFailedPrecondition, "the queue is full (limits.max_queued_jobs={}): retry later",
+    fail(ErrorKind::kFailedPrecondition,
+         "the queue is full (limits.max_queued_jobs={}): retry later",
          config_.limits.max_queued_jobs);
   }
   int cpu_slots = 0, gpus = 0;
-  for (const auto& d : devices_) (d.kind == "cpu" ? cpu_slots : gpus)++;
+  uint64_t smallest_gpu_bytes = 0;
+  for (const auto& d : devices_) {
+    if (d.kind == "cpu") {
+      ++cpu_slots;
+    } else {
+      ++gpus;
+      if (smallest_gpu_bytes == 0 || d.memory_bytes < smallest_gpu_bytes)
+        smallest_gpu_bytes = d.memory_bytes;
+    }
+  }
   const std::string id = new_job_id();
+  Submission submission;
+  submission.entry = std::make_unique<Entry>();
+  Entry& e = *submission.entry;
   ValidatedJob validated;
   try {
-    validated = validate_job_spec(spec, config_, cpu_slots, gpus, config_.checkpoint_root / id);
+    validated = validate_job_spec(spec, config_, cpu_slots, gpus, config_.checkpoint_root / id,
+                                  MemoryBudget{0, smallest_gpu_bytes});
+    e.job.set_id(id);
+    *e.job.mutable_spec() = spec;
+    e.job.set_submitted_at(now_iso8601());
+    e.job.set_total_steps(spec.steps());
+    e.job.set_checkpoint_dir((config_.checkpoint_root / id).string());
+    e.train_job = validated.train_job;
+    if (spec.threads() == 0 && cpu_slots > 0) {
+      // The CPU slots share the cores.
+      const long cores = std::max(1L, sysconf(_SC_NPROCESSORS_ONLN));
+      e.train_job["threads"] = std::max<long>(1, cores / cpu_slots) * validated.device_count;
+    }
+    for (const auto& d : validated.gate_decisions) {
+      if (d.decision != gates::Decision::kRefused) continue;
+      submission.refused = true;
+      submission.refusal += (submission.refusal.empty() ? "" : "; ") + d.reason;
+    }
+    if (!submission.refused) {
+      submission.has_directory = true;
+      try {
+        fs::create_directories(job_dir(id));
+      } catch (const fs::filesystem_error& fe) {
+        fail(ErrorKind::kIo, "job {} was not accepted: cannot create its directory {}: {}", id,
+             job_dir(id).string(), fe.code().message());
+      }
+      save_json_atomically(job_dir(id) / "job.json", e.train_job);
+    }
   } catch (...) {
-    --id_counter_;  // nothing was queued or recorded under this id
+    // Nothing was recorded under this id: the next submission takes it.
+    --id_counter_;
+    if (submission.has_directory) {
+      std::error_code ignored;
+      fs::remove_all(job_dir(id), ignored);
+    }
     throw;
   }
-  auto entry = std::make_unique<Entry>();
-  Entry& e = *entry;
-  e.job.set_id(id);
-  *e.job.mutable_spec() = spec;
-  e.job.set_submitted_at(now_iso8601());
-  e.job.set_total_steps(spec.steps());
-  e.job.set_checkpoint_dir((config_.checkpoint_root / id).string());
-  e.train_job = validated.train_job;
-  if (spec.threads() == 0 && cpu_slots > 0) {
-    // The CPU slots share the cores.
-    const long cores = std::max(1L, sysconf(_SC_NPROCESSORS_ONLN));
-    e.train_job["threads"] = std::max<long>(1, cores / cpu_slots) * validated.device_count;
+  // The job row first: gate decisions refer to it.
+  if (submission.refused) {
+    set_state(e, v1::JOB_STATE_REFUSED, submission.refusal);
+  } else {
+    set_state(e, v1::JOB_STATE_QUEUED);
   }
-  jobs_[id] = std::move(entry);
-  if (gates::any_refused(validated.gate_decisions)) {
-    std::string reasons;
-    for (const auto& d : validated.gate_decisions) {
-      if (d.decision == gates::Decision::kRefused) reasons += (reasons.empty() ? "" : "; ") + d.reason;
-    }
-    set_state(e, v1::JOB_STATE_REFUSED, reasons);  // the job row first: decisions refer to it
-    record_gate_decisions(id, validated.gate_decisions);
-    fail(ErrorKind::kFailedPrecondition, "job {} refused: {}", id, reasons);
-  }
-  fs::create_directories(job_dir(id));
-  save_json_atomically(job_dir(id) / "job.json", e.train_job);
-  set_state(e, v1::JOB_STATE_QUEUED);
   record_gate_decisions(id, validated.gate_decisions);
+  return submission;
+}
+
+v1::Job JobManager::publish_submission(Submission submission) {
+  Lock lock(mu_);
+  Entry& e = *submission.entry;
+  const std::string id = e.job.id();
+  jobs_[id] = std::move(submission.entry);
+  if (submission.refused) {
+    fail(ErrorKind::kFailedPrecondition, "job {} refused: {}", id, submission.refusal);
+  }
   queue_.push_back(id);
   changed_.notify_all();
   return e.job;
@@ -247,9 +387,11 @@ std::vector<v1::Job> JobManager::list(const std::vector<v1::JobState>& states, i
   std::lock_guard lock(mu_);
   std::vector<v1::Job> out;
   next_token->clear();
-  for (auto it = after_id.empty() ? jobs_.begin() : jobs_.upper_bound(after_id); it != jobs_.end(); ++it) {
+  for (auto it = after_id.empty() ? jobs_.begin() : jobs_.upper_bound(after_id); it != jobs_.end();
+       ++it) {
     const auto& job = it->second->job;
-    if (!states.empty() && std::find(states.begin(), states.end(), job.state()) == states.end()) continue;
+    if (!states.empty() && std::find(states.begin(), states.end(), job.state()) == states.end())
+      continue;
     if (static_cast<int>(out.size()) == limit) {
       *next_token = out.back().id();
       break;
@@ -260,42 +402,170 @@ std::vector<v1::Job> JobManager::list(const std::vector<v1::JobState>& states, i
 }
 
 v1::Job JobManager::cancel(const std::string& id) {
-  std::lock_guard lock(mu_);
+  Lock lock(mu_);
   auto it = jobs_.find(id);
   if (it == jobs_.end()) fail(ErrorKind::kNotFound, "no job {}", id);
   Entry& e = *it->second;
-  if (is_terminal(e.job.state())) return e.job;
+  if (is_terminal(e.job.state()) || e.finishing) return e.job;
   e.cancel_requested = true;
-  if (e.job.state() == v1::JOB_STATE_RUNNING && e.pid > 0) {
-    ::kill(e.pid, SIGTERM);  // the executor checkpoints and exits; monitor() finishes the job
-  } else {
-    queue_.erase(std::remove(queue_.begin(), queue_.end(), id), queue_.end());
-    set_state(e, v1::JOB_STATE_CANCELLED);
+  if (e.pid > 0) {
+    // The executor checkpoints and exits; monitor() finishes the job. supervise() escalates to
+    // SIGKILL if it has not exited within the grace period (stopped, or stuck in a kernel).
+    if (!e.kill_at) {
+      ::kill(e.pid, SIGTERM);
+      e.kill_at = Clock::now() + std::chrono::seconds(config_.jobs.cancel_grace_seconds);
+      changed_.notify_all();
+    }
+    return e.job;
   }
+  // Running without a pid: the executor has exited and monitor() is about to finish the job,
+  // as cancelled now.
+  if (e.job.state() == v1::JOB_STATE_RUNNING) return e.job;
+  queue_.erase(std::remove(queue_.begin(), queue_.end(), id), queue_.end());
+  finish(lock, e, v1::JOB_STATE_CANCELLED);
   return e.job;
 }
 
-std::vector<v1::JobEvent> JobManager::wait_events(const std::string& id, int64_t& cursor,
-                                                  std::chrono::milliseconds timeout, bool* finished) {
-  std::unique_lock lock(mu_);
-  auto find = [&]() -> Entry& {
+bool JobManager::acquire_watch_stream() {
+  std::lock_guard lock(mu_);
+  if (watch_streams_ >= config_.limits.max_watch_streams) return false;
+  ++watch_streams_;
+  return true;
+}
+
+void JobManager::release_watch_stream() {
+  std::lock_guard lock(mu_);
+  --watch_streams_;
+}
+
+bool JobManager::replay_steps(const receipts::Store& store, const v1::Job& job, WatchCursor& cursor,
+                              int64_t through_step,
+                              const std::function<bool(const v1::JobEvent&)>& send) const {
+  const auto evals = store.evals(job.id());
+  size_t next_eval = 0;
+  double loss = job.loss();
+  // As live: an eval follows the step it was run at.
+  auto send_evals_through = [&](int64_t step) {
+    for (; next_eval < evals.size() && evals[next_eval].step <= step; ++next_eval) {
+      const auto& r = evals[next_eval];
+      if (r.step <= cursor.last_eval_step) continue;
+      v1::JobEvent event;
+      *event.mutable_job() = job;
+      auto* p = event.mutable_step();
+      p->set_step(r.step);
+      p->set_total_steps(job.total_steps());
+      p->set_loss(loss);
+      p->set_val_loss(r.val_loss);
+      if (!send(event)) return false;
+      cursor.sent(event);
+    }
+    return true;
+  };
+  constexpr int kPage = 1000;
+  while (true) {
+    const auto page = store.steps(
+        job.id(), cursor.last_step > 0 ? std::optional<int64_t>(cursor.last_step) : std::nullopt,
+        kPage, /*newest_first=*/false);
+    for (const auto& r : page) {
+      if (r.step > through_step) return send_evals_through(through_step);
+      if (!send_evals_through(r.step - 1)) return false;
+      v1::JobEvent event;
+      *event.mutable_job() = job;
+      event.mutable_job()->set_step(r.step);
+      event.mutable_job()->set_loss(r.loss);
+      event.mutable_job()->set_tokens_per_s(r.tokens_per_s);
+      auto* p = event.mutable_step();
+      p->set_step(r.step);
+      p->set_total_steps(job.total_steps());
+      p->set_loss(r.loss);
+      p->set_tokens_per_s(r.tokens_per_s);
+      p->set_step_ms(r.step_ms);
+      p->set_val_loss(-1);
+      if (!send(event)) return false;
+      cursor.sent(event);
+      loss = r.loss;
+    }
+    if (static_cast<int>(page.size()) < kPage) return send_evals_through(through_step);
+  }
+}
+
+void JobManager::watch(const std::string& id, const std::function<bool(const v1::JobEvent&)>& send,
+                       const std::function<bool()>& cancelled) {
+  WatchCursor cursor;
+  std::unique_ptr<receipts::Store> store;  // opened when the history falls short
+  auto open_store = [&]() -> const receipts::Store& {
+    if (!store)
+      store = std::make_unique<receipts::Store>(store_path_, receipts::OpenMode::kReadOnly);
+    return *store;
+  };
+  Lock lock(mu_);
+  while (true) {
     auto it = jobs_.find(id);
     if (it == jobs_.end()) fail(ErrorKind::kNotFound, "no job {}", id);
-    return *it->second;
-  };
-  Entry* e = &find();
-  auto available = [&] { return e->first_event_seq + static_cast<int64_t>(e->events.size()) > cursor; };
-  if (!available() && !is_terminal(e->job.state())) {
-    changed_.wait_for(lock, timeout, [&] { return available() || is_terminal(e->job.state()) || stopping_; });
+    Entry& e = *it->second;
+    if (is_terminal(e.job.state())) {
+      // Its history is gone, and everything recorded for it is committed (finish()): the rest
+      // of the stream is in the store.
+      const v1::Job job = e.job;
+      lock.unlock();
+      const auto& receipts = open_store();
+      if (!replay_steps(receipts, job, cursor, INT64_MAX, send)) return;
+      if (!cursor.summary_sent) {
+        if (auto summary = receipts.run_summary(job.id())) {
+          v1::JobEvent event;
+          *event.mutable_job() = job;
+          event.mutable_summary()->set_summary_json(summary->summary.dump());
+          if (!send(event)) return;
+        }
+      }
+      v1::JobEvent event;
+      *event.mutable_job() = job;
+      event.set_state_changed(job.state());
+      send(event);
+      return;
+    }
+    if (cursor.seq < e.first_event_seq) {
+      // The history dropped events this stream had not sent. Their receipts were enqueued when
+      // they were pushed: once flushed, the store has every step up to evicted_through_step.
+      const int64_t through = e.evicted_through_step;
+      const int64_t resume = e.first_event_seq;
+      const v1::Job job = e.job;
+      lock.unlock();
+      spdlog::debug(
+          "watch {}: the history dropped events {}..{} before they were sent: steps "
+          "through {} come from the store",
+          id, cursor.seq, resume - 1, through);
+      try {
+        writer_.flush();
+      } catch (const std::exception& failure) {
+        spdlog::warn("watch {}: receipt store flush: {}", id, failure.what());
+      }
+      if (!replay_steps(open_store(), job, cursor, through, send)) return;
+      cursor.seq = resume;
+      lock.lock();
+      continue;
+    }
+    const int64_t end = e.first_event_seq + static_cast<int64_t>(e.events.size());
+    if (cursor.seq >= end) {
+      if (stopping_ && e.job.state() != v1::JOB_STATE_RUNNING) return;  // interrupted
+      if (cancelled()) return;
+      changed_.wait_for(lock, std::chrono::milliseconds(500));
+      continue;
+    }
+    std::vector<v1::JobEvent> batch;
+    batch.reserve(static_cast<size_t>(end - cursor.seq));
+    for (; cursor.seq < end; ++cursor.seq) {
+      batch.push_back(e.events[static_cast<size_t>(cursor.seq - e.first_event_seq)].event);
+      *batch.back().mutable_job()->mutable_spec() = e.job.spec();
+    }
+    lock.unlock();
+    for (const auto& event : batch) {
+      if (!send(event)) return;
+      cursor.sent(event);
+    }
+    if (cancelled()) return;
+    lock.lock();
   }
-  std::vector<v1::JobEvent> out;
-  cursor = std::max(cursor, e->first_event_seq);
-  for (int64_t seq = cursor; seq < e->first_event_seq + static_cast<int64_t>(e->events.size()); ++seq) {
-    out.push_back(e->events[static_cast<size_t>(seq - e->first_event_seq)]);
-  }
-  cursor = e->first_event_seq + static_cast<int64_t>(e->events.size());
-  *finished = is_terminal(e->job.state()) || (stopping_ && e->job.state() != v1::JOB_STATE_RUNNING);
-  return out;
 }
 
 ManagerSnapshot JobManager::snapshot() const {
@@ -304,7 +574,7 @@ ManagerSnapshot JobManager::snapshot() const {
   s.devices = devices_;
   s.steps_total = steps_total_;
   for (const auto& [id, e] : jobs_) {
-    s.jobs_by_state[state_name(e->job.state())]++;
+    s.jobs_by_state[job_state_name(e->job.state())]++;
     if (e->job.state() == v1::JOB_STATE_RUNNING) s.running.push_back(e->job);
   }
   for (const auto& id : queue_) s.queued.push_back(jobs_.at(id)->job);
@@ -330,7 +600,7 @@ void JobManager::recover() {
     (void)google::protobuf::util::JsonStringToMessage(r.spec.dump(), &spec);
     e.job.set_id(r.job_id);
     *e.job.mutable_spec() = spec;
-    e.job.set_state(state_from_name(r.state));
+    e.job.set_state(find_job_state(r.state).value_or(v1::JOB_STATE_UNSPECIFIED));
     e.job.set_submitted_at(r.submitted_at);
     e.job.set_started_at(r.started_at);
     e.job.set_finished_at(r.finished_at);
@@ -371,7 +641,8 @@ void JobManager::recover() {
   }
 }
 
-void JobManager::rewind_to_recorded_checkpoint(const receipts::Store& store, const std::string& id) {
+void JobManager::rewind_to_recorded_checkpoint(const receipts::Store& store,
+                                               const std::string& id) {
   // Step receipts are committed in order, so the newest recorded step m bounds
   // what is durable. A checkpoint newer than m (written while the daemon died)
   // would skip the unrecorded steps: resume from the newest one at or below m.
@@ -402,21 +673,88 @@ void JobManager::start() {
 void JobManager::scheduler_loop() {
   // Executors are forked from this thread on purpose: PR_SET_PDEATHSIG fires when
   // the forking *thread* exits, and this one lives as long as the daemon serves.
-  std::unique_lock lock(mu_);
+  Lock lock(mu_);
   while (!stopping_) {
-    for (auto it = queue_.begin(); it != queue_.end();) {
-      Entry& e = *jobs_.at(*it);
-      if (try_start(e)) {
-        it = queue_.erase(it);
-      } else {
-        ++it;
+    const auto now = Clock::now();
+    auto next = supervise(now);
+    // spawn() may release the lock (a job that cannot start is finished): walk a copy.
+    const std::vector<std::string> waiting(queue_.begin(), queue_.end());
+    for (const auto& id : waiting) {
+      if (stopping_) break;
+      const auto it = std::find(queue_.begin(), queue_.end(), id);
+      if (it == queue_.end()) continue;
+      Entry& e = *jobs_.at(id);
+      if (e.not_before > now) {
+        next = std::min(next, e.not_before);
+        continue;
       }
+      if (!claim_devices(e)) continue;
+      queue_.erase(it);
+      spawn(lock, e);
     }
-    changed_.wait_for(lock, std::chrono::seconds(1));
+    changed_.wait_until(lock, next);
   }
 }
 
-bool JobManager::try_start(Entry& e) {
+Clock::time_point JobManager::supervise(Clock::time_point now) {
+  auto next = now + std::chrono::seconds(1);
+  const auto& limits = config_.jobs;
+  for (auto& [id, entry] : jobs_) {
+    Entry& e = *entry;
+    if (e.pid <= 0) continue;
+    if (e.kill_at) {
+      if (now < *e.kill_at) {
+        next = std::min(next, *e.kill_at);
+      } else if (!e.killed) {
+        spdlog::warn("job {}: the executor (pid {}) did not exit within {} s of SIGTERM: SIGKILL",
+                     id, e.pid, limits.cancel_grace_seconds);
+        ::kill(e.pid, SIGKILL);  // also ends a stopped (SIGSTOP) process
+        e.killed = true;
+      }
+      continue;
+    }
+    if (limits.progress_timeout_seconds > 0) {
+      const auto deadline = e.last_progress + std::chrono::seconds(limits.progress_timeout_seconds);
+      if (now >= deadline) {
+        stop_executor(
+            e, fmt::format(
+                   "no progress: the executor sent no event for {} s "
+                   "(jobs.progress_timeout_seconds={}); it is stopped, "
+                   "deadlocked or stuck in a kernel",
+                   std::chrono::duration_cast<std::chrono::seconds>(now - e.last_progress).count(),
+                   limits.progress_timeout_seconds));
+        continue;
+      }
+      next = std::min(next, deadline);
+    }
+    const double max_seconds = e.job.spec().max_seconds();
+    // Beyond ~30 years the deadline would overflow the clock: no limit in practice.
+    if (max_seconds > 0 && max_seconds < 1e9) {
+      const auto deadline =
+          e.attempt_started +
+          std::chrono::duration_cast<Clock::duration>(
+              std::chrono::duration<double>(max_seconds + limits.time_limit_grace_seconds));
+      if (now >= deadline) {
+        stop_executor(e, fmt::format("time limit: still running {:.0f} s after it started, past "
+                                     "spec.max_seconds={} plus jobs.time_limit_grace_seconds={}",
+                                     std::chrono::duration<double>(now - e.attempt_started).count(),
+                                     max_seconds, limits.time_limit_grace_seconds));
+        continue;
+      }
+      next = std::min(next, deadline);
+    }
+  }
+  return next;
+}
+
+void JobManager::stop_executor(Entry& e, const std::string& reason) {
+  spdlog::warn("job {}: {}: stopping its executor (pid {})", e.job.id(), reason, e.pid);
+  e.abort_reason = reason;
+  ::kill(e.pid, SIGTERM);
+  e.kill_at = Clock::now() + std::chrono::seconds(config_.jobs.cancel_grace_seconds);
+}
+
+bool JobManager::claim_devices(Entry& e) {
   int gpus = 0, running = 0;
   for (const auto& d : devices_) gpus += d.kind == "cuda" ? 1 : 0;
   for (const auto& [id, other] : jobs_) running += other->pid > 0 ? 1 : 0;
@@ -433,18 +771,17 @@ bool JobManager::try_start(Entry& e) {
     free[static_cast<size_t>(i)]->held_by = e.job.id();
     e.job.add_devices(free[static_cast<size_t>(i)]->id);
   }
-  spawn(e);
   return true;
 }
 
-void JobManager::spawn(Entry& e) {
+void JobManager::spawn(Lock& lock, Entry& e) {
   const fs::path dir = job_dir(e.job.id());
   fs::create_directories(dir);
   save_json_atomically(dir / "job.json", e.train_job);
   int fds[2];
   if (::pipe2(fds, O_CLOEXEC) != 0) {
-    release_devices(e);
-    set_state(e, v1::JOB_STATE_FAILED, fmt::format("cannot create the executor pipe: {}", std::strerror(errno)));
+    finish(lock, e, v1::JOB_STATE_FAILED,
+           fmt::format("cannot create the executor pipe: {}", std::strerror(errno)));
     return;
   }
   const std::string job_file = (dir / "job.json").string();
@@ -463,24 +800,32 @@ void JobManager::spawn(Entry& e) {
       ::dup2(log, 1);
       ::dup2(log, 2);
     }
+    // The executor inherits stdin/out/err and its event pipe, nothing else: sockets the daemon
+    // accepted (HTTP connections, gRPC streams) and its lock files must not outlive it there.
+    ::close_range(4, ~0U, 0);
     const char* argv[] = {executor.c_str(), "--job", job_file.c_str(), "--events-fd", "3", nullptr};
     ::execv(executor.c_str(), const_cast<char* const*>(argv));
     ::_exit(127);
   }
   ::close(fds[1]);
   if (pid < 0) {
+    const int error = errno;
     ::close(fds[0]);
-    release_devices(e);
-    set_state(e, v1::JOB_STATE_FAILED, fmt::format("cannot start the executor: {}", std::strerror(errno)));
+    finish(lock, e, v1::JOB_STATE_FAILED,
+           fmt::format("cannot start the executor: {}", std::strerror(error)));
     return;
   }
   e.pid = pid;
   e.summary_received = false;
   e.stop_reason.clear();
   e.failure_message.clear();
+  e.kill_at.reset();
+  e.killed = false;
+  e.abort_reason.clear();
   e.job.set_attempts(e.job.attempts() + 1);
   e.job.clear_error();
-  e.attempt_started = std::chrono::steady_clock::now();
+  e.attempt_started = Clock::now();
+  e.last_progress = e.attempt_started;
   set_state(e, v1::JOB_STATE_RUNNING);
   monitors_.emplace_back([this, id = e.job.id(), pid, fd = fds[0]] { monitor(id, pid, fd); });
 }
@@ -525,9 +870,11 @@ void JobManager::handle_event(Entry& e, const ExecutorEventView& view) {
       p->set_tokens_per_s(s.tokens_per_s());
       p->set_step_ms(s.step_ms());
       const double elapsed =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - e.attempt_started).count();
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - e.attempt_started)
+              .count();
       const double done = static_cast<double>(s.step() - e.attempt_first_step + 1);
-      p->set_eta_seconds(done > 0 ? elapsed / done * static_cast<double>(e.job.total_steps() - s.step()) : 0);
+      p->set_eta_seconds(
+          done > 0 ? elapsed / done * static_cast<double>(e.job.total_steps() - s.step()) : 0);
       p->set_val_loss(-1);
       push_event(e, std::move(event));
       break;
@@ -596,37 +943,80 @@ void JobManager::monitor(std::string id, pid_t pid, int events_fd) {
   executor::EventReader reader(events_fd);
   while (auto event = reader.next()) {
     std::lock_guard lock(mu_);
-    handle_event(*jobs_.at(id), ExecutorEventView{*event});
+    Entry& e = *jobs_.at(id);
+    e.last_progress = Clock::now();
+    handle_event(e, ExecutorEventView{*event});
   }
   ::close(events_fd);
+  // Wait for the exit without reaping, and clear the pid before reaping: supervise(), cancel()
+  // and shutdown() signal e.pid, which must never name a reaped (reusable) pid.
+  siginfo_t info{};
+  while (::waitid(P_PID, static_cast<id_t>(pid), &info, WEXITED | WNOWAIT) < 0 && errno == EINTR) {
+  }
+  {
+    std::lock_guard lock(mu_);
+    jobs_.at(id)->pid = 0;
+  }
   int status = 0;
   while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
   }
-  std::lock_guard lock(mu_);
+  Lock lock(mu_);
   Entry& e = *jobs_.at(id);
-  e.pid = 0;
-  release_devices(e);
+  e.kill_at.reset();
   const bool clean_exit = WIFEXITED(status) && WEXITSTATUS(status) == 0 && e.summary_received;
+  const std::string killed =
+      e.killed ? fmt::format(
+                     " (it did not exit within jobs.cancel_grace_seconds={} of SIGTERM "
+                     "and was killed)",
+                     config_.jobs.cancel_grace_seconds)
+               : "";
   if (clean_exit && (e.stop_reason == "completed" || e.stop_reason == "time_limit")) {
-    set_state(e, v1::JOB_STATE_SUCCEEDED);
+    finish(lock, e, v1::JOB_STATE_SUCCEEDED);
   } else if (e.cancel_requested) {
-    set_state(e, v1::JOB_STATE_CANCELLED);
+    finish(lock, e, v1::JOB_STATE_CANCELLED, e.killed ? "cancelled" + killed : "");
+  } else if (!e.abort_reason.empty()) {
+    fail_attempt(lock, e,
+                 e.abort_reason + killed + "\nlast executor log lines:\n" +
+                     tail_lines(job_dir(id) / "executor.log", 15));
   } else if (stopping_ || (clean_exit && e.stop_reason == "stopped")) {
-    set_state(e, v1::JOB_STATE_INTERRUPTED, "stopped with the daemon; resumes at its next start");
+    finish(lock, e, v1::JOB_STATE_INTERRUPTED,
+           "stopped with the daemon; resumes at its next start");
   } else {
     std::string cause = describe_exit(status);
     if (!e.failure_message.empty()) cause += ": " + e.failure_message;
     cause += "\nlast executor log lines:\n" + tail_lines(job_dir(id) / "executor.log", 15);
-    const auto& spec = e.job.spec();
-    const bool retry = spec.restart_policy() == v1::RESTART_POLICY_ON_FAILURE &&
-                       e.job.attempts() <= spec.max_restarts();
-    set_state(e, v1::JOB_STATE_FAILED, cause);
-    if (retry) {
-      set_state(e, v1::JOB_STATE_QUEUED);
-      queue_.push_back(id);
-    }
+    fail_attempt(lock, e, cause);
   }
   changed_.notify_all();
+}
+
+std::chrono::seconds JobManager::restart_delay(int restart) const {
+  const int64_t cap = config_.jobs.restart_backoff_max_seconds;
+  int64_t delay = config_.jobs.restart_backoff_seconds;
+  for (int i = 1; i < restart && delay < cap; ++i) delay *= 2;
+  return std::chrono::seconds(std::min(delay, cap));
+}
+
+void JobManager::fail_attempt(Lock& lock, Entry& e, const std::string& cause) {
+  const auto& spec = e.job.spec();
+  const int restart = e.job.attempts();  // this would be restart number `attempts`
+  if (spec.restart_policy() != v1::RESTART_POLICY_ON_FAILURE || restart > spec.max_restarts()) {
+    finish(lock, e, v1::JOB_STATE_FAILED, cause);
+    return;
+  }
+  // A crash loop must not spin: each restart waits twice as long as the one before, capped.
+  const auto delay = restart_delay(restart);
+  e.not_before = Clock::now() + delay;
+  const std::string plan =
+      fmt::format("attempt {} failed; restart {} of spec.max_restarts={} in {} s", e.job.attempts(),
+                  restart, spec.max_restarts(), delay.count());
+  spdlog::warn("job {}: {}", e.job.id(), plan);
+  release_devices(e);
+  v1::JobEvent note;
+  note.set_log_line(plan + ": " + cause);
+  push_event(e, std::move(note));
+  set_state(e, v1::JOB_STATE_QUEUED, plan + ": " + cause);
+  queue_.push_back(e.job.id());
 }
 
 void JobManager::shutdown() {
@@ -644,11 +1034,13 @@ void JobManager::shutdown() {
   for (pid_t pid : running) ::kill(pid, SIGTERM);
   if (scheduler_.joinable()) scheduler_.join();
   // Executors finish their step and checkpoint; monitor() reaps each and clears
-  // its pid. Give them a bounded time, then kill what is left.
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  // its pid. They get the same grace as a cancelled job, then what is left is killed.
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::seconds(config_.jobs.cancel_grace_seconds);
   auto any_running = [&] {
     std::lock_guard lock(mu_);
-    return std::any_of(jobs_.begin(), jobs_.end(), [](const auto& kv) { return kv.second->pid > 0; });
+    return std::any_of(jobs_.begin(), jobs_.end(),
+                       [](const auto& kv) { return kv.second->pid > 0; });
   };
   while (any_running() && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));

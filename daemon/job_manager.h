@@ -1,14 +1,24 @@
 #pragma once
 // Owns the jobs: validates and queues submissions, starts each job's executor
 // process when its devices are free, reads the executor's event stream, records
-// everything through the receipt writer, serves watchers, applies restart
-// policies, and recovers interrupted jobs at startup.
+// everything through the receipt writer, serves watchers, supervises executors
+// (progress watchdog, time limit, cancel escalation), applies restart policies
+// with backoff, and recovers interrupted jobs at startup.
+//
+// Invariant: the end of a job that was queued or ran (succeeded, failed,
+// cancelled; interrupted at shutdown) becomes visible to get(), list(), watch()
+// and snapshot() only after everything recorded for it, its last step receipts,
+// run summary and its job row in the final state, is committed to the store:
+// every such end goes through finish(). A client that sees a job end can read
+// all of its receipts at once. (A refusal at submit is answered after submit()'s
+// flush; its row is in jobs_ from validation on.)
 #include <sys/types.h>
 
 #include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -21,7 +31,7 @@
 #include "megacpp/v1/jobs.pb.h"
 #include "receipts/batched_writer.h"
 #include "receipts/store.h"
-#include "runtime/daemon_config/daemon_config.h"
+#include "service/config/daemon_config.h"
 
 namespace megacpp::daemon {
 
@@ -64,30 +74,66 @@ class JobManager {
   std::vector<megacpp::v1::Job> list(const std::vector<megacpp::v1::JobState>& states, int limit,
                                      const std::string& after_id, std::string* next_token) const;
   // Throws Error(kNotFound). Queued jobs are cancelled at once; running ones get
-  // SIGTERM and become cancelled when their executor has checkpointed and exited.
+  // SIGTERM and become cancelled when their executor has checkpointed and exited,
+  // or SIGKILL when it has not within jobs.cancel_grace_seconds.
   megacpp::v1::Job cancel(const std::string& id);
 
-  // Events of a job after `cursor` (returns the new cursor); waits up to
-  // `timeout` for new ones. `finished` is set once the job is terminal and every
-  // event was returned.
-  std::vector<megacpp::v1::JobEvent> wait_events(const std::string& id, int64_t& cursor,
-                                                 std::chrono::milliseconds timeout, bool* finished);
+  // Streams the job's events to `send` until the job has ended and its last
+  // event was sent, `send` returns false (the client went away) or `cancelled()`
+  // (polled at least every half second) is true. Events come from the job's
+  // in-memory history while it holds them; what it no longer holds (a watcher
+  // that fell behind limits.job_event_history_bytes, or any job that has ended:
+  // its history is freed then) comes from the store: step receipts with their
+  // evals, the run summary, and the final state. Log lines and intermediate
+  // state changes live only in memory. Throws Error(kNotFound).
+  void watch(const std::string& id, const std::function<bool(const megacpp::v1::JobEvent&)>& send,
+             const std::function<bool()>& cancelled);
+  // A WatchJob stream holds a server thread for as long as the job runs: at
+  // most limits.max_watch_streams at once. false when that many are open;
+  // call release_watch_stream() once for every true.
+  bool acquire_watch_stream();
+  void release_watch_stream();
+  int max_watch_streams() const { return config_.limits.max_watch_streams; }
 
   ManagerSnapshot snapshot() const;
 
  private:
   struct Entry;
-  megacpp::v1::Job submit_locked(const megacpp::v1::JobSpec& spec);
+  struct WatchCursor;
+  using Lock = std::unique_lock<std::mutex>;
+  // A submission in two halves around the commit of its records (see submit()).
+  struct Submission;
+  Submission prepare_submission(const megacpp::v1::JobSpec& spec);
+  megacpp::v1::Job publish_submission(Submission submission);
   void rewind_to_recorded_checkpoint(const receipts::Store& store, const std::string& id);
   void scheduler_loop();
-  bool try_start(Entry& entry);  // with mu_ held
-  void spawn(Entry& entry);      // with mu_ held
+  // Watchdog, time limit and SIGKILL escalation of running executors; returns
+  // when it next has something to check. With mu_ held.
+  std::chrono::steady_clock::time_point supervise(std::chrono::steady_clock::time_point now);
+  void stop_executor(Entry& entry, const std::string& reason);  // with mu_ held
+  bool claim_devices(Entry& entry);                             // with mu_ held
+  void spawn(Lock& lock, Entry& entry);
   void monitor(std::string id, pid_t pid, int events_fd);
   void handle_event(Entry& entry, const struct ExecutorEventView& view);
   void set_state(Entry& entry, megacpp::v1::JobState state, const std::string& error = "");
+  // Ends a job (a terminal state, or interrupted): records the final job row, releases `lock`
+  // until the store has committed it and everything recorded before it, then publishes.
+  void finish(Lock& lock, Entry& entry, megacpp::v1::JobState state, const std::string& error = "");
+  // A failed attempt: queued again after the restart backoff when the restart policy allows,
+  // else finished as failed.
+  void fail_attempt(Lock& lock, Entry& entry, const std::string& cause);
+  std::chrono::seconds restart_delay(int restart) const;  // restart: 1 for the first
   void push_event(Entry& entry, megacpp::v1::JobEvent event);
+  void free_history(Entry& entry);
+  // Sends what the store holds of the job's steps (with their evals) in
+  // (cursor.last_step, through_step]; false when `send` failed.
+  bool replay_steps(const receipts::Store& store, const megacpp::v1::Job& job, WatchCursor& cursor,
+                    int64_t through_step,
+                    const std::function<bool(const megacpp::v1::JobEvent&)>& send) const;
   void record_job(const Entry& entry);
-  void record_gate_decisions(const std::string& id, const std::vector<gates::GateDecision>& decisions);
+  void record_job(const megacpp::v1::Job& job, int64_t last_checkpoint_step);
+  void record_gate_decisions(const std::string& id,
+                             const std::vector<gates::GateDecision>& decisions);
   void release_devices(Entry& entry);
   std::string new_job_id();
   std::filesystem::path job_dir(const std::string& id) const;
@@ -98,6 +144,9 @@ class JobManager {
   int64_t boot_id_;
   std::filesystem::path executor_path_;
   mutable std::mutex mu_;
+  // Serialises submissions from validation to publication, so the queue limit and the job ids
+  // hold across the unlocked wait for the commit.
+  std::mutex submit_mu_;
   std::condition_variable changed_;
   std::map<std::string, std::unique_ptr<Entry>> jobs_;
   std::deque<std::string> queue_;
@@ -106,6 +155,7 @@ class JobManager {
   bool stopping_ = false;
   int64_t id_counter_ = 0;
   int64_t steps_total_ = 0;
+  int watch_streams_ = 0;
   std::thread scheduler_;
   std::vector<std::thread> monitors_;
 };

@@ -1,11 +1,17 @@
 #include "daemon/job_spec.h"
 
 #include <fmt/format.h>
+#include <unistd.h>
 
-#include "runtime/common/error.h"
-#include "runtime/daemon_config/path_policy.h"
-#include "runtime/model/config.h"
+#include <algorithm>
+#include <initializer_list>
+
+#include "base/error.h"
+#include "runtime/config/model_config.h"
+#include "runtime/model/memory_estimate.h"
+#include "runtime/parallel/shard_plan.h"
 #include "runtime/trainer/trainer.h"
+#include "service/config/path_policy.h"
 
 namespace megacpp::daemon {
 
@@ -18,40 +24,75 @@ template <typename... Args>
   fail(ErrorKind::kInvalidArgument, "spec.{}", fmt::format(rule, std::forward<Args>(args)...));
 }
 
-// Tensor-parallel legality of the spec's model (shared/spec/model.md).
-void check_tensor_parallel(const ModelConfig& m, int tp) {
-  if (tp <= 1) return;
-  const bool has_mamba = static_cast<int>(m.attn_layer_idx.size()) < m.n_layer;
-  if (has_mamba && m.ssm_heads() % tp != 0) {
-    refuse("tensor_parallel={} does not divide the Mamba-3 heads H={}", tp, m.ssm_heads());
-  }
-  if (!m.attn_layer_idx.empty()) {
-    if (m.attn.num_heads % tp != 0) {
-      refuse("tensor_parallel={} does not divide attn_cfg.num_heads={}", tp, m.attn.num_heads);
-    }
-    if (m.attn_kv_heads() % tp != 0) {
-      refuse("tensor_parallel={} does not divide attn_cfg.num_heads_kv={}", tp, m.attn_kv_heads());
-    }
-  }
-  if (m.d_intermediate > 0 && m.mlp_hidden() % tp != 0) {
-    refuse("tensor_parallel={} does not divide the MLP hidden size {}", tp, m.mlp_hidden());
-  }
+// proto3 scalars have no presence: 0 means unset, which takes the trainer's default.
+template <typename V, typename D>
+V or_default(V value, D fallback) {
+  return value == V{} ? static_cast<V>(fallback) : value;
 }
 
-std::string dataset_prefix(const std::string& value, const char* field, const DaemonConfig& config) {
+std::string dataset_prefix(const std::string& value, const char* field,
+                           const DaemonConfig& config) {
   if (value.empty()) refuse("{} is required: a dataset prefix (PREFIX.bin and PREFIX.idx)", field);
   // Both files must be inside an allowed data root, symlinks resolved.
   const auto idx = resolve_allowed_path(value + ".idx", config.data_roots,
-                                       std::string("spec.") + field, /*must_exist=*/true);
+                                        std::string("spec.") + field, /*must_exist=*/true);
   resolve_allowed_path(value + ".bin", config.data_roots, std::string("spec.") + field, true);
   std::string prefix = idx.string();
   return prefix.substr(0, prefix.size() - 4);
 }
 
+// Refuses a job whose estimated memory exceeds what its device has, with the estimate.
+void check_memory(const megacpp::v1::JobSpec& spec, const ModelConfig& model,
+                  const ValidatedJob& job, int cpu_slots,
+                  std::initializer_list<std::string> datasets, const MemoryBudget& budget) {
+  TrainingShape shape;
+  shape.batch = spec.batch();
+  shape.seqlen = spec.seqlen();
+  // threads = 0 takes the slot's share of the cores, as JobManager assigns it.
+  const long cores = std::max(1L, ::sysconf(_SC_NPROCESSORS_ONLN));
+  // Clamped to the field's bound, which the trainer's validation enforces with its own
+  // message; the estimate must not refuse a spec for a field that message names.
+  shape.threads = std::clamp<int64_t>(
+      spec.threads() > 0 ? spec.threads()
+                         : std::max<long>(1, cores / std::max(1, cpu_slots)) * job.device_count,
+      1, TrainJobLimits::kMaxThreads);
+  MemoryEstimate estimate = estimate_training_memory(model, shape);
+  for (const std::string& prefix : datasets) {
+    if (prefix.empty()) continue;
+    std::error_code ec;
+    const auto bytes = std::filesystem::file_size(prefix + ".idx", ec);
+    if (!ec) estimate.datasets += bytes;  // the index is read into memory
+  }
+  if (job.device_kind == gates::DeviceKind::kCpu) {
+    const HostMemory host = read_host_memory();
+    const uint64_t limit = budget.host_bytes > 0 ? budget.host_bytes : host.available;
+    if (limit > 0 && estimate.total() > limit) {
+      refuse(
+          "batch={}, seqlen={}: the job needs about {} of memory, more than the {} bytes this "
+          "host has available (MemAvailable; MemTotal {} bytes): lower batch or seqlen, or "
+          "use a smaller model",
+          spec.batch(), spec.seqlen(), estimate.describe(), limit, host.total);
+    }
+  } else if (budget.gpu_bytes > 0) {
+    // Tensor parallelism splits the weights and most activations across the group.
+    const uint64_t share =
+        estimate.total() / static_cast<uint64_t>(std::max(1, spec.tensor_parallel()));
+    if (share > budget.gpu_bytes) {
+      refuse(
+          "batch={}, seqlen={}: the job needs about {} of memory, {} bytes per GPU over "
+          "tensor_parallel={}, more than a GPU's {} bytes: lower batch or seqlen, or use a "
+          "smaller model",
+          spec.batch(), spec.seqlen(), estimate.describe(), share,
+          std::max(1, spec.tensor_parallel()), budget.gpu_bytes);
+    }
+  }
+}
+
 }  // namespace
 
 ValidatedJob validate_job_spec(const megacpp::v1::JobSpec& spec, const DaemonConfig& config,
-                               int cpu_slots, int gpus, const std::filesystem::path& checkpoint_dir) {
+                               int cpu_slots, int gpus, const std::filesystem::path& checkpoint_dir,
+                               const MemoryBudget& memory) {
   if (spec.ByteSizeLong() > config.limits.max_spec_bytes) {
     refuse("size {} bytes exceeds limits.max_spec_bytes={}", spec.ByteSizeLong(),
            config.limits.max_spec_bytes);
@@ -70,6 +111,9 @@ ValidatedJob validate_job_spec(const megacpp::v1::JobSpec& spec, const DaemonCon
         parsed = json::parse(spec.config_json());
       } catch (const json::parse_error& e) {
         refuse("config_json is not valid JSON (byte {}): {}", e.byte, e.what());
+      } catch (const json::exception& e) {
+        // Not only syntax: a number beyond the double range (1e400) is out_of_range.
+        refuse("config_json is not valid JSON: {}", e.what());
       }
       model_config = parse_model_config(parsed, "spec.config_json");
       model = {{"config", parsed}};
@@ -91,31 +135,59 @@ ValidatedJob validate_job_spec(const megacpp::v1::JobSpec& spec, const DaemonCon
   if (spec.tensor_parallel() < 0) refuse("tensor_parallel={} must be >= 0", spec.tensor_parallel());
   out.device_count = std::max(1, spec.device_count());
   const int tp = std::max(1, spec.tensor_parallel());
-  if (out.device_count % tp != 0) {
-    refuse("tensor_parallel={} does not divide device_count={}", tp, out.device_count);
+  try {
+    // The whole plan, not just the divisibility rules: a spec accepted here is one the
+    // runtime can split.
+    parallel::ShardPlan(model_config, parallel::ParallelConfig{.tensor_parallel = tp,
+                                                               .device_count = out.device_count});
+  } catch (const Error& e) {
+    if (e.kind() != ErrorKind::kInvalidArgument) throw;
+    refuse("{}", e.what());
   }
-  check_tensor_parallel(model_config, tp);
   const int available = out.device_kind == gates::DeviceKind::kCpu ? cpu_slots : gpus;
   if (out.device_count > available) {
-    refuse("device_count={} exceeds this machine's {} {} device(s)", out.device_count, available, kind);
+    refuse("device_count={} exceeds this machine's {} {} device(s)", out.device_count, available,
+           kind);
   }
 
   const std::string train = dataset_prefix(spec.train_data(), "train_data", config);
-  const std::string valid =
-      spec.valid_data().empty() ? std::string() : dataset_prefix(spec.valid_data(), "valid_data", config);
-  if (spec.restart_policy() == megacpp::v1::RESTART_POLICY_ON_FAILURE && spec.max_restarts() < 0) {
-    refuse("max_restarts={} must be >= 0", spec.max_restarts());
+  const std::string valid = spec.valid_data().empty()
+                                ? std::string()
+                                : dataset_prefix(spec.valid_data(), "valid_data", config);
+  // proto3 enums are open: an unknown number would reach the restart logic as is.
+  if (!megacpp::v1::RestartPolicy_IsValid(spec.restart_policy())) {
+    refuse("restart_policy={} is not a RestartPolicy value",
+           static_cast<int>(spec.restart_policy()));
   }
+  if (spec.max_restarts() < 0 || spec.max_restarts() > kMaxRestarts) {
+    refuse("max_restarts={} must be in [0, {}]", spec.max_restarts(), kMaxRestarts);
+  }
+  if (spec.has_checkpoint_keep_last() &&
+      (spec.checkpoint_keep_last() < 0 ||
+       spec.checkpoint_keep_last() > TrainJobLimits::kMaxKeepLast)) {
+    refuse("checkpoint_keep_last={} must be in [0, {}] (0 keeps every checkpoint)",
+           spec.checkpoint_keep_last(), TrainJobLimits::kMaxKeepLast);
+  }
+  check_memory(spec, model_config, out, cpu_slots, {train, valid}, memory);
 
+  const TrainJob defaults;
   json job = {{"model", model},
               {"data", {{"train", train}}},
               {"steps", spec.steps()},
               {"batch", spec.batch()},
               {"seqlen", spec.seqlen()},
-              {"grad_accum", spec.grad_accum() == 0 ? 1 : spec.grad_accum()},
-              {"checkpoint", {{"dir", checkpoint_dir.string()}, {"interval", spec.checkpoint_interval()}}},
-              {"eval", {{"interval", spec.eval_interval()}, {"batches", spec.eval_batches() == 0 ? 4 : spec.eval_batches()}}},
-              {"seed", spec.seed() == 0 ? 1234 : spec.seed()},
+              {"grad_accum", or_default(spec.grad_accum(), defaults.grad_accum)},
+              {"checkpoint",
+               {{"dir", checkpoint_dir.string()},
+                {"interval", spec.checkpoint_interval()},
+                {"keep_last", spec.has_checkpoint_keep_last() ? spec.checkpoint_keep_last()
+                                                              : defaults.keep_last},
+                // The floor the daemon keeps on its disks holds while the job writes checkpoints.
+                {"min_free_bytes", config.min_free_bytes}}},
+              {"eval",
+               {{"interval", spec.eval_interval()},
+                {"batches", or_default(spec.eval_batches(), defaults.eval_batches)}}},
+              {"seed", or_default(spec.seed(), defaults.seed)},
               {"max_seconds", spec.max_seconds()},
               {"threads", spec.threads()}};
   if (!valid.empty()) job["data"]["valid"] = valid;
@@ -141,10 +213,12 @@ ValidatedJob validate_job_spec(const megacpp::v1::JobSpec& spec, const DaemonCon
   if (out.device_kind == gates::DeviceKind::kCuda) {
     // Checked after the gates so their decisions are recorded with the refusal.
     out.gate_decisions.push_back(
-        {"cuda_backend", gates::Decision::kRefused,
+        {"cuda_backend",
+         gates::Decision::kRefused,
          "device_kind=cuda: the CUDA training backend is not implemented yet (the scan kernels "
          "exist; the trainer runs on the CPU only)",
-         gates::GateImplementation::kScaffold, {}});
+         gates::GateImplementation::kScaffold,
+         {}});
   }
   return out;
 }

@@ -2,36 +2,38 @@
 // config → preconditions (nothing served and no device touched if one fails) →
 // boot receipt → recovery of interrupted jobs → gRPC + HTTP. SIGTERM/SIGINT:
 // stop accepting, checkpoint and stop executors, flush the store, exit 0.
-#include <CLI/CLI.hpp>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <signal.h>
 #include <spdlog/spdlog.h>
 #include <sys/resource.h>
+#include <CLI/CLI.hpp>
 
 #include <csignal>
 #include <fstream>
 #include <iostream>
 
+#include "base/atomic_file.h"
+#include "base/error.h"
+#include "base/version.h"
 #include "daemon/boot.h"
 #include "daemon/http_endpoint.h"
 #include "daemon/job_manager.h"
 #include "daemon/services.h"
-#include "receipts/store.h"
 #include "receipts/batched_writer.h"
-#include "runtime/common/atomic_file.h"
-#include "runtime/common/error.h"
-#include "runtime/common/version.h"
-#include "runtime/daemon_config/daemon_config.h"
-#include "runtime/preconditions/preconditions.h"
+#include "receipts/store.h"
+#include "service/config/daemon_config.h"
+#include "service/preconditions/preconditions.h"
 
 namespace {
 
 std::string read_secret(const std::filesystem::path& file, const char* what) {
   std::string text = megacpp::read_file(file);
-  while (!text.empty() && (text.back() == '\n' || text.back() == '\r' || text.back() == ' ')) text.pop_back();
-  if (text.empty()) megacpp::fail(megacpp::ErrorKind::kInvalidArgument, "{} {} is empty", what, file.string());
+  while (!text.empty() && (text.back() == '\n' || text.back() == '\r' || text.back() == ' '))
+    text.pop_back();
+  if (text.empty())
+    megacpp::fail(megacpp::ErrorKind::kInvalidArgument, "{} {} is empty", what, file.string());
   return text;
 }
 
@@ -48,6 +50,13 @@ std::vector<megacpp::receipts::PreconditionResult> to_receipts(
   return out;
 }
 
+// Whether an address from the config only accepts connections from this host.
+bool local_only(const std::string& address) {
+  if (address.empty() || address.starts_with("unix:")) return true;
+  const std::string host = address.substr(0, address.rfind(':'));
+  return host == "localhost" || host == "[::1]" || host.starts_with("127.");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -56,7 +65,8 @@ int main(int argc, char** argv) {
   std::string config_file = "configs/daemon.json";
   bool check_only = false;
   app.add_option("--config", config_file, "daemon config JSON")->capture_default_str();
-  app.add_flag("--check", check_only, "run the preconditions, print them and exit (megacpp doctor)");
+  app.add_flag("--check", check_only,
+               "run the preconditions, print them and exit (megacpp doctor)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -80,7 +90,8 @@ int main(int argc, char** argv) {
     // The store, when usable, records even a refused boot.
     std::unique_ptr<mc::receipts::Store> store;
     try {
-      store = std::make_unique<mc::receipts::Store>(config.store_path, mc::receipts::OpenMode::kReadWrite);
+      store = std::make_unique<mc::receipts::Store>(config.store_path,
+                                                    mc::receipts::OpenMode::kReadWrite);
     } catch (const std::exception& e) {
       spdlog::error("receipt store {} unusable: {}", config.store_path.string(), e.what());
     }
@@ -99,34 +110,88 @@ int main(int argc, char** argv) {
     }
     if (!store) mc::fail(mc::ErrorKind::kFailedPrecondition, "the receipt store cannot be opened");
 
+    // One daemon per state directory and per store, taken before this daemon writes anything
+    // that assumes it is alone: two daemons would run each other's jobs twice, and the crash
+    // marking below would mark a live daemon's boot.
+    const mc::daemon::DaemonLock state_lock(config.state_dir / "megacppd.lock",
+                                            "state_dir " + config.state_dir.string());
+    const mc::daemon::DaemonLock store_lock(config.store_path.string() + ".lock",
+                                            "store_path " + config.store_path.string());
+
     const auto devices = mc::daemon::inventory_devices(config, true);
     auto boot = mc::daemon::describe_boot(devices);
     const int64_t boot_id = store->insert_boot(boot);
     store->insert_preconditions(to_receipts(checks, boot_id));
+    if (const int64_t crashed = store->mark_unfinished_boots_crashed(boot_id); crashed > 0) {
+      spdlog::warn(
+          "{} earlier boot(s) were still starting or serving (the daemon was killed): "
+          "marked crashed",
+          crashed);
+    }
     mc::receipts::BatchedWriter writer(*store);  // the daemon is the store's only writer
 
     const auto executor = config.executor_path_for(std::filesystem::canonical("/proc/self/exe"));
     mc::daemon::JobManager jobs(config, writer, config.store_path, boot_id, devices, executor);
-    jobs.recover();
-    writer.flush();
-    jobs.start();
 
     std::string token;
-    if (!config.security.token_file.empty()) token = read_secret(config.security.token_file, "security.token_file");
+    if (!config.security.token_file.empty())
+      token = read_secret(config.security.token_file, "security.token_file");
     mc::daemon::TokenCheck auth(token);
+    if (auth.required() && config.security.tls_cert_file.empty() &&
+        !(local_only(config.listen_address) && local_only(config.http_address))) {
+      spdlog::warn(
+          "security.token_file is set but TLS is not (security.tls_cert_file): the token "
+          "crosses the network in the clear to listen_address {} / http_address {}",
+          config.listen_address, config.http_address);
+    }
     mc::daemon::StatusSource status_source(jobs, config.store_path, boot_id);
     mc::daemon::JobServiceImpl job_service(jobs, auth);
     mc::daemon::ReceiptServiceImpl receipt_service(config.store_path, auth);
     mc::daemon::StatusServiceImpl status_service(status_source, auth);
 
+    // Both ports before any job is recovered: a daemon that cannot serve must not start (and
+    // then interrupt) executors.
+    std::unique_ptr<mc::daemon::HttpEndpoint> http;
+    try {
+      if (!config.http_address.empty()) {
+        mc::daemon::HttpOptions http_options;
+        http_options.workers = config.http.workers;
+        http_options.idle_timeout_seconds = config.http.idle_timeout_seconds;
+        http_options.io_timeout_seconds = config.http.io_timeout_seconds;
+        http_options.auth = &auth;
+        http_options.public_metrics = config.security.public_metrics;
+        http_options.tls_cert_file = config.security.tls_cert_file;
+        http_options.tls_key_file = config.security.tls_key_file;
+        http = std::make_unique<mc::daemon::HttpEndpoint>(status_source, config.http_address,
+                                                          http_options);
+        http->bind();
+      }
+      mc::daemon::check_port_free("listen_address", config.listen_address);
+    } catch (const std::exception&) {
+      writer.enqueue(mc::receipts::BootStatusUpdate{boot_id, "refused"});
+      writer.flush();
+      throw;
+    }
+
+    jobs.recover();
+    writer.flush();
+    jobs.start();
+
     grpc::EnableDefaultHealthCheckService(true);
     grpc::reflection::InitProtoReflectionServerBuilderPlugin();
     grpc::ServerBuilder builder;
+    // gRPC sets SO_REUSEPORT by default: a second daemon on the same port would bind too and
+    // take half the connections.
+    builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> guards;
+    guards.push_back(std::make_unique<mc::daemon::RequestGuardFactory>(auth));
+    builder.experimental().SetInterceptorCreators(std::move(guards));
     std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
     if (!config.security.tls_cert_file.empty()) {
       grpc::SslServerCredentialsOptions ssl;
-      ssl.pem_key_cert_pairs.push_back({read_secret(config.security.tls_key_file, "security.tls_key_file"),
-                                        read_secret(config.security.tls_cert_file, "security.tls_cert_file")});
+      ssl.pem_key_cert_pairs.push_back(
+          {read_secret(config.security.tls_key_file, "security.tls_key_file"),
+           read_secret(config.security.tls_cert_file, "security.tls_cert_file")});
       credentials = grpc::SslServerCredentials(ssl);
     }
     int port = 0;
@@ -140,14 +205,12 @@ int main(int argc, char** argv) {
     if (!server || port == 0) {
       writer.enqueue(mc::receipts::BootStatusUpdate{boot_id, "refused"});
       writer.flush();
-      mc::fail(mc::ErrorKind::kFailedPrecondition, "listen_address {}: cannot listen (in use?)",
+      mc::fail(mc::ErrorKind::kFailedPrecondition,
+               "listen_address {}: cannot listen: the port is in use (only one process may "
+               "serve it), or the address is not local",
                config.listen_address);
     }
-    std::unique_ptr<mc::daemon::HttpEndpoint> http;
-    if (!config.http_address.empty()) {
-      http = std::make_unique<mc::daemon::HttpEndpoint>(status_source, config.http_address);
-      http->start();
-    }
+    if (http) http->start();
     writer.enqueue(mc::receipts::BootStatusUpdate{boot_id, "serving"});
     writer.flush();
     // Announce the real ports (a config may ask for port 0): tests and scripts read this.
@@ -172,7 +235,8 @@ int main(int argc, char** argv) {
     return 0;
   } catch (const megacpp::Error& e) {
     spdlog::error("{}", e.what());
-    return 2;
+    // Refused before serving (a lock, a port, the store): the same code as a failed check.
+    return e.kind() == megacpp::ErrorKind::kFailedPrecondition ? 3 : 2;
   } catch (const std::exception& e) {
     spdlog::error("internal error: {}", e.what());
     return 1;

@@ -1,14 +1,17 @@
 #include "daemon/services.h"
 
+#include <google/protobuf/descriptor.h>
 #include <google/protobuf/util/json_util.h>
+#include <grpc/grpc.h>
 #include <spdlog/spdlog.h>
 
 #include <fmt/format.h>
 
+#include "base/error.h"
+#include "base/version.h"
 #include "receipts/compare.h"
 #include "receipts/store.h"
-#include "runtime/common/error.h"
-#include "runtime/common/version.h"
+#include "service/job_states.h"
 
 namespace megacpp::daemon {
 
@@ -19,34 +22,129 @@ using grpc::StatusCode;
 grpc::Status to_grpc_status(const std::exception& error) {
   if (const auto* e = dynamic_cast<const Error*>(&error)) {
     switch (e->kind()) {
-      case ErrorKind::kInvalidArgument: return {StatusCode::INVALID_ARGUMENT, e->what()};
-      case ErrorKind::kNotFound: return {StatusCode::NOT_FOUND, e->what()};
-      case ErrorKind::kFailedPrecondition: return {StatusCode::FAILED_PRECONDITION, e->what()};
-      case ErrorKind::kCorruptData: return {StatusCode::DATA_LOSS, e->what()};
-      default: return {StatusCode::INTERNAL, e->what()};
+      case ErrorKind::kInvalidArgument:
+        return {StatusCode::INVALID_ARGUMENT, e->what()};
+      case ErrorKind::kNotFound:
+        return {StatusCode::NOT_FOUND, e->what()};
+      case ErrorKind::kFailedPrecondition:
+        return {StatusCode::FAILED_PRECONDITION, e->what()};
+      case ErrorKind::kCorruptData:
+        return {StatusCode::DATA_LOSS, e->what()};
+      default:
+        return {StatusCode::INTERNAL, e->what()};
     }
   }
   return {StatusCode::INTERNAL, error.what()};
+}
+
+bool TokenCheck::accepts(const std::string_view* given) const {
+  if (token_.empty()) return true;
+  if (given == nullptr) return false;
+  const std::string expected = "Bearer " + token_;
+  // Constant-time comparison: the time taken does not reveal a prefix match.
+  unsigned char diff = given->size() == expected.size() ? 0 : 1;
+  for (size_t i = 0; i < expected.size(); ++i) {
+    diff |= static_cast<unsigned char>(expected[i] ^ (i < given->size() ? (*given)[i] : 0));
+  }
+  return diff == 0;
 }
 
 Status TokenCheck::check(const grpc::ServerContext* context) const {
   if (token_.empty()) return Status::OK;
   const auto& md = context->client_metadata();
   auto it = md.find("authorization");
-  const std::string expected = "Bearer " + token_;
   if (it == md.end()) return {StatusCode::UNAUTHENTICATED, "this daemon requires a bearer token"};
   const std::string_view given(it->second.data(), it->second.size());
-  // Constant-time comparison: the time taken does not reveal a prefix match.
-  unsigned char diff = given.size() == expected.size() ? 0 : 1;
-  for (size_t i = 0; i < expected.size(); ++i) {
-    diff |= static_cast<unsigned char>(expected[i] ^ (i < given.size() ? given[i] : 0));
-  }
-  if (diff != 0) return {StatusCode::UNAUTHENTICATED, "the bearer token is not valid"};
+  if (!accepts(&given)) return {StatusCode::UNAUTHENTICATED, "the bearer token is not valid"};
   return Status::OK;
 }
 
-#define MEGACPP_REQUIRE_AUTH()                       \
-  do {                                               \
+namespace {
+
+namespace gx = grpc::experimental;
+
+class RequestGuard final : public gx::Interceptor {
+ public:
+  RequestGuard(gx::ServerRpcInfo* info, const TokenCheck& auth)
+      : info_(info),
+        auth_(auth),
+        method_(info->method() ? info->method() : ""),
+        reflection_(method_.starts_with("/grpc.reflection.")),
+        // Only these read their one request before the handler runs; in a client stream an
+        // empty read is the normal end of the stream, not a parse failure.
+        single_request_(info->type() == gx::ServerRpcInfo::Type::UNARY ||
+                        info->type() == gx::ServerRpcInfo::Type::SERVER_STREAMING),
+        ours_(method_.starts_with("/megacpp.")) {}
+
+  void Intercept(gx::InterceptorBatchMethods* methods) override {
+    using Hook = gx::InterceptionHookPoints;
+    if (methods->QueryInterceptionHookPoint(Hook::POST_RECV_INITIAL_METADATA)) {
+      authorized_ = authorized(methods->GetRecvInitialMetadata());
+      if (reflection_ && !authorized_) {
+        // The reflection handler cannot be told to refuse; cancelling the call before it reads
+        // the first request leaves it nothing to answer, and the client sees this status.
+        grpc_call_cancel_with_status(info_->server_context()->c_call(), GRPC_STATUS_UNAUTHENTICATED,
+                                     "server reflection requires the bearer token", nullptr);
+      }
+    }
+    // The sync server parses a unary or server-streaming request before any handler runs and
+    // passes no message on when that fails.
+    if (single_request_ && methods->QueryInterceptionHookPoint(Hook::POST_RECV_MESSAGE) &&
+        methods->GetRecvMessage() == nullptr) {
+      unparsable_ = true;
+    }
+    if (methods->QueryInterceptionHookPoint(Hook::PRE_SEND_STATUS) && unparsable_ && ours_) {
+      if (!authorized_) {
+        methods->ModifySendStatus(
+            Status(StatusCode::UNAUTHENTICATED, "this daemon requires a bearer token"));
+      } else {
+        methods->ModifySendStatus(Status(
+            StatusCode::INVALID_ARGUMENT,
+            fmt::format("{}: the request is not a valid {} message (malformed or truncated "
+                        "protobuf, a string field that is not UTF-8, or not protobuf at all)",
+                        method_, request_type())));
+      }
+    }
+    methods->Proceed();
+  }
+
+ private:
+  bool authorized(std::multimap<grpc::string_ref, grpc::string_ref>* metadata) const {
+    if (!auth_.required()) return true;
+    if (metadata == nullptr) return false;
+    auto it = metadata->find("authorization");
+    if (it == metadata->end()) return false;
+    const std::string_view given(it->second.data(), it->second.size());
+    return auth_.accepts(&given);
+  }
+
+  // "/megacpp.v1.JobService/SubmitJob" -> "megacpp.v1.SubmitJobRequest".
+  std::string request_type() const {
+    std::string name = method_.substr(1);
+    std::replace(name.begin(), name.end(), '/', '.');
+    const auto* method = google::protobuf::DescriptorPool::generated_pool()->FindMethodByName(name);
+    return method ? method->input_type()->full_name() : std::string("request");
+  }
+
+  gx::ServerRpcInfo* info_;
+  const TokenCheck& auth_;
+  std::string method_;
+  bool reflection_;
+  bool single_request_;
+  bool ours_;
+  bool authorized_ = true;
+  bool unparsable_ = false;
+};
+
+}  // namespace
+
+grpc::experimental::Interceptor* RequestGuardFactory::CreateServerInterceptor(
+    grpc::experimental::ServerRpcInfo* info) {
+  return new RequestGuard(info, auth_);
+}
+
+#define MEGACPP_REQUIRE_AUTH()                            \
+  do {                                                    \
     if (auto s = auth_.check(context); !s.ok()) return s; \
   } while (0)
 
@@ -68,7 +166,8 @@ Status JobServiceImpl::SubmitJob(grpc::ServerContext* context, const v1::SubmitJ
   return guarded([&] { *response->mutable_job() = jobs_.submit(request->spec()); });
 }
 
-Status JobServiceImpl::GetJob(grpc::ServerContext* context, const v1::GetJobRequest* request, v1::Job* response) {
+Status JobServiceImpl::GetJob(grpc::ServerContext* context, const v1::GetJobRequest* request,
+                              v1::Job* response) {
   MEGACPP_REQUIRE_AUTH();
   auto job = jobs_.get(request->id());
   if (!job) return {StatusCode::NOT_FOUND, "no job " + request->id()};
@@ -100,14 +199,23 @@ Status JobServiceImpl::CancelJob(grpc::ServerContext* context, const v1::CancelJ
 Status JobServiceImpl::WatchJob(grpc::ServerContext* context, const v1::WatchJobRequest* request,
                                 grpc::ServerWriter<v1::JobEvent>* writer) {
   MEGACPP_REQUIRE_AUTH();
+  // A stream holds one of the server's threads until its job ends: bounded, so that watchers
+  // cannot starve every other RPC.
+  if (!jobs_.acquire_watch_stream()) {
+    return {StatusCode::RESOURCE_EXHAUSTED,
+            fmt::format("too many WatchJob streams: limits.max_watch_streams={} are open; retry "
+                        "later, or raise the limit in the daemon config",
+                        jobs_.max_watch_streams())};
+  }
+  struct Release {
+    JobManager& jobs;
+    ~Release() { jobs.release_watch_stream(); }
+  } release{jobs_};
   return guarded([&] {
-    int64_t cursor = 0;
-    bool finished = false;
-    while (!finished && !context->IsCancelled()) {
-      for (const auto& event : jobs_.wait_events(request->id(), cursor, std::chrono::milliseconds(500), &finished)) {
-        if (!writer->Write(event)) return;  // the client went away
-      }
-    }
+    jobs_.watch(
+        request->id(),
+        [&](const v1::JobEvent& event) { return writer->Write(event); },  // false: client gone
+        [&] { return context->IsCancelled(); });
   });
 }
 
@@ -154,14 +262,16 @@ void fill_envelope(v1::NoiseEnvelope* out, const receipts::NoiseEnvelope& e) {
 
 }  // namespace
 
-Status ReceiptServiceImpl::ListBoots(grpc::ServerContext* context, const v1::ListBootsRequest* request,
+Status ReceiptServiceImpl::ListBoots(grpc::ServerContext* context,
+                                     const v1::ListBootsRequest* request,
                                      v1::ListBootsResponse* response) {
   MEGACPP_REQUIRE_AUTH();
   return guarded([&] {
     const int limit = request->limit() > 0 ? request->limit() : 20;
     std::optional<int64_t> before;
     if (request->before_id() > 0) before = request->before_id();
-    for (const auto& b : reader(store_path_).list_boots(limit, before)) fill(response->add_boots(), b);
+    for (const auto& b : reader(store_path_).list_boots(limit, before))
+      fill(response->add_boots(), b);
   });
 }
 
@@ -189,7 +299,8 @@ Status ReceiptServiceImpl::ListPreconditions(grpc::ServerContext* context,
   });
 }
 
-Status ReceiptServiceImpl::ListGateDecisions(grpc::ServerContext* context, const v1::JobReceiptsRequest* request,
+Status ReceiptServiceImpl::ListGateDecisions(grpc::ServerContext* context,
+                                             const v1::JobReceiptsRequest* request,
                                              v1::ListGateDecisionsResponse* response) {
   MEGACPP_REQUIRE_AUTH();
   return guarded([&] {
@@ -215,7 +326,8 @@ Status ReceiptServiceImpl::ListStepReceipts(grpc::ServerContext* context,
     std::optional<int64_t> after;
     if (request->after_step() > 0) after = request->after_step();
     const int limit = request->limit() == 0 ? 1000 : std::min(request->limit(), 100000);
-    for (const auto& s : reader(store_path_).steps(request->job_id(), after, limit, request->newest_first())) {
+    for (const auto& s :
+         reader(store_path_).steps(request->job_id(), after, limit, request->newest_first())) {
       auto* r = response->add_steps();
       r->set_job_id(s.job_id);
       r->set_step(s.step);
@@ -232,7 +344,8 @@ Status ReceiptServiceImpl::ListStepReceipts(grpc::ServerContext* context,
   });
 }
 
-Status ReceiptServiceImpl::ListKernelReceipts(grpc::ServerContext* context, const v1::JobReceiptsRequest* request,
+Status ReceiptServiceImpl::ListKernelReceipts(grpc::ServerContext* context,
+                                              const v1::JobReceiptsRequest* request,
                                               v1::ListKernelReceiptsResponse* response) {
   MEGACPP_REQUIRE_AUTH();
   return guarded([&] {
@@ -255,7 +368,8 @@ Status ReceiptServiceImpl::ListKernelReceipts(grpc::ServerContext* context, cons
   });
 }
 
-Status ReceiptServiceImpl::GetRunSummary(grpc::ServerContext* context, const v1::JobReceiptsRequest* request,
+Status ReceiptServiceImpl::GetRunSummary(grpc::ServerContext* context,
+                                         const v1::JobReceiptsRequest* request,
                                          v1::RunSummaryReceipt* response) {
   MEGACPP_REQUIRE_AUTH();
   return guarded([&] {
@@ -267,13 +381,15 @@ Status ReceiptServiceImpl::GetRunSummary(grpc::ServerContext* context, const v1:
   });
 }
 
-Status ReceiptServiceImpl::CompareRuns(grpc::ServerContext* context, const v1::CompareRunsRequest* request,
+Status ReceiptServiceImpl::CompareRuns(grpc::ServerContext* context,
+                                       const v1::CompareRunsRequest* request,
                                        v1::CompareRunsResponse* response) {
   MEGACPP_REQUIRE_AUTH();
   return guarded([&] {
     receipts::CompareOptions options;
     if (request->skip_steps() > 0) options.warmup_steps = request->skip_steps();
-    const auto result = receipts::compare_runs(reader(store_path_), request->job_a(), request->job_b(), options);
+    const auto result =
+        receipts::compare_runs(reader(store_path_), request->job_a(), request->job_b(), options);
     for (const auto& m : result.metrics) {
       auto* out = response->add_metrics();
       out->set_metric(m.metric);
@@ -292,8 +408,9 @@ Status ReceiptServiceImpl::CompareRuns(grpc::ServerContext* context, const v1::C
 v1::Status StatusSource::status() const {
   v1::Status s;
   s.set_version(version_string());
-  s.set_build(MEGACPP_GIT_REVISION);
-  s.set_uptime_seconds(std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count());
+  s.set_build(git_revision());
+  s.set_uptime_seconds(
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count());
   try {
     if (auto boot = reader(store_path_).get_boot(boot_id_)) fill(s.mutable_boot(), *boot);
   } catch (const std::exception& e) {
@@ -321,45 +438,64 @@ std::string StatusSource::prometheus_metrics() const {
   const ManagerSnapshot snap = jobs_.snapshot();
   std::string out;
   out += "# HELP megacpp_jobs Jobs known to the daemon, by state.\n# TYPE megacpp_jobs gauge\n";
-  for (const char* state : {"queued", "running", "succeeded", "failed", "cancelled", "interrupted", "refused"}) {
+  for (const v1::JobState job_state : job_states()) {
+    const std::string& state = job_state_name(job_state);
     auto it = snap.jobs_by_state.find(state);
-    out += fmt::format("megacpp_jobs{{state=\"{}\"}} {}\n", state, it == snap.jobs_by_state.end() ? 0 : it->second);
+    out += fmt::format("megacpp_jobs{{state=\"{}\"}} {}\n", state,
+                       it == snap.jobs_by_state.end() ? 0 : it->second);
   }
   out += "# HELP megacpp_queue_depth Jobs waiting for devices.\n# TYPE megacpp_queue_depth gauge\n";
   out += fmt::format("megacpp_queue_depth {}\n", snap.queued.size());
-  out += "# HELP megacpp_steps_total Training steps completed under this daemon.\n# TYPE megacpp_steps_total counter\n";
+  out +=
+      "# HELP megacpp_steps_total Training steps completed under this daemon.\n# TYPE "
+      "megacpp_steps_total counter\n";
   out += fmt::format("megacpp_steps_total {}\n", snap.steps_total);
-  out += "# HELP megacpp_job_step Last completed step of a running job.\n# TYPE megacpp_job_step gauge\n";
+  out +=
+      "# HELP megacpp_job_step Last completed step of a running job.\n# TYPE megacpp_job_step "
+      "gauge\n";
   std::string tokens, loss;
   for (const auto& j : snap.running) {
     out += fmt::format("megacpp_job_step{{job=\"{}\"}} {}\n", j.id(), j.step());
-    tokens += fmt::format("megacpp_job_tokens_per_second{{job=\"{}\"}} {}\n", j.id(), j.tokens_per_s());
+    tokens +=
+        fmt::format("megacpp_job_tokens_per_second{{job=\"{}\"}} {}\n", j.id(), j.tokens_per_s());
     loss += fmt::format("megacpp_job_loss{{job=\"{}\"}} {}\n", j.id(), j.loss());
   }
-  out += "# HELP megacpp_job_tokens_per_second Training throughput of a running job.\n"
-         "# TYPE megacpp_job_tokens_per_second gauge\n" + tokens;
-  out += "# HELP megacpp_job_loss Last training loss of a running job.\n# TYPE megacpp_job_loss gauge\n" + loss;
-  out += "# HELP megacpp_job_step_seconds Step time of a running job.\n# TYPE megacpp_job_step_seconds gauge\n";
+  out +=
+      "# HELP megacpp_job_tokens_per_second Training throughput of a running job.\n"
+      "# TYPE megacpp_job_tokens_per_second gauge\n" +
+      tokens;
+  out +=
+      "# HELP megacpp_job_loss Last training loss of a running job.\n# TYPE megacpp_job_loss "
+      "gauge\n" +
+      loss;
+  out +=
+      "# HELP megacpp_job_step_seconds Step time of a running job.\n# TYPE "
+      "megacpp_job_step_seconds gauge\n";
   for (const auto& j : snap.running) {
     const double tokens_per_step = static_cast<double>(j.spec().batch()) * j.spec().seqlen() *
                                    std::max(1, j.spec().grad_accum());
     out += fmt::format("megacpp_job_step_seconds{{job=\"{}\"}} {}\n", j.id(),
                        j.tokens_per_s() > 0 ? tokens_per_step / j.tokens_per_s() : 0.0);
   }
-  out += "# HELP megacpp_devices_held Devices held by jobs, by kind.\n# TYPE megacpp_devices_held gauge\n"
-         "# HELP megacpp_devices Devices in the inventory, by kind.\n";
+  out +=
+      "# HELP megacpp_devices_held Devices held by jobs, by kind.\n# TYPE megacpp_devices_held "
+      "gauge\n"
+      "# HELP megacpp_devices Devices in the inventory, by kind.\n";
   std::map<std::string, std::pair<int, int>> by_kind;
   for (const auto& d : snap.devices) {
     by_kind[d.kind].first += d.held_by.empty() ? 0 : 1;
     by_kind[d.kind].second += 1;
   }
   for (const auto& [kind, counts] : by_kind) {
-    out += fmt::format("megacpp_devices_held{{kind=\"{}\"}} {}\nmegacpp_devices{{kind=\"{}\"}} {}\n", kind,
-                       counts.first, kind, counts.second);
+    out +=
+        fmt::format("megacpp_devices_held{{kind=\"{}\"}} {}\nmegacpp_devices{{kind=\"{}\"}} {}\n",
+                    kind, counts.first, kind, counts.second);
   }
   std::error_code ec;
   const auto size = std::filesystem::file_size(store_path_, ec);
-  out += "# HELP megacpp_store_bytes Size of the receipt store's main file.\n# TYPE megacpp_store_bytes gauge\n";
+  out +=
+      "# HELP megacpp_store_bytes Size of the receipt store's main file.\n# TYPE "
+      "megacpp_store_bytes gauge\n";
   out += fmt::format("megacpp_store_bytes {}\n", ec ? 0 : size);
   return out;
 }

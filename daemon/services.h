@@ -1,9 +1,12 @@
 #pragma once
 // The gRPC services (proto/megacpp/v1): jobs, receipts, status. Every RPC but
 // the standard health service requires the bearer token when one is configured.
+#include <grpcpp/support/server_interceptor.h>
+
 #include <chrono>
 #include <filesystem>
 #include <string>
+#include <string_view>
 
 #include "daemon/job_manager.h"
 #include "megacpp/v1/jobs.grpc.pb.h"
@@ -17,9 +20,30 @@ class TokenCheck {
  public:
   explicit TokenCheck(std::string token) : token_(std::move(token)) {}
   grpc::Status check(const grpc::ServerContext* context) const;
+  // Whether an authorization value (gRPC metadata or HTTP header) carries the token; always
+  // true when no token is configured. `given` is null when the caller sent none.
+  bool accepts(const std::string_view* given) const;
+  bool required() const { return !token_.empty(); }
 
  private:
   std::string token_;
+};
+
+// Installed on the gRPC server (ServerBuilder::experimental().SetInterceptorCreators):
+//  - a request that does not parse (malformed protobuf, truncated, a string that is not UTF-8,
+//    garbage) answers INVALID_ARGUMENT naming the method and message type; gRPC itself would
+//    answer INTERNAL with an empty message. A caller without the token gets UNAUTHENTICATED
+//    instead, as it would for a well-formed request.
+//  - server reflection (grpc.reflection.*) requires the token: it is served by gRPC's own
+//    plugin, which never looks at one.
+class RequestGuardFactory final : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  explicit RequestGuardFactory(const TokenCheck& auth) : auth_(auth) {}
+  grpc::experimental::Interceptor* CreateServerInterceptor(
+      grpc::experimental::ServerRpcInfo* info) override;
+
+ private:
+  const TokenCheck& auth_;
 };
 
 class JobServiceImpl final : public megacpp::v1::JobService::Service {
@@ -27,7 +51,8 @@ class JobServiceImpl final : public megacpp::v1::JobService::Service {
   JobServiceImpl(JobManager& jobs, const TokenCheck& auth) : jobs_(jobs), auth_(auth) {}
   grpc::Status SubmitJob(grpc::ServerContext*, const megacpp::v1::SubmitJobRequest*,
                          megacpp::v1::SubmitJobResponse*) override;
-  grpc::Status GetJob(grpc::ServerContext*, const megacpp::v1::GetJobRequest*, megacpp::v1::Job*) override;
+  grpc::Status GetJob(grpc::ServerContext*, const megacpp::v1::GetJobRequest*,
+                      megacpp::v1::Job*) override;
   grpc::Status ListJobs(grpc::ServerContext*, const megacpp::v1::ListJobsRequest*,
                         megacpp::v1::ListJobsResponse*) override;
   grpc::Status CancelJob(grpc::ServerContext*, const megacpp::v1::CancelJobRequest*,
@@ -68,7 +93,9 @@ class ReceiptServiceImpl final : public megacpp::v1::ReceiptService::Service {
 class StatusSource {
  public:
   StatusSource(JobManager& jobs, std::filesystem::path store_path, int64_t boot_id)
-      : jobs_(jobs), store_path_(std::move(store_path)), boot_id_(boot_id),
+      : jobs_(jobs),
+        store_path_(std::move(store_path)),
+        boot_id_(boot_id),
         started_(std::chrono::steady_clock::now()) {}
   megacpp::v1::Status status() const;
   std::string prometheus_metrics() const;
@@ -82,7 +109,8 @@ class StatusSource {
 
 class StatusServiceImpl final : public megacpp::v1::StatusService::Service {
  public:
-  StatusServiceImpl(const StatusSource& source, const TokenCheck& auth) : source_(source), auth_(auth) {}
+  StatusServiceImpl(const StatusSource& source, const TokenCheck& auth)
+      : source_(source), auth_(auth) {}
   grpc::Status GetStatus(grpc::ServerContext*, const megacpp::v1::GetStatusRequest*,
                          megacpp::v1::Status*) override;
 

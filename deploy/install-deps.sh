@@ -12,6 +12,9 @@ packages=(
   libspdlog-dev libfmt-dev
   nlohmann-json3-dev libcpp-httplib-dev libcli11-dev
   libgtest-dev libgmock-dev libbenchmark-dev
+  clang-format python3
+  clang-14 libclang-rt-14-dev libomp-14-dev
+  openssl
 )
 
 missing=()

@@ -3,11 +3,16 @@
 # GPU tests run where a GPU is present and show as skipped elsewhere. A second,
 # CPU-only build with AddressSanitizer and UndefinedBehaviorSanitizer runs the
 # kernel, runtime and store tests again (MEGACPP_SKIP_SANITIZE=1 skips it); the
-# daemon's integration tests run only in the first pass.
+# daemon's integration tests run only in the first pass. Last, each libFuzzer target
+# (bench/fuzz/) runs for 20 s from its seed corpus (MEGACPP_SKIP_FUZZ=1 skips it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash deploy/install-deps.sh
 jobs=$(nproc)
+
+# Formatting is part of the contract: every C++/CUDA source as .clang-format says.
+git ls-files -z -- '*.h' '*.cpp' '*.cu' '*.cuh' | xargs -0 clang-format --dry-run -Werror
+echo "clang-format: every source formatted"
 
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release
 cmake --build build -j "$jobs"
@@ -15,8 +20,12 @@ ctest --test-dir build --output-on-failure -j "$jobs"
 
 if [ "${MEGACPP_SKIP_SANITIZE:-0}" != 1 ]; then
   cmake -S . -B build-sanitize -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMEGACPP_CUDA=OFF \
-    -DMEGACPP_SANITIZE=ON -DMEGACPP_BUILD_BENCH=OFF "-DMEGACPP_TEST_DIRS=^(kernels/cpu|runtime|receipts)/"
+    -DMEGACPP_SANITIZE=ON -DMEGACPP_BUILD_BENCH=OFF "-DMEGACPP_TEST_DIRS=^(base|kernels/cpu|runtime|receipts|service|cli)/"
   cmake --build build-sanitize -j "$jobs"
   ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
     ctest --test-dir build-sanitize --output-on-failure -j "$jobs" -L cpu
+fi
+
+if [ "${MEGACPP_SKIP_FUZZ:-0}" != 1 ]; then
+  MEGACPP_FUZZ_JOBS="$jobs" bash bench/fuzz/run.sh 20
 fi

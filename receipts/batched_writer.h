@@ -25,9 +25,9 @@
 #include <variant>
 #include <vector>
 
+#include "base/error.h"
 #include "receipts/records.h"
 #include "receipts/store.h"
-#include "runtime/common/error.h"
 
 namespace megacpp::receipts {
 

@@ -5,7 +5,7 @@
 #include <limits>
 #include <utility>
 
-#include "runtime/common/error.h"
+#include "base/error.h"
 
 namespace megacpp::receipts {
 namespace {

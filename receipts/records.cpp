@@ -8,7 +8,7 @@
 #include <cmath>
 #include <initializer_list>
 
-#include "runtime/common/error.h"
+#include "base/error.h"
 
 namespace megacpp::receipts {
 namespace {
@@ -28,6 +28,11 @@ void require_one_of(std::string_view record, std::string_view field, const std::
   fail(ErrorKind::kInvalidArgument, "{}: field '{}' must be one of {}, got '{}'", record, field,
        names, value);
 }
+
+// "checked" ends a --check run; "crashed" is set by the next start on a boot that never reached
+// "stopped" or "refused" (see Store::mark_unfinished_boots_crashed).
+const std::initializer_list<std::string_view> kBootStatuses = {"starting", "serving", "refused",
+                                                               "stopped",  "checked", "crashed"};
 
 void require_non_empty(std::string_view record, std::string_view field, const std::string& value) {
   if (value.empty())
@@ -114,8 +119,7 @@ bool is_utc_timestamp(std::string_view text) {
 
 void validate(const BootReceipt& boot) {
   require_timestamp("boot receipt", "started_at", boot.started_at);
-  require_one_of("boot receipt", "status", boot.status,
-                 {"starting", "serving", "refused", "stopped"});
+  require_one_of("boot receipt", "status", boot.status, kBootStatuses);
 }
 
 void validate(const PreconditionResult& result) {
@@ -188,7 +192,7 @@ void validate(const RunSummary& summary) {
 
 void validate(const BootStatusUpdate& update) {
   require_one_of(fmt::format("status update of boot {}", update.boot_id), "status", update.status,
-                 {"starting", "serving", "refused", "stopped"});
+                 kBootStatuses);
 }
 
 void validate(const DeleteStepsAfter& deletion) {

@@ -29,7 +29,9 @@ struct BootReceipt {
   nlohmann::json devices;
   std::string hostname;
   nlohmann::json environment;  // the environment variables that affect the runtime
-  std::string status;          // "starting" | "serving" | "refused" | "stopped"
+  // "starting" | "serving" | "refused" | "stopped" | "checked" (a --check run: preconditions
+  // only) | "crashed" (never stopped: found starting or serving by the next start)
+  std::string status;
 
   bool operator==(const BootReceipt&) const = default;
 };

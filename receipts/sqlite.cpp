@@ -2,10 +2,11 @@
 
 #include <sqlite3.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
-#include "runtime/common/error.h"
+#include "base/error.h"
 
 namespace megacpp::receipts::sqlite {
 namespace {
@@ -63,6 +64,11 @@ Connection::Connection(const std::filesystem::path& path, bool read_only) : path
 Connection::~Connection() {
   for (auto& [sql, statement] : statements_) sqlite3_finalize(statement);
   sqlite3_close(db_);
+}
+
+void Connection::set_busy_timeout(std::chrono::milliseconds timeout) {
+  const auto ms = std::min<std::chrono::milliseconds::rep>(timeout.count(), 1 << 30);
+  sqlite3_busy_timeout(db_, static_cast<int>(ms < 0 ? 0 : ms));
 }
 
 void Connection::raise(int code, std::string_view what) const {

@@ -3,6 +3,7 @@
 // prepared statements, and a cursor that binds values by parameter index (never by pasting them
 // into SQL text) and resets its statement when it goes out of scope. Every SQLite failure
 // becomes a megacpp::Error naming the database file and what was being done.
+#include <chrono>
 #include <cstdint>
 #include <filesystem>
 #include <memory>
@@ -31,6 +32,8 @@ class Connection {
   Query query(std::string_view sql);
   // The first column of the first row of a value-free statement, as text ("" when no row).
   std::string pragma_text(std::string_view sql);
+  // How long a statement waits for another connection's lock before failing with SQLITE_BUSY.
+  void set_busy_timeout(std::chrono::milliseconds timeout);
   // Whether a transaction is open.
   bool in_transaction() const;
 

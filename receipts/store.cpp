@@ -7,9 +7,9 @@
 #include <system_error>
 #include <utility>
 
+#include "base/error.h"
 #include "receipts/schema.h"
 #include "receipts/sqlite.h"
-#include "runtime/common/error.h"
 
 namespace megacpp::receipts {
 namespace {
@@ -25,6 +25,8 @@ INSERT INTO boots (started_at, version, git_revision, compiler, build_type, cuda
                    cuda_driver, nccl, cudnn, devices, hostname, environment, status)
 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13))sql";
 constexpr std::string_view kUpdateBootStatus = "UPDATE boots SET status = ?2 WHERE id = ?1";
+constexpr std::string_view kMarkUnfinishedBootsCrashed =
+    "UPDATE boots SET status = 'crashed' WHERE status IN ('starting', 'serving') AND id <> ?1";
 constexpr std::string_view kListBoots =
     "SELECT id, started_at, version, git_revision, compiler, build_type, cuda_runtime, "
     "cuda_driver, nccl, cudnn, devices, hostname, environment, status FROM boots "
@@ -525,9 +527,7 @@ Store::Store(const std::filesystem::path& path, OpenMode mode, const StoreOption
     }
   }
   impl_ = std::make_unique<Impl>(path, mode);
-  const auto busy_ms = options.busy_timeout.count();
-  sqlite3_busy_timeout(impl_->connection.handle(),
-                       static_cast<int>(std::min<decltype(busy_ms)>(busy_ms, 1 << 30)));
+  impl_->connection.set_busy_timeout(options.busy_timeout);
   if (mode == OpenMode::kReadWrite) {
     impl_->open_read_write(options);
   } else {
@@ -581,6 +581,13 @@ int64_t Store::insert_boot(const BootReceipt& boot) {
 void Store::update_boot_status(int64_t boot_id, std::string_view status) {
   impl_->require_writable("update_boot_status");
   impl_->write_one(BootStatusUpdate{boot_id, std::string(status)});
+}
+
+int64_t Store::mark_unfinished_boots_crashed(int64_t current_boot_id) {
+  impl_->require_writable("mark_unfinished_boots_crashed");
+  Connection& connection = impl_->connection;
+  connection.query(kMarkUnfinishedBootsCrashed).bind(1, current_boot_id).run();
+  return sqlite3_changes64(connection.handle());
 }
 
 void Store::insert_preconditions(std::span<const PreconditionResult> results) {

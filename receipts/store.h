@@ -88,6 +88,11 @@ class Store {
   int64_t insert_boot(const BootReceipt& boot);
   // Error(kNotFound) when there is no such boot.
   void update_boot_status(int64_t boot_id, std::string_view status);
+  // Sets every boot but `current_boot_id` that is still "starting" or "serving" to "crashed": a
+  // daemon that ends normally leaves "stopped" or "refused", so those were killed (kill -9, OOM,
+  // power loss). Only a daemon holding the state directory's lock may call it, or a live
+  // daemon's boot would be marked. Returns how many boots it marked.
+  int64_t mark_unfinished_boots_crashed(int64_t current_boot_id);
   void insert_preconditions(std::span<const PreconditionResult> results);
   // Inserts, or updates every field of the job with that id except submitted_at, which keeps
   // the time of the first submission.

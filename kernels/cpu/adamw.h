@@ -4,19 +4,14 @@
 #include <cmath>
 #include <cstdint>
 
+#include "kernels/contracts/adamw.h"
+
 namespace megacpp::cpu {
 
-struct AdamWHyper {
-  double lr = 1e-3;
-  double beta1 = 0.9;
-  double beta2 = 0.95;
-  double eps = 1e-8;
-  double weight_decay = 0.1;  // 0 for the spec's no-decay set
-};
+using AdamWHyper = ops::AdamWHyper;
 
 template <typename T>
-void adamw_step(int64_t n, T* param, const T* grad, T* m, T* v, const AdamWHyper& h,
-                int64_t step) {
+void adamw_step(int64_t n, T* param, const T* grad, T* m, T* v, const AdamWHyper& h, int64_t step) {
   const double bias1 = 1.0 - std::pow(h.beta1, static_cast<double>(step));
   const double bias2 = 1.0 - std::pow(h.beta2, static_cast<double>(step));
   const T decay = static_cast<T>(1.0 - h.lr * h.weight_decay);

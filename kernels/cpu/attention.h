@@ -25,8 +25,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "base/error.h"
 #include "kernels/cpu/gemm.h"
-#include "runtime/common/error.h"
 
 namespace megacpp::cpu {
 

@@ -1,17 +1,18 @@
 #pragma once
 // Mean cross entropy of the language-model head over a padded vocabulary.
-// logits is [rows, vocab_padded]; only columns < vocab_size are real tokens: the
-// padding columns take no part in the softmax (as if their logits were -inf) and
-// get a zero gradient. targets[row] is the token to predict at that row (the
-// caller has already shifted them for next-token prediction); a negative target
-// marks a row that is ignored. The loss is the mean over the rows that are not
-// ignored, 0 when there are none.
+// logits is [rows, vocab_padded]. The softmax runs over all vocab_padded columns, as in the
+// official model (shared/spec/model.md): the padded rows of the embedding and lm_head are real
+// parameters, so their columns take part in the normalizer and receive gradients. Only the
+// targets are limited to the real vocabulary (< vocab_size): no data token maps to a padded
+// column. targets[row] is the token to predict at that row (the caller has already shifted them
+// for next-token prediction); a negative target marks a row that is ignored. The loss is the mean
+// over the rows that are not ignored, 0 when there are none.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
 
-#include "runtime/common/error.h"
+#include "base/error.h"
 
 namespace megacpp::cpu {
 
@@ -51,7 +52,7 @@ T run(int rows, int vocab_padded, int vocab_size, const T* logits, const int32_t
   const double grad_per_row =
       valid > 0 ? static_cast<double>(grad_scale) / static_cast<double>(valid) : 0.0;
   // Small calls would spend more on starting threads than on the work.
-  const bool parallel = static_cast<int64_t>(rows) * vocab_size >= (int64_t{1} << 14);
+  const bool parallel = static_cast<int64_t>(rows) * vocab_padded >= (int64_t{1} << 14);
 #pragma omp parallel for schedule(static) if (parallel)
   for (int r = 0; r < rows; ++r) {
     const T* x = logits + static_cast<int64_t>(r) * vocab_padded;
@@ -61,19 +62,18 @@ T run(int rows, int vocab_padded, int vocab_size, const T* logits, const int32_t
       if (dx) std::fill(dx, dx + vocab_padded, T(0));
       continue;
     }
-    const double row_max = static_cast<double>(*std::max_element(x, x + vocab_size));
+    const double row_max = static_cast<double>(*std::max_element(x, x + vocab_padded));
     double sum = 0;
-    for (int c = 0; c < vocab_size; ++c) sum += std::exp(static_cast<double>(x[c]) - row_max);
+    for (int c = 0; c < vocab_padded; ++c) sum += std::exp(static_cast<double>(x[c]) - row_max);
     const double log_sum = row_max + std::log(sum);
     row_loss[r] = log_sum - static_cast<double>(x[target]);
     if (dx) {
-      for (int c = 0; c < vocab_size; ++c) {
+      for (int c = 0; c < vocab_padded; ++c) {
         const double prob = std::exp(static_cast<double>(x[c]) - log_sum);
         dx[c] = static_cast<T>(grad_per_row * prob);
       }
       dx[target] =
           static_cast<T>(grad_per_row * (std::exp(static_cast<double>(x[target]) - log_sum) - 1.0));
-      std::fill(dx + vocab_size, dx + vocab_padded, T(0));
     }
   }
   if (valid == 0) return T(0);
@@ -85,7 +85,7 @@ T run(int rows, int vocab_padded, int vocab_size, const T* logits, const int32_t
 }  // namespace cross_entropy_detail
 
 // Returns the mean loss and writes dlogits = grad_scale * (softmax - onehot) / valid_rows
-// ([rows, vocab_padded]; zero on ignored rows and padding columns). Throws
+// ([rows, vocab_padded], every column; zero on ignored rows). Throws
 // megacpp::Error (kInvalidArgument) on a bad shape or a target >= vocab_size,
 // before writing anything.
 template <typename T>

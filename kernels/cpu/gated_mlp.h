@@ -30,8 +30,8 @@ void gated_mlp_forward(int rows, int dim, int hidden, const T* x, const T* fc1, 
 // buffers planned with the activations. dx is overwritten; dfc1, dfc2 accumulate.
 template <typename T>
 void gated_mlp_backward(int rows, int dim, int hidden, const T* x, const T* fc1, const T* fc2,
-                        const T* fc1_out, const T* hidden_act, const T* dy, T* dx, T* dfc1,
-                        T* dfc2, T* scratch_hidden, T* scratch_fc1) {
+                        const T* fc1_out, const T* hidden_act, const T* dy, T* dx, T* dfc1, T* dfc2,
+                        T* scratch_hidden, T* scratch_fc1) {
   linear_backward<T>(rows, hidden, dim, hidden_act, fc2, dy, scratch_hidden, dfc2, nullptr);
 #pragma omp parallel for schedule(static)
   for (int r = 0; r < rows; ++r) {

@@ -25,16 +25,16 @@ inline void blas_gemm(bool ta, bool tb, int m, int n, int k, float alpha, const 
   cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, m, n,
               k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
-inline void blas_gemm(bool ta, bool tb, int m, int n, int k, double alpha, const double* a,
-                      int lda, const double* b, int ldb, double beta, double* c, int ldc) {
+inline void blas_gemm(bool ta, bool tb, int m, int n, int k, double alpha, const double* a, int lda,
+                      const double* b, int ldb, double beta, double* c, int ldc) {
   cblas_dgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, m, n,
               k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 }  // namespace detail
 
 template <typename T>
-void gemm(bool trans_a, bool trans_b, int m, int n, int k, T alpha, const T* a, int lda,
-          const T* b, int ldb, T beta, T* c, int ldc) {
+void gemm(bool trans_a, bool trans_b, int m, int n, int k, T alpha, const T* a, int lda, const T* b,
+          int ldb, T beta, T* c, int ldc) {
   detail::blas_single_threaded();
   const int threads = omp_in_parallel() ? 1 : omp_get_max_threads();
   const double flops = 2.0 * m * n * k;

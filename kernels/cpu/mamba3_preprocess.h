@@ -3,37 +3,18 @@
 // output into z, x, B, C, dd_dt, dd_A, trap, angles; A = min(−f(dd_A), −A_floor);
 // DT = softplus(dd_dt + dt_bias); ADT = A·DT; RMSNorm of every (t, r, g) vector
 // of B and C over its N values. The results are the scan's inputs
-// (kernels/cpu/mamba3_scan.h): k = normalized B, q = normalized C.
+// (kernels/contracts/mamba3_scan.h): k = normalized B, q = normalized C.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
+#include "kernels/contracts/mamba3_preprocess.h"
+
 namespace megacpp::cpu {
 
-struct Mamba3PreprocessShape {
-  int rows = 0;     // batch · seqlen
-  int heads = 0;    // H
-  int headdim = 0;  // P
-  int state = 0;    // N
-  int groups = 0;   // G
-  int rank = 0;     // R
-  int angles = 0;   // A_n
-  double a_floor = 1e-4;
-  double norm_eps = 1e-5;
-
-  int d_inner() const { return heads * headdim; }
-  int bc_width() const { return state * groups * rank; }
-  // in_proj output columns, in split order: z, x, B, C, dd_dt, dd_A, trap, angles.
-  int columns() const { return 2 * d_inner() + 2 * bc_width() + 3 * heads + angles; }
-  int col_x() const { return d_inner(); }
-  int col_b() const { return 2 * d_inner(); }
-  int col_c() const { return col_b() + bc_width(); }
-  int col_dd_dt() const { return col_c() + bc_width(); }
-  int col_dd_a() const { return col_dd_dt() + heads; }
-  int col_trap() const { return col_dd_a() + heads; }
-  int col_angles() const { return col_trap() + heads; }
-};
+using ops::Mamba3PreprocessShape;
+using ops::Mamba3ScanBuffers;
 
 // The heavy-tailed map f of the spec and its derivative.
 template <typename T>
@@ -48,18 +29,6 @@ template <typename T>
 inline T softplus(T v) {
   return v > T(20) ? v : std::log1p(std::exp(v));
 }
-
-template <typename T>
-struct Mamba3ScanBuffers {  // contiguous scan inputs produced by the preprocessing
-  T* z;       // [rows, H·P]
-  T* x;       // [rows, H·P]
-  T* k;       // [rows, R·G·N] normalized B
-  T* q;       // [rows, R·G·N] normalized C
-  T* adt;     // [rows, H]
-  T* dt;      // [rows, H]
-  T* trap;    // [rows, H]
-  T* angles;  // [rows, A_n]
-};
 
 namespace detail {
 template <typename T>
@@ -97,11 +66,11 @@ void mamba3_preprocess_forward(const Mamba3PreprocessShape& s, const T* proj, co
     std::memcpy(out.z + static_cast<int64_t>(r) * di, p, sizeof(T) * di);
     std::memcpy(out.x + static_cast<int64_t>(r) * di, p + s.col_x(), sizeof(T) * di);
     for (int v = 0; v < vecs; ++v) {
-      detail::group_rmsnorm_forward(s.state, s.norm_eps, p + s.col_b() + v * s.state,
-                                    b_norm_weight, out.k + static_cast<int64_t>(r) * bc + v * s.state,
+      detail::group_rmsnorm_forward(s.state, s.norm_eps, p + s.col_b() + v * s.state, b_norm_weight,
+                                    out.k + static_cast<int64_t>(r) * bc + v * s.state,
                                     bc_rstd + static_cast<int64_t>(r) * 2 * vecs + v);
-      detail::group_rmsnorm_forward(s.state, s.norm_eps, p + s.col_c() + v * s.state,
-                                    c_norm_weight, out.q + static_cast<int64_t>(r) * bc + v * s.state,
+      detail::group_rmsnorm_forward(s.state, s.norm_eps, p + s.col_c() + v * s.state, c_norm_weight,
+                                    out.q + static_cast<int64_t>(r) * bc + v * s.state,
                                     bc_rstd + static_cast<int64_t>(r) * 2 * vecs + vecs + v);
     }
     for (int h = 0; h < s.heads; ++h) {

@@ -22,10 +22,10 @@
 #include <cstddef>
 #include <vector>
 
+#include "base/error.h"
+#include "kernels/contracts/mamba3_scan.h"
 #include "kernels/cpu/gemm.h"
-#include "kernels/cpu/mamba3_scan.h"
 #include "kernels/cpu/mamba3_scan_common.h"
-#include "runtime/common/error.h"
 
 namespace megacpp::cpu {
 

@@ -16,8 +16,14 @@
 #include <numbers>
 #include <vector>
 
-#include "kernels/cpu/mamba3_scan.h"
-#include "runtime/common/error.h"
+#include "base/error.h"
+#include "kernels/contracts/mamba3_scan.h"
+
+namespace megacpp::cpu {
+using ops::ScanGrads;
+using ops::ScanInputs;
+using ops::ScanShape;
+}  // namespace megacpp::cpu
 
 namespace megacpp::cpu::mamba3_detail {
 

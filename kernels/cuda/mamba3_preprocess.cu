@@ -1,24 +1,14 @@
 // CUDA Mamba-3 preprocessing: see mamba3_preprocess.h for the structure. The formulas are
 // those of kernels/cpu/mamba3_preprocess.h, evaluated in fp32 from bf16 inputs.
-#include <cuda_bf16.h>
-#include <cuda_runtime.h>
-
-#include <algorithm>
 #include <climits>
 #include <cmath>
-#include <cstring>
-#include <sstream>
-#include <string>
 
-#define MEGACPP_MAMBA3_PREPROCESS_CUDA_UNIT
+#include "kernels/cuda/common.cuh"
 #include "kernels/cuda/mamba3_preprocess.h"
-#include "kernels/cuda/host_errors.h"
-#include "runtime/common/error.h"
 
 namespace megacpp::cuda {
 namespace {
 
-using bf16 = __nv_bfloat16;
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 
@@ -35,9 +25,6 @@ struct Dims {
 // ---------------------------------------------------------------------------------
 // Device helpers.
 
-__device__ __forceinline__ float to_f(bf16 v) {
-  return __bfloat162float(v);
-}
 __device__ __forceinline__ float heavy_tail(float v) {
   return v >= 0.f ? 1.f + v : 1.f / (1.f - v);
 }
@@ -48,13 +35,6 @@ __device__ __forceinline__ float heavy_tail_derivative(float v) {
 }
 __device__ __forceinline__ float softplus(float v) {
   return v > 20.f ? v : log1pf(expf(v));
-}
-// A butterfly sum: every lane ends with the same bits (each step adds a pair in both
-// orders, and addition commutes exactly), so no broadcast is needed.
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
 }
 
 // ---------------------------------------------------------------------------------
@@ -218,23 +198,8 @@ __global__ void reduce_kernel(Dims d, const float* __restrict__ partials, float*
 
 using detail::refuse;
 
-void check(cudaError_t status, const char* what) {
-  if (status != cudaSuccess) {
-    refuse(ErrorKind::kInternal, "Mamba3PreprocessCuda: {} failed: {}", what,
-           cudaGetErrorString(status));
-  }
-}
-
-void check_launch(const char* name) {
-  const cudaError_t status = cudaGetLastError();
-  if (status != cudaSuccess) {
-    refuse(ErrorKind::kInternal, "Mamba3PreprocessCuda: launching {} failed: {}", name,
-           cudaGetErrorString(status));
-  }
-}
-
 // Refuses, naming the field and value, every shape the kernels do not compute.
-void validate(const PreprocessLayout& s) {
+void validate(const ops::Mamba3PreprocessShape& s) {
   const auto positive = [](int value, const char* field) {
     if (value <= 0) {
       refuse(ErrorKind::kInvalidArgument,
@@ -285,9 +250,9 @@ void validate(const PreprocessLayout& s) {
   }
 }
 
-// The split order of cpu::Mamba3PreprocessShape: z, x, B, C, dd_dt, dd_A, trap, angles.
+// The split order of ops::Mamba3PreprocessShape: z, x, B, C, dd_dt, dd_A, trap, angles.
 // (validate() has bounded every offset by INT_MAX.)
-Dims dims_of(const PreprocessLayout& s) {
+Dims dims_of(const ops::Mamba3PreprocessShape& s) {
   Dims d{};
   d.rows = s.rows;
   d.heads = s.heads;
@@ -342,18 +307,19 @@ bf16* as_bf16(uint16_t* p) {
 
 }  // namespace
 
-Mamba3PreprocessCuda::Mamba3PreprocessCuda(const PreprocessLayout& layout) : layout_(layout) {
-  validate(layout);
-  check(cudaGetDevice(&device_), "cudaGetDevice");
-  const Dims d = dims_of(layout);
+Mamba3PreprocessCuda::Mamba3PreprocessCuda(const ops::Mamba3PreprocessShape& shape)
+    : shape_(shape) {
+  validate(shape);
+  MEGACPP_CUDA_CHECK(cudaGetDevice(&device_));
+  const Dims d = dims_of(shape);
   const size_t rstd_bytes = aligned(static_cast<size_t>(d.rows) * 2 * d.vecs * sizeof(float));
   const size_t partial_bytes =
       aligned(static_cast<size_t>(d.tiles) * d.partial_width * sizeof(float));
   workspace_bytes_ = rstd_bytes + partial_bytes;
-  check(cudaMalloc(&arena_, workspace_bytes_), "cudaMalloc(workspace)");
+  MEGACPP_CUDA_CHECK(cudaMalloc(&arena_, workspace_bytes_));
   rstd_ = static_cast<float*>(arena_);
   partials_ = reinterpret_cast<float*>(static_cast<unsigned char*>(arena_) + rstd_bytes);
-  check(cudaMemset(arena_, 0, workspace_bytes_), "cudaMemset(workspace)");
+  MEGACPP_CUDA_CHECK(cudaMemset(arena_, 0, workspace_bytes_));
 }
 
 Mamba3PreprocessCuda::~Mamba3PreprocessCuda() {
@@ -371,14 +337,14 @@ void Mamba3PreprocessCuda::forward(const uint16_t* proj, const PreprocessDeviceP
   require(out.adt, "PreprocessDeviceOutputs.adt");
   require(out.dt, "PreprocessDeviceOutputs.dt");
   require(out.trap, "PreprocessDeviceOutputs.trap");
-  if (layout_.angles > 0) require(out.angles, "PreprocessDeviceOutputs.angles");
-  check(cudaSetDevice(device_), "cudaSetDevice");
-  const Dims d = dims_of(layout_);
+  if (shape_.angles > 0) require(out.angles, "PreprocessDeviceOutputs.angles");
+  MEGACPP_CUDA_CHECK(cudaSetDevice(device_));
+  const Dims d = dims_of(shape_);
   const FwdOut o{as_bf16(out.z),   as_bf16(out.x),  as_bf16(out.k),    as_bf16(out.q),
                  as_bf16(out.adt), as_bf16(out.dt), as_bf16(out.trap), as_bf16(out.angles)};
   forward_kernel<<<d.rows, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
       d, as_bf16(proj), params.dt_bias, params.b_norm_weight, params.c_norm_weight, o, rstd_);
-  check_launch("forward_kernel");
+  MEGACPP_CUDA_CHECK_LAUNCH("forward_kernel");
   has_forward_ = true;
 }
 
@@ -399,23 +365,23 @@ void Mamba3PreprocessCuda::backward(const uint16_t* proj, const PreprocessDevice
   require(grads.adt, "PreprocessDeviceGrads.adt");
   require(grads.dt, "PreprocessDeviceGrads.dt");
   require(grads.trap, "PreprocessDeviceGrads.trap");
-  if (layout_.angles > 0) require(grads.angles, "PreprocessDeviceGrads.angles");
+  if (shape_.angles > 0) require(grads.angles, "PreprocessDeviceGrads.angles");
   require(param_grads.dt_bias, "PreprocessDeviceParamGrads.dt_bias");
   require(param_grads.b_norm_weight, "PreprocessDeviceParamGrads.b_norm_weight");
   require(param_grads.c_norm_weight, "PreprocessDeviceParamGrads.c_norm_weight");
-  check(cudaSetDevice(device_), "cudaSetDevice");
-  const Dims d = dims_of(layout_);
+  MEGACPP_CUDA_CHECK(cudaSetDevice(device_));
+  const Dims d = dims_of(shape_);
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   const BwdIn g{as_bf16(grads.z),   as_bf16(grads.x),  as_bf16(grads.k),    as_bf16(grads.q),
                 as_bf16(grads.adt), as_bf16(grads.dt), as_bf16(grads.trap), as_bf16(grads.angles)};
   backward_kernel<<<d.tiles, kThreads, backward_shared_bytes(d), s>>>(
       d, as_bf16(proj), params.dt_bias, params.b_norm_weight, params.c_norm_weight, rstd_, g,
       as_bf16(dproj), partials_);
-  check_launch("backward_kernel");
+  MEGACPP_CUDA_CHECK_LAUNCH("backward_kernel");
   const int blocks = (d.partial_width + kThreads - 1) / kThreads;
   reduce_kernel<<<blocks, kThreads, 0, s>>>(d, partials_, param_grads.dt_bias,
                                             param_grads.b_norm_weight, param_grads.c_norm_weight);
-  check_launch("reduce_kernel");
+  MEGACPP_CUDA_CHECK_LAUNCH("reduce_kernel");
 }
 
 }  // namespace megacpp::cuda

@@ -6,7 +6,7 @@
 //
 // Plain C++ (no CUDA types), so host code compiled by the C++ compiler can include it.
 // Per-token tensors are bf16 passed as uint16_t bit patterns, row-major, in the layouts of
-// kernels/cpu/mamba3_scan.h (rows = batch · seqlen); the parameters and their gradients are
+// kernels/contracts/mamba3_scan.h (rows = batch · seqlen); the parameters and their gradients are
 // fp32. Arithmetic is fp32.
 //
 //   forward   one block per row: z, x, trap and angles are copied out of the row, A, DT and
@@ -21,31 +21,9 @@
 #include <cstddef>
 #include <cstdint>
 
-// The CPU header defines the shape; its OpenMP pragmas break the CUDA unit's build (nvcc
-// compiles without OpenMP, warnings are fatal), so the .cu sees a declaration only and
-// receives the shape's fields as a PreprocessLayout.
-#ifndef MEGACPP_MAMBA3_PREPROCESS_CUDA_UNIT
-#include "kernels/cpu/mamba3_preprocess.h"
-#else
-namespace megacpp::cpu {
-struct Mamba3PreprocessShape;
-}  // namespace megacpp::cpu
-#endif
+#include "kernels/contracts/mamba3_preprocess.h"
 
 namespace megacpp::cuda {
-
-// The fields of cpu::Mamba3PreprocessShape, by value.
-struct PreprocessLayout {
-  int rows = 0;
-  int heads = 0;
-  int headdim = 0;
-  int state = 0;
-  int groups = 0;
-  int rank = 0;
-  int angles = 0;
-  double a_floor = 0;
-  double norm_eps = 0;
-};
 
 // Device pointers to the fp32 parameters the preprocessing reads.
 struct PreprocessDeviceParams {
@@ -99,7 +77,7 @@ class Mamba3PreprocessCuda {
   // Validates the shape (throws megacpp::Error kInvalidArgument naming the field and value
   // otherwise), then allocates the device workspace once: the norm scales [rows, 2·R·G]
   // and the backward tiles' partials.
-  explicit Mamba3PreprocessCuda(const cpu::Mamba3PreprocessShape& shape);
+  explicit Mamba3PreprocessCuda(const ops::Mamba3PreprocessShape& shape);
   ~Mamba3PreprocessCuda();
   Mamba3PreprocessCuda(const Mamba3PreprocessCuda&) = delete;
   Mamba3PreprocessCuda& operator=(const Mamba3PreprocessCuda&) = delete;
@@ -114,7 +92,7 @@ class Mamba3PreprocessCuda {
                 const PreprocessDeviceGrads& grads, uint16_t* dproj,
                 const PreprocessDeviceParamGrads& param_grads, void* stream = nullptr);
 
-  cpu::Mamba3PreprocessShape shape() const;
+  const ops::Mamba3PreprocessShape& shape() const { return shape_; }
   // Device pointer to the norm scales forward() saved, fp32 [rows, 2·R·G]: per row the B
   // vectors' then the C vectors' 1/sqrt(mean(v²) + eps), as cpu::mamba3_preprocess_forward
   // lays out its bc_rstd.
@@ -122,9 +100,7 @@ class Mamba3PreprocessCuda {
   size_t workspace_bytes() const { return workspace_bytes_; }
 
  private:
-  explicit Mamba3PreprocessCuda(const PreprocessLayout& layout);
-
-  PreprocessLayout layout_;
+  ops::Mamba3PreprocessShape shape_;
   bool has_forward_ = false;
   int device_ = 0;
   void* arena_ = nullptr;
@@ -132,26 +108,5 @@ class Mamba3PreprocessCuda {
   float* rstd_ = nullptr;
   float* partials_ = nullptr;  // [tiles, H + 2·N]
 };
-
-#ifndef MEGACPP_MAMBA3_PREPROCESS_CUDA_UNIT
-inline Mamba3PreprocessCuda::Mamba3PreprocessCuda(const cpu::Mamba3PreprocessShape& shape)
-    : Mamba3PreprocessCuda(PreprocessLayout{shape.rows, shape.heads, shape.headdim, shape.state,
-                                            shape.groups, shape.rank, shape.angles, shape.a_floor,
-                                            shape.norm_eps}) {}
-
-inline cpu::Mamba3PreprocessShape Mamba3PreprocessCuda::shape() const {
-  cpu::Mamba3PreprocessShape s;
-  s.rows = layout_.rows;
-  s.heads = layout_.heads;
-  s.headdim = layout_.headdim;
-  s.state = layout_.state;
-  s.groups = layout_.groups;
-  s.rank = layout_.rank;
-  s.angles = layout_.angles;
-  s.a_floor = layout_.a_floor;
-  s.norm_eps = layout_.norm_eps;
-  return s;
-}
-#endif
 
 }  // namespace megacpp::cuda

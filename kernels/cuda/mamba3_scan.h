@@ -4,7 +4,7 @@
 //
 // Plain C++ (no CUDA types), so host code compiled by the C++ compiler can include it.
 // Device tensors are bf16 passed as uint16_t bit patterns, in the layouts of
-// kernels/cpu/mamba3_scan.h. Accumulation and the SSM state are fp32. The gradients of
+// kernels/contracts/mamba3_scan.h. Accumulation and the SSM state are fp32. The gradients of
 // the per-head parameters (biases, mimo weights, D) are fp32.
 //
 // The computation is the SSD structure over chunks of `chunk` tokens:
@@ -23,11 +23,11 @@
 #include <string>
 #include <vector>
 
-#include "kernels/cpu/mamba3_scan.h"
+#include "kernels/contracts/mamba3_scan.h"
 
 namespace megacpp::cuda {
 
-// Device pointers, bf16 (uint16_t bit patterns), shapes and layouts of cpu::ScanInputs.
+// Device pointers, bf16 (uint16_t bit patterns), shapes and layouts of ops::ScanInputs.
 struct ScanDeviceInputs {
   const uint16_t* q = nullptr;
   const uint16_t* k = nullptr;
@@ -86,7 +86,7 @@ class Mamba3ScanCuda {
   // and backward reads it instead of recomputing it. tensor_cores: the chunk products run
   // on the tensor cores (bf16 operands, fp32 accumulation); off, on CUDA cores in fp32
   // (operands held in shared memory as bf16 either way).
-  explicit Mamba3ScanCuda(const cpu::ScanShape& shape, bool psiv_cache = false,
+  explicit Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache = false,
                           bool tensor_cores = true);
   ~Mamba3ScanCuda();
   Mamba3ScanCuda(const Mamba3ScanCuda&) = delete;
@@ -99,7 +99,7 @@ class Mamba3ScanCuda {
   void backward(const ScanDeviceInputs& in, const uint16_t* dy, const ScanDeviceGrads& grads,
                 void* stream = nullptr);
 
-  const cpu::ScanShape& shape() const { return shape_; }
+  const ops::ScanShape& shape() const { return shape_; }
   bool psiv_cache() const { return psiv_cache_; }
   bool tensor_cores() const { return tensor_cores_; }
   size_t workspace_bytes() const { return workspace_bytes_; }
@@ -107,7 +107,7 @@ class Mamba3ScanCuda {
   std::vector<KernelAttributes> kernel_attributes() const;
 
  private:
-  cpu::ScanShape shape_;
+  ops::ScanShape shape_;
   bool psiv_cache_;
   bool tensor_cores_;
   bool has_forward_ = false;
@@ -122,12 +122,12 @@ class Mamba3ScanCuda {
 // The attributes of every kernel the scan launches for `shape` (with psiv_cache off and
 // on the launch shapes are the same), for the tensor-core or the CUDA-core variant.
 // Throws like the constructor for shapes not covered.
-std::vector<KernelAttributes> kernel_attributes(const cpu::ScanShape& shape,
+std::vector<KernelAttributes> kernel_attributes(const ops::ScanShape& shape,
                                                 bool tensor_cores = true);
 
 // Dynamic shared memory (bytes) per block of the largest kernel for `shape` (no device
 // needed). The constructor refuses a shape when this exceeds the device's opt-in limit per
 // block (232448 bytes on Hopper).
-size_t scan_shared_bytes_needed(const cpu::ScanShape& shape);
+size_t scan_shared_bytes_needed(const ops::ScanShape& shape);
 
 }  // namespace megacpp::cuda

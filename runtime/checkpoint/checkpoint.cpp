@@ -2,30 +2,23 @@
 
 #include <fmt/format.h>
 
-#include <cstring>
+#include <sys/statvfs.h>
 
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <limits>
+#include <utility>
+
+#include "base/atomic_file.h"
+#include "base/error.h"
+#include "base/json_file.h"
+#include "base/version.h"
 #include "runtime/checkpoint/safetensors.h"
-#include "runtime/common/atomic_file.h"
-#include "runtime/common/error.h"
-#include "runtime/common/version.h"
 
 namespace megacpp {
 
 namespace fs = std::filesystem;
-
-void save_json_atomically(const fs::path& file, const nlohmann::json& json) {
-  write_file_atomically(file, json.dump(2) + "\n");
-}
-
-nlohmann::json load_json_file(const fs::path& file) {
-  const std::string text = read_file(file);
-  try {
-    return nlohmann::json::parse(text);
-  } catch (const nlohmann::json::parse_error& e) {
-    fail(ErrorKind::kCorruptData, "{}: invalid JSON at byte {}: {}", file.string(), e.byte,
-         e.what());
-  }
-}
 
 void save_model_checkpoint(const fs::path& dir, const Model<float>& model) {
   fs::create_directories(dir);
@@ -36,7 +29,8 @@ void save_model_checkpoint(const fs::path& dir, const Model<float>& model) {
     const auto& info = params.entries()[i];
     tensors.push_back({info.name, info.shape, params.value(static_cast<int>(i))});
   }
-  save_safetensors(dir / "model.safetensors", tensors, {{"format", "pt"}, {"writer", version_string()}});
+  save_safetensors(dir / "model.safetensors", tensors,
+                   {{"format", "pt"}, {"writer", version_string()}});
 }
 
 ModelConfig load_checkpoint_config(const fs::path& dir) {
@@ -61,7 +55,8 @@ void save_optimizer_state(const fs::path& file, const ParameterSet<float>& param
                           AdamW<float>& optimizer) {
   std::vector<TensorRef> tensors;
   for (const auto& info : params.entries()) {
-    tensors.push_back({"exp_avg." + info.name, info.shape, optimizer.exp_avg().data() + info.offset});
+    tensors.push_back(
+        {"exp_avg." + info.name, info.shape, optimizer.exp_avg().data() + info.offset});
     tensors.push_back(
         {"exp_avg_sq." + info.name, info.shape, optimizer.exp_avg_sq().data() + info.offset});
   }
@@ -101,7 +96,8 @@ fs::path step_checkpoint_dir(const fs::path& run_dir, int64_t step) {
 }
 
 void mark_latest_checkpoint(const fs::path& run_dir, int64_t step) {
-  write_file_atomically(run_dir / "latest", step_checkpoint_dir(run_dir, step).filename().string() + "\n");
+  write_file_atomically(run_dir / "latest",
+                        step_checkpoint_dir(run_dir, step).filename().string() + "\n");
 }
 
 std::optional<fs::path> latest_checkpoint(const fs::path& run_dir) {
@@ -115,6 +111,95 @@ std::optional<fs::path> latest_checkpoint(const fs::path& run_dir) {
          pointer.string(), name, run_dir.string());
   }
   return dir;
+}
+
+uint64_t training_checkpoint_bytes(const ParameterSet<float>& params) {
+  // Per tensor and file, a safetensors header entry is the name (with "exp_avg_sq." at
+  // most) plus dtype, shape and offsets: 160 bytes beyond the name covers any shape.
+  uint64_t headers = 0;
+  for (const auto& info : params.entries()) headers += 3 * (info.name.size() + 11 + 160);
+  constexpr uint64_t kJsonFiles = 64 << 10;  // config.json, trainer_state.json, latest
+  return 3 * sizeof(float) * static_cast<uint64_t>(params.total()) + headers + kJsonFiles;
+}
+
+void require_free_space_for_checkpoint(const fs::path& run_dir, uint64_t bytes,
+                                       uint64_t min_free_bytes) {
+  std::error_code ec;
+  fs::create_directories(run_dir, ec);
+  if (ec) {
+    fail(ErrorKind::kIo, "{}: cannot create the checkpoint directory: {}", run_dir.string(),
+         ec.message());
+  }
+  struct statvfs stats {};
+  if (::statvfs(run_dir.c_str(), &stats) != 0) {
+    fail(ErrorKind::kIo, "{}: cannot read the file system's free space: {}", run_dir.string(),
+         std::strerror(errno));
+  }
+  // f_bavail: what an unprivileged writer may use, as the daemon's startup check counts.
+  const uint64_t free_bytes =
+      static_cast<uint64_t>(stats.f_bavail) * static_cast<uint64_t>(stats.f_frsize);
+  if (free_bytes < bytes || free_bytes - bytes < min_free_bytes) {
+    fail(ErrorKind::kFailedPrecondition,
+         "{}: a checkpoint of about {} bytes would cross the free-space floor: the file system "
+         "has {} bytes free and must keep min_free_bytes={}; free space or lower the floor",
+         run_dir.string(), bytes, free_bytes, min_free_bytes);
+  }
+}
+
+namespace {
+
+// The step of a "step-NNNNNNNN" name, or -1 for any other name.
+int64_t checkpoint_step(const std::string& name) {
+  if (name.size() <= 5 || name.compare(0, 5, "step-") != 0) return -1;
+  int64_t step = 0;
+  for (size_t i = 5; i < name.size(); ++i) {
+    if (name[i] < '0' || name[i] > '9' || step > (std::numeric_limits<int64_t>::max() - 9) / 10)
+      return -1;
+    step = step * 10 + (name[i] - '0');
+  }
+  return step;
+}
+
+constexpr const char* kPruningPrefix = ".pruning-";
+
+}  // namespace
+
+std::vector<fs::path> prune_checkpoints(const fs::path& run_dir, int keep_last,
+                                        int64_t final_step) {
+  std::vector<fs::path> removed;
+  std::error_code ec;
+  std::vector<std::pair<int64_t, fs::path>> steps;
+  for (const auto& entry : fs::directory_iterator(run_dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind(kPruningPrefix, 0) == 0) {
+      // Left by a run that died while deleting: finish the job.
+      fs::remove_all(entry.path(), ec);
+      continue;
+    }
+    const int64_t step = checkpoint_step(name);
+    if (step >= 0 && entry.is_directory(ec)) steps.emplace_back(step, entry.path());
+  }
+  if (keep_last <= 0 || steps.size() <= static_cast<size_t>(keep_last)) return removed;
+  std::sort(steps.begin(), steps.end());
+  const auto latest = latest_checkpoint(run_dir);
+  const size_t old = steps.size() - static_cast<size_t>(keep_last);
+  for (size_t i = 0; i < old; ++i) {
+    const auto& [step, dir] = steps[i];
+    if (step == final_step || (latest && latest->filename() == dir.filename())) continue;
+    const fs::path doomed = run_dir / (kPruningPrefix + dir.filename().string());
+    fs::rename(dir, doomed, ec);
+    if (ec) {
+      fail(ErrorKind::kIo, "{}: cannot retire old checkpoint {}: {}", run_dir.string(),
+           dir.filename().string(), ec.message());
+    }
+    fs::remove_all(doomed, ec);
+    if (ec) {
+      fail(ErrorKind::kIo, "{}: cannot delete old checkpoint {}: {}", run_dir.string(),
+           doomed.string(), ec.message());
+    }
+    removed.push_back(dir);
+  }
+  return removed;
 }
 
 }  // namespace megacpp

@@ -11,9 +11,11 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <vector>
 
+#include "base/json_file.h"
 #include "runtime/model/model.h"
-#include "runtime/trainer/optimizer.h"
+#include "runtime/optimizer/adamw.h"
 
 namespace megacpp {
 
@@ -36,7 +38,22 @@ void mark_latest_checkpoint(const std::filesystem::path& run_dir, int64_t step);
 // The newest complete checkpoint of a run directory, if any.
 std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& run_dir);
 
-void save_json_atomically(const std::filesystem::path& file, const nlohmann::json& json);
-nlohmann::json load_json_file(const std::filesystem::path& file);
+// About how many bytes a training checkpoint of `params` writes: the weights and both
+// AdamW moments in fp32, their safetensors headers, the JSON files. An upper estimate.
+uint64_t training_checkpoint_bytes(const ParameterSet<float>& params);
+
+// The floor on free space: throws Error(kFailedPrecondition) naming run_dir, its file
+// system's free bytes, `bytes` and `min_free_bytes` when writing `bytes` there would
+// leave less than `min_free_bytes` available. Creates run_dir if missing.
+void require_free_space_for_checkpoint(const std::filesystem::path& run_dir, uint64_t bytes,
+                                       uint64_t min_free_bytes);
+
+// Retention: deletes the step checkpoints of run_dir older than its newest `keep_last`,
+// except the one of `final_step` (the run's last) and the one `latest` names. keep_last
+// = 0 keeps everything. A checkpoint is renamed out of the step-* namespace before it is
+// deleted, so a crash mid-delete never leaves a partial one that looks complete.
+// Returns the step directories removed.
+std::vector<std::filesystem::path> prune_checkpoints(const std::filesystem::path& run_dir,
+                                                     int keep_last, int64_t final_step);
 
 }  // namespace megacpp

@@ -14,8 +14,8 @@
 #include <string_view>
 #include <system_error>
 
-#include "runtime/common/atomic_file.h"
-#include "runtime/common/error.h"
+#include "base/atomic_file.h"
+#include "base/error.h"
 
 namespace megacpp {
 namespace {

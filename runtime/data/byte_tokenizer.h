@@ -6,7 +6,7 @@
 #include <string_view>
 #include <vector>
 
-#include "runtime/common/error.h"
+#include "base/error.h"
 
 namespace megacpp::data {
 

@@ -1,7 +1,6 @@
 #include "runtime/data/indexed_dataset.h"
 
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -14,7 +13,7 @@
 #include <string>
 #include <utility>
 
-#include "runtime/common/error.h"
+#include "base/error.h"
 
 namespace megacpp::data {
 namespace {
@@ -30,6 +29,7 @@ constexpr std::uint64_t kSequenceCountOffset = 18;
 constexpr std::uint64_t kDocumentCountOffset = 26;
 constexpr std::uint64_t kHeaderSize = 34;
 constexpr std::size_t kWriteBufferBytes = std::size_t{1} << 20;
+constexpr std::size_t kReadChunkBytes = std::size_t{1} << 14;
 
 // The .idx arrays start at offset 34, so they are not naturally aligned.
 template <typename T>
@@ -232,77 +232,123 @@ std::filesystem::path data_file_path(const std::filesystem::path& prefix) {
 }
 
 // ---------------------------------------------------------------------------
-// MappedFile
+// ReadOnlyFile
 
-MappedFile::MappedFile(const std::filesystem::path& path) : path_(path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
+ReadOnlyFile::ReadOnlyFile(const std::filesystem::path& path) : path_(path) {
+  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd_ < 0) {
     const int error_number = errno;
     fail(error_number == ENOENT ? ErrorKind::kNotFound : ErrorKind::kIo, "{}: cannot open: {}",
          path.string(), errno_text(error_number));
   }
   struct stat info {};
-  if (::fstat(fd, &info) != 0) {
+  if (::fstat(fd_, &info) != 0) {
     const int error_number = errno;
-    ::close(fd);
+    release();
     fail(ErrorKind::kIo, "{}: cannot stat: {}", path.string(), errno_text(error_number));
   }
   if (!S_ISREG(info.st_mode)) {
-    ::close(fd);
+    release();
     fail(ErrorKind::kInvalidArgument, "{}: not a regular file", path.string());
   }
   size_ = static_cast<std::uint64_t>(info.st_size);
-  if (size_ > 0) {
-    void* mapping = ::mmap(nullptr, static_cast<std::size_t>(size_), PROT_READ, MAP_SHARED, fd, 0);
-    if (mapping == MAP_FAILED) {
-      const int error_number = errno;
-      ::close(fd);
-      fail(ErrorKind::kIo, "{}: mmap of {} bytes failed: {}", path.string(), size_,
-           errno_text(error_number));
-    }
-    data_ = static_cast<const unsigned char*>(mapping);
-  }
-  // The mapping keeps the file alive; the descriptor is no longer needed.
-  ::close(fd);
+  mtime_seconds_ = static_cast<std::int64_t>(info.st_mtim.tv_sec);
+  mtime_nanoseconds_ = static_cast<std::int64_t>(info.st_mtim.tv_nsec);
 }
 
-MappedFile::~MappedFile() {
+ReadOnlyFile::~ReadOnlyFile() {
   release();
 }
 
-MappedFile::MappedFile(MappedFile&& other) noexcept
+ReadOnlyFile::ReadOnlyFile(ReadOnlyFile&& other) noexcept
     : path_(std::move(other.path_)),
-      data_(std::exchange(other.data_, nullptr)),
-      size_(std::exchange(other.size_, 0)) {}
+      fd_(std::exchange(other.fd_, -1)),
+      size_(std::exchange(other.size_, 0)),
+      mtime_seconds_(other.mtime_seconds_),
+      mtime_nanoseconds_(other.mtime_nanoseconds_) {}
 
-MappedFile& MappedFile::operator=(MappedFile&& other) noexcept {
+ReadOnlyFile& ReadOnlyFile::operator=(ReadOnlyFile&& other) noexcept {
   if (this != &other) {
     release();
     path_ = std::move(other.path_);
-    data_ = std::exchange(other.data_, nullptr);
+    fd_ = std::exchange(other.fd_, -1);
     size_ = std::exchange(other.size_, 0);
+    mtime_seconds_ = other.mtime_seconds_;
+    mtime_nanoseconds_ = other.mtime_nanoseconds_;
   }
   return *this;
 }
 
-void MappedFile::release() noexcept {
-  if (data_ != nullptr) {
-    ::munmap(const_cast<unsigned char*>(data_), static_cast<std::size_t>(size_));
-    data_ = nullptr;
+void ReadOnlyFile::release() noexcept {
+  if (fd_ >= 0) {
+    ::close(fd_);
+    fd_ = -1;
   }
-  size_ = 0;
+}
+
+void ReadOnlyFile::check_unchanged() const {
+  struct stat info {};
+  if (::fstat(fd_, &info) != 0) {
+    fail(ErrorKind::kIo, "{}: cannot stat: {}", path_.string(), errno_text(errno));
+  }
+  const auto size = static_cast<std::uint64_t>(info.st_size);
+  const auto seconds = static_cast<std::int64_t>(info.st_mtim.tv_sec);
+  const auto nanoseconds = static_cast<std::int64_t>(info.st_mtim.tv_nsec);
+  if (size != size_ || seconds != mtime_seconds_ || nanoseconds != mtime_nanoseconds_) {
+    fail(ErrorKind::kCorruptData,
+         "{}: changed while in use: opened with {} bytes modified at {}.{:09d}, now {} bytes "
+         "modified at {}.{:09d}; a dataset must not be rewritten while a job reads it",
+         path_.string(), size_, mtime_seconds_, mtime_nanoseconds_, size, seconds, nanoseconds);
+  }
+}
+
+void ReadOnlyFile::read(std::uint64_t offset, std::uint64_t count, unsigned char* out) const {
+  if (offset > size_ || count > size_ - offset) {
+    fail(ErrorKind::kInvalidArgument, "{}: read of {} bytes at offset {} exceeds its {} bytes",
+         path_.string(), count, offset, size_);
+  }
+  std::uint64_t done = 0;
+  while (done < count) {
+    const std::size_t want =
+        static_cast<std::size_t>(std::min<std::uint64_t>(count - done, std::uint64_t{1} << 30));
+    const ssize_t got = ::pread(fd_, out + done, want, static_cast<off_t>(offset + done));
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      fail(ErrorKind::kIo, "{}: read of {} bytes at offset {} failed: {}", path_.string(), want,
+           offset + done, errno_text(errno));
+    }
+    if (got == 0) {
+      // End of file before the size seen at open: the file was truncated.
+      check_unchanged();
+      fail(ErrorKind::kCorruptData,
+           "{}: changed while in use: ends at offset {}, but had {} bytes when opened",
+           path_.string(), offset + done, size_);
+    }
+    done += static_cast<std::uint64_t>(got);
+  }
+  // After the read, so that bytes rewritten in place during it are not trusted either.
+  check_unchanged();
+}
+
+std::vector<unsigned char> ReadOnlyFile::read_all() const {
+  std::vector<unsigned char> bytes(static_cast<std::size_t>(size_));
+  read(0, size_, bytes.data());
+  return bytes;
 }
 
 // ---------------------------------------------------------------------------
 // IndexedDataset
 
 IndexedDataset::IndexedDataset(const std::filesystem::path& prefix)
-    : prefix_(prefix), index_(index_file_path(prefix)), data_(data_file_path(prefix)) {
+    : prefix_(prefix),
+      index_path_(index_file_path(prefix)),
+      index_(ReadOnlyFile(index_path_).read_all()),
+      data_(data_file_path(prefix)) {
   validate();
 }
 
 void IndexedDataset::validate() {
-  const std::filesystem::path& file = index_.path();
+  const std::filesystem::path& file = index_path_;
   const std::uint64_t size = index_.size();
   const unsigned char* bytes = index_.data();
 
@@ -434,7 +480,7 @@ std::uint64_t IndexedDataset::document_index_entry(std::uint64_t entry) const {
 std::uint32_t IndexedDataset::sequence_length(std::uint64_t sequence_index) const {
   if (sequence_index >= num_sequences_) {
     fail(ErrorKind::kInvalidArgument, "{}: sequence index {} out of range: {} sequences",
-         index_.path().string(), sequence_index, num_sequences_);
+         index_path_.string(), sequence_index, num_sequences_);
   }
   return static_cast<std::uint32_t>(
       load<std::int32_t>(index_.data() + lengths_offset_ + 4 * sequence_index));
@@ -443,7 +489,7 @@ std::uint32_t IndexedDataset::sequence_length(std::uint64_t sequence_index) cons
 std::uint64_t IndexedDataset::sequence_start(std::uint64_t sequence_index) const {
   if (sequence_index >= num_sequences_) {
     fail(ErrorKind::kInvalidArgument, "{}: sequence index {} out of range: {} sequences",
-         index_.path().string(), sequence_index, num_sequences_);
+         index_path_.string(), sequence_index, num_sequences_);
   }
   return sequence_pointer(sequence_index) / token_size_;
 }
@@ -451,7 +497,7 @@ std::uint64_t IndexedDataset::sequence_start(std::uint64_t sequence_index) const
 IndexRange IndexedDataset::document_sequences(std::uint64_t document_index) const {
   if (document_index >= num_documents()) {
     fail(ErrorKind::kInvalidArgument, "{}: document {} out of range: {} documents",
-         index_.path().string(), document_index, num_documents());
+         index_path_.string(), document_index, num_documents());
   }
   return {document_index_entry(document_index), document_index_entry(document_index + 1)};
 }
@@ -470,7 +516,7 @@ void IndexedDataset::read(std::uint64_t sequence_index, std::uint64_t offset, st
   if (offset > length || count > length - offset) {
     fail(ErrorKind::kInvalidArgument,
          "{}: read of {} tokens at offset {} exceeds sequence {} of length {}",
-         index_.path().string(), count, offset, sequence_index, length);
+         index_path_.string(), count, offset, sequence_index, length);
   }
   read_stream(sequence_pointer(sequence_index) / token_size_ + offset, count, out);
 }
@@ -482,23 +528,38 @@ void IndexedDataset::read_stream(std::uint64_t first, std::uint64_t count,
          "{}: read of {} tokens at stream position {} exceeds {} tokens", data_.path().string(),
          count, first, total_tokens_);
   }
-  if (count == 0) return;
-  const std::uint64_t byte_offset = first * token_size_;
-  const unsigned char* bytes = data_.data() + byte_offset;
   const std::filesystem::path& file = data_.path();
-  switch (dtype_) {
-    case TokenDtype::kUint8:
-      return widen_tokens<std::uint8_t>(bytes, count, out, file, byte_offset);
-    case TokenDtype::kInt8:
-      return widen_tokens<std::int8_t>(bytes, count, out, file, byte_offset);
-    case TokenDtype::kInt16:
-      return widen_tokens<std::int16_t>(bytes, count, out, file, byte_offset);
-    case TokenDtype::kUint16:
-      return widen_tokens<std::uint16_t>(bytes, count, out, file, byte_offset);
-    case TokenDtype::kInt32:
-      return widen_tokens<std::int32_t>(bytes, count, out, file, byte_offset);
-    case TokenDtype::kInt64:
-      return widen_tokens<std::int64_t>(bytes, count, out, file, byte_offset);
+  // Bounded chunks: a read of the whole stream (statistics, preparation checks) needs
+  // no buffer the size of the dataset.
+  std::array<unsigned char, kReadChunkBytes> buffer;
+  const std::uint64_t chunk_tokens = kReadChunkBytes / token_size_;
+  std::uint64_t done = 0;
+  while (done < count) {
+    const std::uint64_t tokens = std::min(chunk_tokens, count - done);
+    const std::uint64_t byte_offset = (first + done) * token_size_;
+    data_.read(byte_offset, tokens * token_size_, buffer.data());
+    std::int32_t* chunk_out = out + done;
+    switch (dtype_) {
+      case TokenDtype::kUint8:
+        widen_tokens<std::uint8_t>(buffer.data(), tokens, chunk_out, file, byte_offset);
+        break;
+      case TokenDtype::kInt8:
+        widen_tokens<std::int8_t>(buffer.data(), tokens, chunk_out, file, byte_offset);
+        break;
+      case TokenDtype::kInt16:
+        widen_tokens<std::int16_t>(buffer.data(), tokens, chunk_out, file, byte_offset);
+        break;
+      case TokenDtype::kUint16:
+        widen_tokens<std::uint16_t>(buffer.data(), tokens, chunk_out, file, byte_offset);
+        break;
+      case TokenDtype::kInt32:
+        widen_tokens<std::int32_t>(buffer.data(), tokens, chunk_out, file, byte_offset);
+        break;
+      case TokenDtype::kInt64:
+        widen_tokens<std::int64_t>(buffer.data(), tokens, chunk_out, file, byte_offset);
+        break;
+    }
+    done += tokens;
   }
 }
 

@@ -41,27 +41,40 @@ std::string_view token_dtype_name(TokenDtype dtype);
 std::filesystem::path index_file_path(const std::filesystem::path& prefix);
 std::filesystem::path data_file_path(const std::filesystem::path& prefix);
 
-// A read-only memory mapping of a whole file; unmapped on destruction.
-class MappedFile {
+// A regular file opened read-only and read with pread. Not a memory mapping: a mapped
+// file that another process truncates kills the reader with SIGBUS on its next touch of
+// a lost page, and a job's dataset may be rewritten while the job trains. Every read
+// checks that the file still has the size and modification time it had when opened, so
+// a changed file is an Error naming it instead of a crash or silently different tokens.
+class ReadOnlyFile {
  public:
-  explicit MappedFile(const std::filesystem::path& path);
-  ~MappedFile();
-  MappedFile(MappedFile&& other) noexcept;
-  MappedFile& operator=(MappedFile&& other) noexcept;
-  MappedFile(const MappedFile&) = delete;
-  MappedFile& operator=(const MappedFile&) = delete;
+  explicit ReadOnlyFile(const std::filesystem::path& path);
+  ~ReadOnlyFile();
+  ReadOnlyFile(ReadOnlyFile&& other) noexcept;
+  ReadOnlyFile& operator=(ReadOnlyFile&& other) noexcept;
+  ReadOnlyFile(const ReadOnlyFile&) = delete;
+  ReadOnlyFile& operator=(const ReadOnlyFile&) = delete;
 
   const std::filesystem::path& path() const { return path_; }
-  // nullptr when the file is empty.
-  const unsigned char* data() const { return data_; }
+  // The size when opened.
   std::uint64_t size() const { return size_; }
+
+  // Copies bytes [offset, offset + count) to out. Error(kCorruptData) naming the file when
+  // it changed since it was opened (size, modification time, or a short read), kIo when
+  // the system refuses the read, kInvalidArgument for a range beyond the opened size.
+  void read(std::uint64_t offset, std::uint64_t count, unsigned char* out) const;
+  std::vector<unsigned char> read_all() const;
+  // Error(kCorruptData) naming the file when it changed since it was opened.
+  void check_unchanged() const;
 
  private:
   void release() noexcept;
 
   std::filesystem::path path_;
-  const unsigned char* data_ = nullptr;
+  int fd_ = -1;
   std::uint64_t size_ = 0;
+  std::int64_t mtime_seconds_ = 0;
+  std::int64_t mtime_nanoseconds_ = 0;
 };
 
 // Half-open range [begin, end).
@@ -76,14 +89,16 @@ struct IndexRange {
 // offset. The sequences are stored back to back from byte 0 (as every Megatron writer
 // does), so the dataset is also one concatenated token stream.
 //
-// A file truncated by another process while mapped can still raise SIGBUS; that is
-// outside what validation at open can catch.
+// The .idx is read into memory at open; the .bin is read with pread on demand, and a
+// .bin that changes under a reader (truncated, rewritten in place) makes the next read
+// throw Error(kCorruptData) naming it. A pair replaced by rename keeps serving the files
+// that were opened.
 class IndexedDataset {
  public:
   explicit IndexedDataset(const std::filesystem::path& prefix);
 
   const std::filesystem::path& prefix() const { return prefix_; }
-  const std::filesystem::path& index_path() const { return index_.path(); }
+  const std::filesystem::path& index_path() const { return index_path_; }
   const std::filesystem::path& data_path() const { return data_.path(); }
   TokenDtype dtype() const { return dtype_; }
 
@@ -114,8 +129,9 @@ class IndexedDataset {
   std::uint64_t document_index_entry(std::uint64_t entry) const;
 
   std::filesystem::path prefix_;
-  MappedFile index_;
-  MappedFile data_;
+  std::filesystem::path index_path_;
+  std::vector<unsigned char> index_;  // the whole .idx
+  ReadOnlyFile data_;
   TokenDtype dtype_ = TokenDtype::kUint16;
   std::size_t token_size_ = 2;
   std::uint64_t num_sequences_ = 0;

@@ -16,7 +16,7 @@
 #include <system_error>
 #include <utility>
 
-#include "runtime/common/error.h"
+#include "base/error.h"
 #include "runtime/data/byte_tokenizer.h"
 #include "runtime/data/indexed_dataset.h"
 

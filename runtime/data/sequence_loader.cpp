@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <utility>
 
-#include "runtime/common/error.h"
+#include "base/error.h"
 
 namespace megacpp::data {
 namespace {

@@ -9,9 +9,9 @@
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/linear.h"
 #include "kernels/cpu/rotary.h"
+#include "runtime/config/model_config.h"
 #include "runtime/layers/init.h"
-#include "runtime/model/config.h"
-#include "runtime/model/parameters.h"
+#include "runtime/parameters/parameter_set.h"
 
 namespace megacpp {
 
@@ -28,7 +28,8 @@ class AttentionMixer {
     in_proj_ = params.add(p + "in_proj.weight", {width_, config.d_model}, true);
     if (config.attn.qkv_proj_bias) in_bias_ = params.add(p + "in_proj.bias", {width_}, false);
     out_proj_ = params.add(p + "out_proj.weight", {config.d_model, hq_ * hd_}, true);
-    if (config.attn.out_proj_bias) out_bias_ = params.add(p + "out_proj.bias", {config.d_model}, false);
+    if (config.attn.out_proj_bias)
+      out_bias_ = params.add(p + "out_proj.bias", {config.d_model}, false);
   }
 
   void init(Rng& rng, double out_proj_divisor) {
@@ -68,8 +69,8 @@ class AttentionMixer {
                             dctx_.data(), params_.grad(out_proj_), grad(out_bias_));
     T* q = qkv_.data();
     T* dq = dqkv_.data();
-    attention_->backward(q, q + hq_ * hd_, q + (hq_ + hkv_) * hd_, width_, width_, dctx_.data(),
-                         dq, dq + hq_ * hd_, dq + (hq_ + hkv_) * hd_);
+    attention_->backward(q, q + hq_ * hd_, q + (hq_ + hkv_) * hd_, width_, width_, dctx_.data(), dq,
+                         dq + hq_ * hd_, dq + (hq_ + hkv_) * hd_);
     rotate(dq, /*backward=*/true);
     cpu::linear_backward<T>(rows, dm, width_, x, params_.value(in_proj_), dq, dx,
                             params_.grad(in_proj_), grad(in_bias_));

@@ -2,7 +2,7 @@
 // Parameter initialization primitives of the spec (shared/spec/model.md, "Init").
 #include <cstdint>
 
-#include "runtime/common/rng.h"
+#include "base/rng.h"
 
 namespace megacpp {
 

@@ -6,33 +6,31 @@
 #include <string>
 #include <vector>
 
+#include "kernels/contracts/mamba3_scan.h"
 #include "kernels/cpu/linear.h"
 #include "kernels/cpu/mamba3_preprocess.h"
-#include "kernels/cpu/mamba3_scan.h"
 #include "kernels/cpu/mamba3_scan_chunked.h"
 #include "kernels/cpu/mamba3_scan_recurrent.h"
+#include "runtime/config/model_config.h"
 #include "runtime/layers/init.h"
-#include "runtime/model/config.h"
-#include "runtime/model/parameters.h"
+#include "runtime/parameters/parameter_set.h"
 
 namespace megacpp {
-
-enum class ScanForm { kChunked, kRecurrent };
 
 namespace detail {
 template <typename T>
 class ScanRunner {
  public:
   virtual ~ScanRunner() = default;
-  virtual void forward(const cpu::ScanInputs<T>& in, T* y) = 0;
-  virtual void backward(const cpu::ScanInputs<T>& in, const T* dy, const cpu::ScanGrads<T>& g) = 0;
+  virtual void forward(const ops::ScanInputs<T>& in, T* y) = 0;
+  virtual void backward(const ops::ScanInputs<T>& in, const T* dy, const ops::ScanGrads<T>& g) = 0;
 };
 template <typename T, typename Impl>
 class ScanRunnerOf final : public ScanRunner<T> {
  public:
-  explicit ScanRunnerOf(const cpu::ScanShape& shape) : impl_(shape) {}
-  void forward(const cpu::ScanInputs<T>& in, T* y) override { impl_.forward(in, y); }
-  void backward(const cpu::ScanInputs<T>& in, const T* dy, const cpu::ScanGrads<T>& g) override {
+  explicit ScanRunnerOf(const ops::ScanShape& shape) : impl_(shape) {}
+  void forward(const ops::ScanInputs<T>& in, T* y) override { impl_.forward(in, y); }
+  void backward(const ops::ScanInputs<T>& in, const T* dy, const ops::ScanGrads<T>& g) override {
     impl_.backward(in, dy, g);
   }
 
@@ -113,7 +111,7 @@ class Mamba3Mixer {
     dy_.assign(rows * di, T(0));
     const size_t per_head = static_cast<size_t>(shape_.rank) * shape_.state;
     param_grad_.assign(2 * h * per_head + 3 * h * shape_.rank * shape_.headdim + h, T(0));
-    cpu::ScanShape s;
+    ops::ScanShape s;
     s.batch = batch;
     s.seqlen = seqlen;
     s.heads = shape_.heads;
@@ -138,8 +136,8 @@ class Mamba3Mixer {
                                       params_.value(b_norm_), params_.value(c_norm_), in_,
                                       bc_rstd_.data());
     scan_->forward(scan_inputs(), y_.data());
-    cpu::linear_forward<T>(rows, shape_.d_inner(), dm, y_.data(), params_.value(out_proj_),
-                           nullptr, out);
+    cpu::linear_forward<T>(rows, shape_.d_inner(), dm, y_.data(), params_.value(out_proj_), nullptr,
+                           out);
   }
 
   // dx is overwritten with the gradient w.r.t. x; parameter gradients accumulate.
@@ -150,10 +148,20 @@ class Mamba3Mixer {
     const size_t h = shape_.heads, rn = static_cast<size_t>(shape_.rank) * shape_.state;
     const size_t rp = static_cast<size_t>(shape_.rank) * shape_.headdim;
     T* pg = param_grad_.data();
-    cpu::ScanGrads<T> g{grad_.q,      grad_.k,   grad_.x,          grad_.z,
-                        grad_.adt,    grad_.dt,  grad_.trap,       grad_.angles,
-                        pg,           pg + h * rn, pg + 2 * h * rn, pg + 2 * h * rn + h * rp,
-                        pg + 2 * h * rn + 2 * h * rp, pg + 2 * h * rn + 3 * h * rp};
+    ops::ScanGrads<T> g{grad_.q,
+                        grad_.k,
+                        grad_.x,
+                        grad_.z,
+                        grad_.adt,
+                        grad_.dt,
+                        grad_.trap,
+                        grad_.angles,
+                        pg,
+                        pg + h * rn,
+                        pg + 2 * h * rn,
+                        pg + 2 * h * rn + h * rp,
+                        pg + 2 * h * rn + 2 * h * rp,
+                        pg + 2 * h * rn + 3 * h * rp};
     scan_->backward(scan_inputs(), dy_.data(), g);
     accumulate(c_bias_, g.q_bias);
     accumulate(b_bias_, g.k_bias);
@@ -161,13 +169,12 @@ class Mamba3Mixer {
     accumulate(mimo_z_, g.mimo_z);
     accumulate(mimo_o_, g.mimo_o);
     accumulate(d_, g.d);
-    const cpu::Mamba3ScanBuffers<const T> grad_view{grad_.z,   grad_.x,  grad_.k,    grad_.q,
+    const ops::Mamba3ScanBuffers<const T> grad_view{grad_.z,   grad_.x,  grad_.k,    grad_.q,
                                                     grad_.adt, grad_.dt, grad_.trap, grad_.angles};
-    cpu::mamba3_preprocess_backward<T>(shape_, proj_.data(), params_.value(dt_bias_),
-                                       params_.value(b_norm_), params_.value(c_norm_),
-                                       bc_rstd_.data(), grad_view, dproj_.data(),
-                                       params_.grad(dt_bias_), params_.grad(b_norm_),
-                                       params_.grad(c_norm_), row_scratch_.data());
+    cpu::mamba3_preprocess_backward<T>(
+        shape_, proj_.data(), params_.value(dt_bias_), params_.value(b_norm_),
+        params_.value(c_norm_), bc_rstd_.data(), grad_view, dproj_.data(), params_.grad(dt_bias_),
+        params_.grad(b_norm_), params_.grad(c_norm_), row_scratch_.data());
     cpu::linear_backward<T>(rows, dm, shape_.columns(), x, params_.value(in_proj_), dproj_.data(),
                             dx, params_.grad(in_proj_), nullptr);
   }
@@ -176,17 +183,15 @@ class Mamba3Mixer {
   // algorithm's products: intra-chunk scores and values, inter-chunk q·S and
   // the state update.
   double scan_forward_flops_per_token() const {
-    const double c = config_.ssm.chunk_size, r = shape_.rank, n = shape_.state,
-                 p = shape_.headdim;
+    const double c = config_.ssm.chunk_size, r = shape_.rank, n = shape_.state, p = shape_.headdim;
     const double rows = c * r;
     const double per_chunk = 2 * rows * rows * (n + p) / 2 + 4 * rows * p * n;
     return per_chunk / c * shape_.heads;
   }
 
  private:
-  cpu::Mamba3ScanBuffers<T> carve(T* base, size_t rows, size_t di, size_t bc, size_t h,
-                                  size_t an) {
-    cpu::Mamba3ScanBuffers<T> b;
+  ops::Mamba3ScanBuffers<T> carve(T* base, size_t rows, size_t di, size_t bc, size_t h, size_t an) {
+    ops::Mamba3ScanBuffers<T> b;
     b.z = base;
     b.x = b.z + rows * di;
     b.k = b.x + rows * di;
@@ -198,8 +203,8 @@ class Mamba3Mixer {
     (void)an;
     return b;
   }
-  cpu::ScanInputs<T> scan_inputs() const {
-    cpu::ScanInputs<T> s;
+  ops::ScanInputs<T> scan_inputs() const {
+    ops::ScanInputs<T> s;
     s.q = in_.q;
     s.k = in_.k;
     s.v = in_.x;
@@ -225,13 +230,12 @@ class Mamba3Mixer {
   const ModelConfig& config_;
   ParameterSet<T>& params_;
   ScanForm form_;
-  cpu::Mamba3PreprocessShape shape_;
+  ops::Mamba3PreprocessShape shape_;
   int batch_ = 0, seqlen_ = 0;
   int in_proj_, dt_bias_, b_bias_, c_bias_, b_norm_, c_norm_, mimo_x_, mimo_z_, mimo_o_, d_,
       out_proj_;
-  std::vector<T> proj_, dproj_, scan_in_, scan_grad_, bc_rstd_, row_scratch_, y_, dy_,
-      param_grad_;
-  cpu::Mamba3ScanBuffers<T> in_{}, grad_{};
+  std::vector<T> proj_, dproj_, scan_in_, scan_grad_, bc_rstd_, row_scratch_, y_, dy_, param_grad_;
+  ops::Mamba3ScanBuffers<T> in_{}, grad_{};
   std::unique_ptr<detail::ScanRunner<T>> scan_;
 };
 

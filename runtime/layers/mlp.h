@@ -5,9 +5,9 @@
 #include <vector>
 
 #include "kernels/cpu/gated_mlp.h"
+#include "runtime/config/model_config.h"
 #include "runtime/layers/init.h"
-#include "runtime/model/config.h"
-#include "runtime/model/parameters.h"
+#include "runtime/parameters/parameter_set.h"
 
 namespace megacpp {
 

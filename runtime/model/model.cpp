@@ -120,8 +120,9 @@ double Model<T>::run_forward(const int32_t* tokens) {
     for (int t = 0; t < seqlen_; ++t) {
       const int32_t in = tokens[b * (seqlen_ + 1) + t];
       if (in < 0 || in >= config_.vocab_size) {
-        fail(ErrorKind::kInvalidArgument, "token {} at batch row {}, position {} is outside [0, {})",
-             in, b, t, config_.vocab_size);
+        fail(ErrorKind::kInvalidArgument,
+             "token {} at batch row {}, position {} is outside [0, {})", in, b, t,
+             config_.vocab_size);
       }
       inputs_[static_cast<size_t>(b * seqlen_ + t)] = in;
       targets_[static_cast<size_t>(b * seqlen_ + t)] = tokens[b * (seqlen_ + 1) + t + 1];
@@ -173,10 +174,9 @@ double Model<T>::forward_backward(const int32_t* tokens, double grad_scale) {
   // logits = h · Wᵀ: dh = dlogits · W, dW += dlogitsᵀ · h.
   cpu::linear_backward<T>(rows, dm, vp, normed_[site].data(), lm_head_weight(), dlogits_.data(),
                           dnormed_.data(), lm_head_grad(), nullptr);
-  cpu::residual_rmsnorm_backward<T>(rows, dm, residual_[site].data(),
-                                    params_.value(site_weight_[site]), rstd_[site].data(),
-                                    dnormed_.data(), nullptr, dresidual_.data(),
-                                    params_.grad(site_weight_[site]));
+  cpu::residual_rmsnorm_backward<T>(
+      rows, dm, residual_[site].data(), params_.value(site_weight_[site]), rstd_[site].data(),
+      dnormed_.data(), nullptr, dresidual_.data(), params_.grad(site_weight_[site]));
   // Walk the sublayers in reverse: site k-1 feeds the sublayer whose output is
   // added into the residual of site k, so its output gradient is dresidual(k).
   auto back_through_site = [&](auto& sublayer) {
@@ -194,17 +194,18 @@ double Model<T>::forward_backward(const int32_t* tokens, double grad_scale) {
     if (block.mamba) back_through_site(*block.mamba);
     if (block.attention) back_through_site(*block.attention);
   }
-  cpu::embedding_backward<T>(rows, dm, inputs_.data(), dresidual_.data(),
-                             params_.grad(embedding_));
+  cpu::embedding_backward<T>(rows, dm, inputs_.data(), dresidual_.data(), params_.grad(embedding_));
   return loss;
 }
 
 template <typename T>
 double Model<T>::step_flops(int batch, int seqlen) const {
-  double matrix_weights = static_cast<double>(params_.info(lm_head_ >= 0 ? lm_head_ : embedding_).size);
+  double matrix_weights =
+      static_cast<double>(params_.info(lm_head_ >= 0 ? lm_head_ : embedding_).size);
   double extra_forward_per_token = 0;
   for (const auto& p : params_.entries()) {
-    if (p.shape.size() == 2 && p.name != "backbone.embedding.weight" && p.name != "lm_head.weight") {
+    if (p.shape.size() == 2 && p.name != "backbone.embedding.weight" &&
+        p.name != "lm_head.weight") {
       matrix_weights += static_cast<double>(p.size);
     }
   }

@@ -6,12 +6,12 @@
 #include <memory>
 #include <vector>
 
-#include "runtime/common/rng.h"
+#include "base/rng.h"
+#include "runtime/config/model_config.h"
 #include "runtime/layers/attention_mixer.h"
 #include "runtime/layers/mamba3_mixer.h"
 #include "runtime/layers/mlp.h"
-#include "runtime/model/config.h"
-#include "runtime/model/parameters.h"
+#include "runtime/parameters/parameter_set.h"
 
 namespace megacpp {
 

@@ -5,14 +5,19 @@
 #include <cerrno>
 #include <cstring>
 
-#include "runtime/common/error.h"
+#include "base/error.h"
 
 namespace megacpp {
 
 nlohmann::json to_json(const StepRecord& r) {
-  return {{"step", r.step},           {"loss", r.loss},       {"grad_norm", r.grad_norm},
-          {"lr", r.lr},               {"tokens", r.tokens},   {"step_ms", r.step_ms},
-          {"tokens_per_s", r.tokens_per_s}, {"flops_per_s", r.flops_per_s}};
+  return {{"step", r.step},
+          {"loss", r.loss},
+          {"grad_norm", r.grad_norm},
+          {"lr", r.lr},
+          {"tokens", r.tokens},
+          {"step_ms", r.step_ms},
+          {"tokens_per_s", r.tokens_per_s},
+          {"flops_per_s", r.flops_per_s}};
 }
 
 nlohmann::json to_json(const EvalRecord& r) {
@@ -20,12 +25,12 @@ nlohmann::json to_json(const EvalRecord& r) {
 }
 
 nlohmann::json to_json(const RunSummary& r) {
-  return {{"first_step", r.first_step},     {"last_step", r.last_step},
-          {"total_steps", r.total_steps},   {"tokens", r.tokens},
-          {"wall_seconds", r.wall_seconds}, {"final_loss", r.final_loss},
+  return {{"first_step", r.first_step},         {"last_step", r.last_step},
+          {"total_steps", r.total_steps},       {"tokens", r.tokens},
+          {"wall_seconds", r.wall_seconds},     {"final_loss", r.final_loss},
           {"final_val_loss", r.final_val_loss}, {"median_step_ms", r.median_step_ms},
-          {"tokens_per_s", r.tokens_per_s}, {"flops_per_step", r.flops_per_step},
-          {"flops_per_s", r.flops_per_s},   {"stop_reason", r.stop_reason}};
+          {"tokens_per_s", r.tokens_per_s},     {"flops_per_step", r.flops_per_step},
+          {"flops_per_s", r.flops_per_s},       {"stop_reason", r.stop_reason}};
 }
 
 JsonLinesObserver::JsonLinesObserver(const std::filesystem::path& file, bool print_progress)
@@ -58,8 +63,8 @@ void JsonLinesObserver::on_step(const StepRecord& r) {
   line["type"] = "step";
   write(line);
   if (print_progress_) {
-    spdlog::info("step {:5d}  loss {:.4f}  grad_norm {:.3f}  lr {:.2e}  {:.0f} ms  {:.0f} tok/s", r.step,
-                 r.loss, r.grad_norm, r.lr, r.step_ms, r.tokens_per_s);
+    spdlog::info("step {:5d}  loss {:.4f}  grad_norm {:.3f}  lr {:.2e}  {:.0f} ms  {:.0f} tok/s",
+                 r.step, r.loss, r.grad_norm, r.lr, r.step_ms, r.tokens_per_s);
   }
 }
 

@@ -4,8 +4,8 @@
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
-#include <string>
 #include <nlohmann/json.hpp>
+#include <string>
 
 namespace megacpp {
 
@@ -14,7 +14,7 @@ struct StepRecord {
   double loss = 0;       // mean training loss over the step's micro-batches
   double grad_norm = 0;  // global norm before clipping
   double lr = 0;
-  int64_t tokens = 0;    // tokens processed by this step
+  int64_t tokens = 0;  // tokens processed by this step
   double step_ms = 0;
   double tokens_per_s = 0;
   double flops_per_s = 0;  // model FLOPs (Model::step_flops) per second
@@ -35,10 +35,10 @@ struct RunSummary {
   double final_loss = 0;
   double final_val_loss = -1;  // -1 when no validation ran
   double median_step_ms = 0;
-  double tokens_per_s = 0;   // median over the run's steps
+  double tokens_per_s = 0;  // median over the run's steps (its last 2^20 at most)
   double flops_per_step = 0;
-  double flops_per_s = 0;    // at the median step time
-  std::string stop_reason;   // "completed", "time_limit", "stop_at", "stopped"
+  double flops_per_s = 0;   // at the median step time
+  std::string stop_reason;  // "completed", "time_limit", "stop_at", "stopped"
 };
 
 nlohmann::json to_json(const StepRecord& r);

@@ -5,14 +5,16 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <vector>
 
+#include "base/error.h"
+#include "base/version.h"
 #include "kernels/cpu/grad_clip.h"
 #include "runtime/checkpoint/checkpoint.h"
-#include "runtime/common/error.h"
-#include "runtime/common/version.h"
 #include "runtime/data/sequence_loader.h"
 #include "runtime/model/model.h"
 
@@ -32,11 +34,6 @@ T read_field(const json& object, const char* key, const std::string& where, T fa
     return fallback;
   }
   try {
-    if constexpr (std::is_integral_v<T>) {
-      if (!it->is_number_integer()) throw std::invalid_argument("expected an integer");
-    } else if constexpr (std::is_floating_point_v<T>) {
-      if (!it->is_number()) throw std::invalid_argument("expected a number");
-    }
     return it->get<T>();
   } catch (const std::exception& e) {
     fail(ErrorKind::kInvalidArgument, "{}: field {} = {} has the wrong type: {}", where, key,
@@ -44,9 +41,57 @@ T read_field(const json& object, const char* key, const std::string& where, T fa
   }
 }
 
+// Integers are read at 64 bits and range-checked before anything narrows them, so
+// 2^40 is refused as 2^40 rather than wrapping to 0 and passing or failing as 0.
+// The message for a value below `min` keeps the rule's usual wording.
+// `where` names the object ("job.json: eval"), `name` the field in value messages
+// ("job.json: optimizer.warmup_steps").
+int64_t read_integer(const json& object, const char* key, const std::string& where,
+                     const std::string& name, int64_t fallback, int64_t min, int64_t max,
+                     bool required = false) {
+  auto it = object.find(key);
+  if (it == object.end() || it->is_null()) {
+    if (required) fail(ErrorKind::kInvalidArgument, "{}: missing required field {}", where, key);
+    return fallback;
+  }
+  if (!it->is_number_integer()) {
+    fail(ErrorKind::kInvalidArgument, "{} = {} has the wrong type: expected an integer", name,
+         it->dump());
+  }
+  if (it->is_number_unsigned() && it->get<uint64_t>() > static_cast<uint64_t>(max)) {
+    fail(ErrorKind::kInvalidArgument, "{}={} must be at most {}", name, it->get<uint64_t>(), max);
+  }
+  const int64_t value = it->get<int64_t>();
+  if (value > max) fail(ErrorKind::kInvalidArgument, "{}={} must be at most {}", name, value, max);
+  if (value < min) {
+    if (min == 1) fail(ErrorKind::kInvalidArgument, "{}={} must be positive", name, value);
+    if (min == 0) fail(ErrorKind::kInvalidArgument, "{}={} must be >= 0", name, value);
+    fail(ErrorKind::kInvalidArgument, "{}={} must be at least {}", name, value, min);
+  }
+  return value;
+}
+
+// NaN and infinities are refused by name: a NaN passes every `x < bound` test, and
+// written back to JSON it becomes null, which reads as "use the default".
+double read_real(const json& object, const char* key, const std::string& name, double fallback) {
+  auto it = object.find(key);
+  if (it == object.end() || it->is_null()) return fallback;
+  if (!it->is_number()) {
+    fail(ErrorKind::kInvalidArgument, "{} = {} has the wrong type: expected a number", name,
+         it->dump());
+  }
+  const double value = it->get<double>();
+  if (!std::isfinite(value)) {
+    fail(ErrorKind::kInvalidArgument, "{}={} must be a finite number", name, value);
+  }
+  return value;
+}
+
 void refuse_unknown_keys(const json& object, std::initializer_list<const char*> known,
                          const std::string& where) {
-  for (const auto& [key, value] : object.items()) {
+  // Not a structured binding: clang before 16 cannot capture one in a lambda (the fuzz build).
+  for (const auto& item : object.items()) {
+    const std::string& key = item.key();
     if (std::none_of(known.begin(), known.end(), [&](const char* k) { return key == k; })) {
       fail(ErrorKind::kInvalidArgument, "{}: unknown field {}", where, key);
     }
@@ -57,8 +102,9 @@ void refuse_unknown_keys(const json& object, std::initializer_list<const char*> 
 
 TrainJob parse_train_job(const json& j, const std::string& source) {
   if (!j.is_object()) fail(ErrorKind::kInvalidArgument, "{}: a job must be a JSON object", source);
-  refuse_unknown_keys(j, {"model", "data", "steps", "batch", "seqlen", "grad_accum", "optimizer",
-                          "eval", "checkpoint", "seed", "max_seconds", "scan", "threads", "log"},
+  refuse_unknown_keys(j,
+                      {"model", "data", "steps", "batch", "seqlen", "grad_accum", "optimizer",
+                       "eval", "checkpoint", "seed", "max_seconds", "scan", "threads", "log"},
                       source);
   TrainJob job;
   if (!j.contains("model") || !j["model"].is_object()) {
@@ -84,79 +130,111 @@ TrainJob parse_train_job(const json& j, const std::string& source) {
     job.model = load_model_config(job.model_source);
   }
   if (!j.contains("data") || !j["data"].is_object()) {
-    fail(ErrorKind::kInvalidArgument, "{}: missing field data: {{\"train\": PREFIX, \"valid\": PREFIX}}",
-         source);
+    fail(ErrorKind::kInvalidArgument,
+         "{}: missing field data: {{\"train\": PREFIX, \"valid\": PREFIX}}", source);
   }
   refuse_unknown_keys(j["data"], {"train", "valid"}, source + ": data");
   job.train_data = read_field<std::string>(j["data"], "train", source + ": data", "", true);
   job.valid_data = read_field<std::string>(j["data"], "valid", source + ": data", "");
-  job.steps = read_field<int64_t>(j, "steps", source, 0, true);
-  job.batch = read_field<int>(j, "batch", source, 0, true);
-  job.seqlen = read_field<int>(j, "seqlen", source, 0, true);
-  job.grad_accum = read_field<int>(j, "grad_accum", source, 1);
-  if (job.steps <= 0) fail(ErrorKind::kInvalidArgument, "{}: steps={} must be positive", source, job.steps);
-  if (job.batch <= 0) fail(ErrorKind::kInvalidArgument, "{}: batch={} must be positive", source, job.batch);
-  if (job.seqlen <= 1) fail(ErrorKind::kInvalidArgument, "{}: seqlen={} must be at least 2", source, job.seqlen);
-  if (job.grad_accum <= 0) {
-    fail(ErrorKind::kInvalidArgument, "{}: grad_accum={} must be positive", source, job.grad_accum);
+  using L = TrainJobLimits;
+  const auto top = [&](const char* key, int64_t fallback, int64_t min, int64_t max,
+                       bool required = false) {
+    return read_integer(j, key, source, fmt::format("{}: {}", source, key), fallback, min, max,
+                        required);
+  };
+  job.steps = top("steps", 0, 1, L::kMaxSteps, true);
+  job.batch = static_cast<int>(top("batch", 0, 1, L::kMaxBatch, true));
+  job.seqlen = static_cast<int>(top("seqlen", 0, 2, L::kMaxSeqlen, true));
+  job.grad_accum = static_cast<int>(top("grad_accum", 1, 1, L::kMaxGradAccum));
+  // The kernels index a micro-batch's rows with int.
+  if (int64_t{job.batch} * job.seqlen > L::kMaxRows) {
+    fail(ErrorKind::kInvalidArgument,
+         "{}: batch·seqlen = {}·{} = {} must be at most {} (rows of one micro-batch)", source,
+         job.batch, job.seqlen, int64_t{job.batch} * job.seqlen, L::kMaxRows);
   }
   if (j.contains("optimizer")) {
     const json& o = j["optimizer"];
     const std::string where = source + ": optimizer";
-    refuse_unknown_keys(o, {"lr", "min_lr", "warmup_steps", "weight_decay", "beta1", "beta2", "eps",
-                            "grad_clip"},
-                        where);
+    refuse_unknown_keys(
+        o, {"lr", "min_lr", "warmup_steps", "weight_decay", "beta1", "beta2", "eps", "grad_clip"},
+        where);
+    const auto real = [&](const char* key, double fallback) {
+      return read_real(o, key, fmt::format("{}.{}", where, key), fallback);
+    };
     OptimizerConfig& c = job.optimizer;
-    c.lr = read_field<double>(o, "lr", where, c.lr);
-    c.min_lr = read_field<double>(o, "min_lr", where, c.lr / 10);
-    c.warmup_steps = read_field<int>(o, "warmup_steps", where, c.warmup_steps);
-    c.weight_decay = read_field<double>(o, "weight_decay", where, c.weight_decay);
-    c.beta1 = read_field<double>(o, "beta1", where, c.beta1);
-    c.beta2 = read_field<double>(o, "beta2", where, c.beta2);
-    c.eps = read_field<double>(o, "eps", where, c.eps);
-    c.grad_clip = read_field<double>(o, "grad_clip", where, c.grad_clip);
-    if (!(c.lr > 0)) fail(ErrorKind::kInvalidArgument, "{}.lr={} must be positive", where, c.lr);
+    c.lr = real("lr", c.lr);
+    c.min_lr = real("min_lr", c.lr / 10);
+    c.warmup_steps = static_cast<int>(read_integer(o, "warmup_steps", where,
+                                                   fmt::format("{}.warmup_steps", where),
+                                                   c.warmup_steps, 0, L::kMaxSteps));
+    c.weight_decay = real("weight_decay", c.weight_decay);
+    c.beta1 = real("beta1", c.beta1);
+    c.beta2 = real("beta2", c.beta2);
+    c.eps = real("eps", c.eps);
+    c.grad_clip = real("grad_clip", c.grad_clip);
+    if (!(c.lr > 0 && c.lr <= L::kMaxLr)) {
+      fail(ErrorKind::kInvalidArgument, "{}.lr={} must be positive and at most {}", where, c.lr,
+           L::kMaxLr);
+    }
     if (c.min_lr < 0 || c.min_lr > c.lr) {
-      fail(ErrorKind::kInvalidArgument, "{}.min_lr={} must be in [0, lr={}]", where, c.min_lr, c.lr);
+      fail(ErrorKind::kInvalidArgument, "{}.min_lr={} must be in [0, lr={}]", where, c.min_lr,
+           c.lr);
     }
-    if (c.warmup_steps < 0) {
-      fail(ErrorKind::kInvalidArgument, "{}.warmup_steps={} must be >= 0", where, c.warmup_steps);
-    }
-    if (c.weight_decay < 0) {
-      fail(ErrorKind::kInvalidArgument, "{}.weight_decay={} must be >= 0", where, c.weight_decay);
+    if (c.weight_decay < 0 || c.weight_decay > L::kMaxWeightDecay) {
+      fail(ErrorKind::kInvalidArgument, "{}.weight_decay={} must be in [0, {}]", where,
+           c.weight_decay, L::kMaxWeightDecay);
     }
     if (!(c.beta1 >= 0 && c.beta1 < 1) || !(c.beta2 >= 0 && c.beta2 < 1)) {
       fail(ErrorKind::kInvalidArgument, "{}.beta1={} and beta2={} must be in [0, 1)", where,
            c.beta1, c.beta2);
     }
-    if (!(c.eps > 0)) fail(ErrorKind::kInvalidArgument, "{}.eps={} must be positive", where, c.eps);
-    if (c.grad_clip < 0) {
-      fail(ErrorKind::kInvalidArgument, "{}.grad_clip={} must be >= 0", where, c.grad_clip);
+    if (!(c.eps > 0 && c.eps <= 1)) {
+      fail(ErrorKind::kInvalidArgument, "{}.eps={} must be in (0, 1]", where, c.eps);
+    }
+    if (c.grad_clip < 0 || c.grad_clip > L::kMaxGradClip) {
+      fail(ErrorKind::kInvalidArgument, "{}.grad_clip={} must be in [0, {}] (0 disables it)", where,
+           c.grad_clip, L::kMaxGradClip);
     }
   }
   if (j.contains("eval")) {
     const std::string where = source + ": eval";
     refuse_unknown_keys(j["eval"], {"interval", "batches"}, where);
-    job.eval_interval = read_field<int>(j["eval"], "interval", where, 0);
-    job.eval_batches = read_field<int>(j["eval"], "batches", where, job.eval_batches);
-    if (job.eval_interval < 0 || job.eval_batches < 0) {
-      fail(ErrorKind::kInvalidArgument, "{}: interval={} and batches={} must be >= 0", where,
-           job.eval_interval, job.eval_batches);
-    }
+    const auto field = [&](const char* key, int64_t fallback, int64_t max) {
+      return static_cast<int>(
+          read_integer(j["eval"], key, where, fmt::format("{}: {}", where, key), fallback, 0, max));
+    };
+    job.eval_interval = field("interval", 0, L::kMaxSteps);
+    job.eval_batches = field("batches", job.eval_batches, L::kMaxEvalBatches);
   }
   if (j.contains("checkpoint")) {
     const std::string where = source + ": checkpoint";
-    refuse_unknown_keys(j["checkpoint"], {"dir", "interval"}, where);
-    job.checkpoint_dir = read_field<std::string>(j["checkpoint"], "dir", where, "", true);
-    job.checkpoint_interval = read_field<int>(j["checkpoint"], "interval", where, 0);
-    if (job.checkpoint_interval < 0) {
-      fail(ErrorKind::kInvalidArgument, "{}: interval={} must be >= 0", where, job.checkpoint_interval);
+    const json& c = j["checkpoint"];
+    refuse_unknown_keys(c, {"dir", "interval", "keep_last", "min_free_bytes"}, where);
+    const auto field = [&](const char* key, int64_t fallback, int64_t max) {
+      return read_integer(c, key, where, fmt::format("{}: {}", where, key), fallback, 0, max);
+    };
+    job.checkpoint_dir = read_field<std::string>(c, "dir", where, "", true);
+    job.checkpoint_interval = static_cast<int>(field("interval", 0, L::kMaxSteps));
+    job.keep_last = static_cast<int>(field("keep_last", job.keep_last, L::kMaxKeepLast));
+    job.min_free_bytes =
+        static_cast<uint64_t>(field("min_free_bytes", 0, std::numeric_limits<int64_t>::max()));
+  }
+  {
+    // Any 64-bit seed, but not a negative one: it would wrap to a different seed than the
+    // one written.
+    auto it = j.find("seed");
+    if (it != j.end() && !it->is_null()) {
+      if (!it->is_number_integer() || (!it->is_number_unsigned() && it->get<int64_t>() < 0)) {
+        fail(ErrorKind::kInvalidArgument, "{}: seed={} must be an integer in [0, 2^64)", source,
+             it->dump());
+      }
+      job.seed = it->get<uint64_t>();
     }
   }
-  job.seed = read_field<uint64_t>(j, "seed", source, job.seed);
-  job.max_seconds = read_field<double>(j, "max_seconds", source, 0.0);
-  if (job.max_seconds < 0) {
-    fail(ErrorKind::kInvalidArgument, "{}: max_seconds={} must be >= 0", source, job.max_seconds);
+  job.max_seconds = read_real(j, "max_seconds", fmt::format("{}: max_seconds", source), 0.0);
+  if (job.max_seconds < 0 || job.max_seconds > L::kMaxSeconds) {
+    fail(ErrorKind::kInvalidArgument, "{}: max_seconds={} must be in [0, {}] (0: no limit)", source,
+         job.max_seconds, L::kMaxSeconds);
   }
   const std::string scan = read_field<std::string>(j, "scan", source, "chunked");
   if (scan == "chunked") {
@@ -164,10 +242,10 @@ TrainJob parse_train_job(const json& j, const std::string& source) {
   } else if (scan == "recurrent") {
     job.scan_form = ScanForm::kRecurrent;
   } else {
-    fail(ErrorKind::kInvalidArgument, "{}: scan=\"{}\" must be \"chunked\" or \"recurrent\"", source, scan);
+    fail(ErrorKind::kInvalidArgument, "{}: scan=\"{}\" must be \"chunked\" or \"recurrent\"",
+         source, scan);
   }
-  job.threads = read_field<int>(j, "threads", source, 0);
-  if (job.threads < 0) fail(ErrorKind::kInvalidArgument, "{}: threads={} must be >= 0", source, job.threads);
+  job.threads = static_cast<int>(top("threads", 0, 0, L::kMaxThreads));
   job.log = read_field<std::string>(j, "log", source, "");
   return job;
 }
@@ -190,7 +268,8 @@ double mean_eval_loss(Model<float>& model, const data::IndexedDataset& dataset, 
   // Whole batches only: the model is planned for `batch` rows.
   for (int64_t first = 0; first + batch <= windows; first += batch) {
     for (int b = 0; b < batch; ++b) {
-      data::eval_window(dataset, first + b, seqlen, tokens.data() + static_cast<size_t>(b) * (seqlen + 1));
+      data::eval_window(dataset, first + b, seqlen,
+                        tokens.data() + static_cast<size_t>(b) * (seqlen + 1));
     }
     total += model.forward(tokens.data()) * batch;
     counted += batch;
@@ -210,7 +289,8 @@ RunSummary train(const TrainJob& job, TrainingObserver& observer, const TrainOpt
   if (job.threads > 0) omp_set_num_threads(job.threads);
   auto train_set = std::make_shared<const data::IndexedDataset>(job.train_data);
   std::shared_ptr<const data::IndexedDataset> valid_set;
-  if (!job.valid_data.empty()) valid_set = std::make_shared<const data::IndexedDataset>(job.valid_data);
+  if (!job.valid_data.empty())
+    valid_set = std::make_shared<const data::IndexedDataset>(job.valid_data);
   data::SequenceLoader loader(train_set, job.seqlen);
 
   Model<float> model(job.model, ModelOptions{job.scan_form});
@@ -249,6 +329,10 @@ RunSummary train(const TrainJob& job, TrainingObserver& observer, const TrainOpt
 
   auto save_checkpoint = [&](int64_t at_step) {
     if (job.checkpoint_dir.empty()) return;
+    // Checked before writing anything: a run stopped here keeps its previous checkpoint
+    // as `latest` and leaves the disk above the floor.
+    require_free_space_for_checkpoint(
+        job.checkpoint_dir, training_checkpoint_bytes(model.parameters()), job.min_free_bytes);
     const fs::path dir = step_checkpoint_dir(job.checkpoint_dir, at_step);
     save_model_checkpoint(dir, model);
     save_optimizer_state(dir / "optimizer.safetensors", model.parameters(), optimizer);
@@ -263,12 +347,21 @@ RunSummary train(const TrainJob& job, TrainingObserver& observer, const TrainOpt
                             {"warmup_steps", job.optimizer.warmup_steps}}}});
     mark_latest_checkpoint(job.checkpoint_dir, at_step);
     observer.on_checkpoint(at_step, dir);
+    // After the new checkpoint is `latest`, so a failure or crash here never leaves fewer
+    // complete checkpoints than keep_last.
+    for (const fs::path& removed :
+         prune_checkpoints(job.checkpoint_dir, job.keep_last, job.steps)) {
+      spdlog::info("removed old checkpoint {} (checkpoint.keep_last={})", removed.string(),
+                   job.keep_last);
+    }
   };
   double last_val = -1;
   auto run_eval = [&](int64_t at_step) {
     if (!valid_set) return;
     int64_t windows = 0;
-    last_val = mean_eval_loss(model, *valid_set, job.seqlen, job.batch, job.eval_batches > 0 ? int64_t{job.eval_batches} * job.batch : 0, &windows);
+    last_val =
+        mean_eval_loss(model, *valid_set, job.seqlen, job.batch,
+                       job.eval_batches > 0 ? int64_t{job.eval_batches} * job.batch : 0, &windows);
     observer.on_eval({at_step, last_val, windows * job.seqlen});
   };
 
@@ -278,7 +371,11 @@ RunSummary train(const TrainJob& job, TrainingObserver& observer, const TrainOpt
   summary.flops_per_step = flops_per_step;
   summary.stop_reason = "completed";
   std::vector<int32_t> tokens(static_cast<size_t>(job.batch) * (job.seqlen + 1));
+  // The newest step times, for the median: a ring, so that memory does not grow with
+  // the run's length (8 bytes a step would be 8 GB at the step limit).
+  constexpr size_t kTimedSteps = size_t{1} << 20;
   std::vector<double> step_ms;
+  size_t next_timing = 0;
   const auto run_start = Clock::now();
   bool checkpoint_current = false;
   auto& params = model.parameters();
@@ -292,13 +389,25 @@ RunSummary train(const TrainJob& job, TrainingObserver& observer, const TrainOpt
       loss += model.forward_backward(tokens.data(), 1.0 / job.grad_accum) / job.grad_accum;
     }
     const cpu::GradBuffer<float> all{params.grads().data(), params.total()};
-    const double grad_norm = cpu::clip_grad_norm<float>(std::span(&all, 1), job.optimizer.grad_clip);
+    const double grad_norm =
+        cpu::clip_grad_norm<float>(std::span(&all, 1), job.optimizer.grad_clip);
     const double lr = learning_rate(job.optimizer, step, job.steps);
     optimizer.step(lr);
     const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-    step_ms.push_back(ms);
-    StepRecord record{step, loss, grad_norm, lr, tokens_per_step, ms,
-                      static_cast<double>(tokens_per_step) / (ms / 1000.0), flops_per_step / (ms / 1000.0)};
+    if (step_ms.size() < kTimedSteps) {
+      step_ms.push_back(ms);
+    } else {
+      step_ms[next_timing] = ms;
+      next_timing = (next_timing + 1) % kTimedSteps;
+    }
+    StepRecord record{step,
+                      loss,
+                      grad_norm,
+                      lr,
+                      tokens_per_step,
+                      ms,
+                      static_cast<double>(tokens_per_step) / (ms / 1000.0),
+                      flops_per_step / (ms / 1000.0)};
     observer.on_step(record);
     summary.final_loss = loss;
     summary.tokens += tokens_per_step;
@@ -329,7 +438,8 @@ RunSummary train(const TrainJob& job, TrainingObserver& observer, const TrainOpt
   summary.wall_seconds = std::chrono::duration<double>(Clock::now() - run_start).count();
   if (!step_ms.empty()) {
     std::vector<double> sorted = step_ms;
-    std::nth_element(sorted.begin(), sorted.begin() + static_cast<long>(sorted.size() / 2), sorted.end());
+    std::nth_element(sorted.begin(), sorted.begin() + static_cast<long>(sorted.size() / 2),
+                     sorted.end());
     summary.median_step_ms = sorted[sorted.size() / 2];
     summary.tokens_per_s = static_cast<double>(tokens_per_step) / (summary.median_step_ms / 1000.0);
     summary.flops_per_s = flops_per_step / (summary.median_step_ms / 1000.0);
@@ -341,7 +451,8 @@ RunSummary train(const TrainJob& job, TrainingObserver& observer, const TrainOpt
 EvalResult evaluate_checkpoint(const fs::path& checkpoint_dir, const fs::path& data_prefix,
                                int seqlen, int batch, int64_t max_windows) {
   if (seqlen <= 1 || batch <= 0) {
-    fail(ErrorKind::kInvalidArgument, "seqlen={} must be >= 2 and batch={} positive", seqlen, batch);
+    fail(ErrorKind::kInvalidArgument, "seqlen={} must be >= 2 and batch={} positive", seqlen,
+         batch);
   }
   Model<float> model(load_checkpoint_config(checkpoint_dir));
   load_model_weights(checkpoint_dir, model);

@@ -3,13 +3,13 @@
 #include <atomic>
 #include <cstdint>
 #include <filesystem>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <string>
 
-#include "runtime/layers/mamba3_mixer.h"
-#include "runtime/model/config.h"
+#include "runtime/config/model_config.h"
+#include "runtime/optimizer/adamw.h"
 #include "runtime/trainer/observer.h"
-#include "runtime/trainer/optimizer.h"
 
 namespace megacpp {
 
@@ -20,7 +20,7 @@ namespace megacpp {
 //  "optimizer": {"lr", "min_lr", "warmup_steps", "weight_decay", "beta1", "beta2", "eps",
 //                "grad_clip"},
 //  "eval": {"interval": 50, "batches": 4},
-//  "checkpoint": {"dir": "runs/x", "interval": 100},
+//  "checkpoint": {"dir": "runs/x", "interval": 100, "keep_last": 3, "min_free_bytes": 0},
 //  "seed": 1234, "max_seconds": 0, "scan": "chunked"|"recurrent", "threads": 0,
 //  "log": "runs/x/steps.jsonl"}
 struct TrainJob {
@@ -33,15 +33,39 @@ struct TrainJob {
   int seqlen = 0;
   int grad_accum = 1;
   OptimizerConfig optimizer;
-  int eval_interval = 0;  // 0: only at the end
-  int eval_batches = 4;   // 0: the whole validation set
+  int eval_interval = 0;                 // 0: only at the end
+  int eval_batches = 4;                  // 0: the whole validation set
   std::filesystem::path checkpoint_dir;  // empty: no checkpoints
   int checkpoint_interval = 0;           // 0: only at the end
+  // Retention: the newest keep_last step checkpoints stay, with the run's final one and
+  // the one `latest` names; older ones are deleted after each save. 0 keeps them all.
+  int keep_last = 3;
+  // A checkpoint that would leave less than this many bytes free on its file system
+  // fails the run (naming the directory and the numbers) instead of filling the disk.
+  uint64_t min_free_bytes = 0;
   uint64_t seed = 1234;
   double max_seconds = 0;  // stop (with a checkpoint) once exceeded; 0: no limit
   ScanForm scan_form = ScanForm::kChunked;
-  int threads = 0;  // OpenMP threads; 0: the runtime's default
+  int threads = 0;            // OpenMP threads; 0: the runtime's default
   std::filesystem::path log;  // JSON lines; empty: none
+};
+
+// The bounds of a job's numeric fields. Each is far beyond a sensible job and keeps the
+// run finite and its sizes within what the runtime indexes: grad_accum = 2^31 - 1 would
+// hold a device for ever on one step, threads = 100000 exhausts the process.
+struct TrainJobLimits {
+  static constexpr int64_t kMaxSteps = 1'000'000'000;
+  static constexpr int kMaxBatch = 1 << 20;
+  static constexpr int kMaxSeqlen = 1 << 24;
+  static constexpr int64_t kMaxRows = std::numeric_limits<int32_t>::max();  // batch·seqlen
+  static constexpr int kMaxGradAccum = 1024;
+  static constexpr int kMaxThreads = 1024;
+  static constexpr int kMaxEvalBatches = 1 << 20;
+  static constexpr int kMaxKeepLast = 1 << 20;
+  static constexpr double kMaxSeconds = 1e9;
+  static constexpr double kMaxLr = 10;
+  static constexpr double kMaxWeightDecay = 100;
+  static constexpr double kMaxGradClip = 1e9;
 };
 
 // Validates every field; errors name the field (e.g. "job.json: batch=0 must be positive").
@@ -49,8 +73,8 @@ TrainJob parse_train_job(const nlohmann::json& json, const std::string& source);
 TrainJob load_train_job(const std::filesystem::path& path);
 
 struct TrainOptions {
-  bool resume = true;      // continue from checkpoint_dir/latest when present
-  int64_t stop_at = 0;     // stop after this step (with a checkpoint), 0: run to the end
+  bool resume = true;   // continue from checkpoint_dir/latest when present
+  int64_t stop_at = 0;  // stop after this step (with a checkpoint), 0: run to the end
   const std::atomic<bool>* stop_requested = nullptr;  // checked between steps
 };
 

@@ -1,8 +1,8 @@
 #pragma once
 // Starts a real megacppd (built beside the tests) on free ports with a temporary
 // state directory, and gives tests gRPC stubs to it.
-#include <grpcpp/grpcpp.h>
 #include <fcntl.h>
+#include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -11,8 +11,10 @@
 #include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "megacpp/v1/jobs.grpc.pb.h"
 #include "megacpp/v1/receipts.grpc.pb.h"
@@ -24,12 +26,43 @@ namespace megacpp::testing {
 
 inline const std::string kBinDir = std::string(MEGACPP_BINARY_DIR) + "/bin";
 
+// The live (not zombie) megacpp-executor children of `daemon`.
+inline std::vector<pid_t> executor_pids(pid_t daemon) {
+  std::vector<pid_t> out;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc", ec)) {
+    const std::string name = entry.path().filename();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream stat(entry.path() / "stat");
+    std::string line;
+    std::getline(stat, line);
+    const auto close = line.rfind(')');
+    if (close == std::string::npos || line.find("megacpp-execut") == std::string::npos) continue;
+    std::istringstream rest(line.substr(close + 2));
+    char state = 0;
+    pid_t ppid = 0;
+    rest >> state >> ppid;
+    if (ppid == daemon && state != 'Z') out.push_back(std::stoi(name));
+  }
+  return out;
+}
+
+// A /proc/PID/status figure in KiB ("VmRSS", "VmHWM"); -1 when unreadable.
+inline int64_t process_status_kib(pid_t pid, const std::string& key) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind(key + ":", 0) == 0) return std::stoll(line.substr(key.size() + 1));
+  }
+  return -1;
+}
+
 class Daemon {
  public:
   // A toy dataset under root/data and a config under root; `edit` may change it.
   explicit Daemon(const std::function<void(nlohmann::json&)>& edit = {}) {
     for (int i = 0; i < 8; ++i) {
-      write_text(dir_ / ("corpus/f" + std::to_string(i) + ".txt"), pseudo_text(static_cast<uint64_t>(i), 400));
+      write_text(dir_ / ("corpus/f" + std::to_string(i) + ".txt"),
+                 pseudo_text(static_cast<uint64_t>(i), 400));
     }
     data::PrepareOptions prepare;
     prepare.input = dir_ / "corpus";
@@ -96,7 +129,9 @@ class Daemon {
   const TempDir& dir() const { return dir_; }
   std::filesystem::path state() const { return dir_ / "state"; }
   std::filesystem::path store_path() const { return dir_ / "state/receipts.db"; }
-  std::string data(const std::string& split) const { return (dir_ / ("data/toy_" + split)).string(); }
+  std::string data(const std::string& split) const {
+    return (dir_ / ("data/toy_" + split)).string();
+  }
   const std::string& http_address() const { return http_address_; }
   std::shared_ptr<grpc::Channel> channel() const { return channel_; }
   auto jobs() const { return megacpp::v1::JobService::NewStub(channel_); }
@@ -107,7 +142,8 @@ class Daemon {
   megacpp::v1::JobSpec small_job(int64_t steps) const {
     megacpp::v1::JobSpec spec;
     spec.set_name("test");
-    spec.set_config_json(R"({"d_model": 32, "pattern": "M*", "d_intermediate": 32, "vocab_size": 257,
+    spec.set_config_json(
+        R"({"d_model": 32, "pattern": "M*", "d_intermediate": 32, "vocab_size": 257,
         "ssm_cfg": {"d_state": 16, "headdim": 16, "mimo_rank": 2, "chunk_size": 8},
         "attn_cfg": {"num_heads": 2, "rotary_emb_dim": 8}})");
     spec.set_train_data(data("train"));

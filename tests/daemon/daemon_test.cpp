@@ -1,6 +1,6 @@
 // megacppd end to end: a real daemon, real executors, the real client stubs.
-#include <gtest/gtest.h>
 #include <grpcpp/generic/generic_stub.h>
+#include <gtest/gtest.h>
 #include <httplib.h>
 
 #include <atomic>
@@ -39,8 +39,8 @@ v1::Job get_job(const Daemon& d, const std::string& id) {
 }
 
 // Polls until `done(job)` or the timeout; returns the last job seen.
-v1::Job wait_for(const Daemon& d, const std::string& id, const std::function<bool(const v1::Job&)>& done,
-                 int seconds = 120) {
+v1::Job wait_for(const Daemon& d, const std::string& id,
+                 const std::function<bool(const v1::Job&)>& done, int seconds = 120) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(seconds);
   v1::Job job;
   while (std::chrono::steady_clock::now() < deadline) {
@@ -48,7 +48,9 @@ v1::Job wait_for(const Daemon& d, const std::string& id, const std::function<boo
     if (done(job)) return job;
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
-  ADD_FAILURE() << "timed out waiting on " << id << ", state " << v1::JobState_Name(job.state()) << "\n" << d.log();
+  ADD_FAILURE() << "timed out waiting on " << id << ", state " << v1::JobState_Name(job.state())
+                << "\n"
+                << d.log();
   return job;
 }
 
@@ -117,7 +119,8 @@ TEST(Daemon, TinyJobSucceedsWithEveryReceiptRecorded) {
   for (const auto& g : store.gate_decisions(job.id())) EXPECT_EQ(g.decision, "off");
   const auto receipts = store.steps(job.id(), std::nullopt, 100, false);
   ASSERT_EQ(receipts.size(), 12u);
-  for (size_t i = 0; i < receipts.size(); ++i) EXPECT_EQ(receipts[i].step, static_cast<int64_t>(i + 1));
+  for (size_t i = 0; i < receipts.size(); ++i)
+    EXPECT_EQ(receipts[i].step, static_cast<int64_t>(i + 1));
   ASSERT_TRUE(store.run_summary(job.id()).has_value());
   EXPECT_EQ(store.run_summary(job.id())->summary["stop_reason"], "completed");
   EXPECT_EQ(store.get_job(job.id())->state, "succeeded");
@@ -141,27 +144,47 @@ TEST(Daemon, InvalidSpecsAreRefusedByFieldAndNothingIsQueued) {
       {[](v1::JobSpec& s) { s.set_steps(-1); }, "steps=-1 must be positive"},
       {[](v1::JobSpec& s) { s.clear_config_json(); }, "model is required"},
       {[](v1::JobSpec& s) { s.set_preset("huge"); }, "unknown model preset"},
-      {[](v1::JobSpec& s) { s.set_config_json(R"({"d_model": 32, "pattern": "M", "vocab_size": 257, "ssm_cfg": {"headdim": 24}})"); },
+      {[](v1::JobSpec& s) {
+         s.set_config_json(
+             R"({"d_model": 32, "pattern": "M", "vocab_size": 257, "ssm_cfg": {"headdim": 24}})");
+       },
        "ssm_cfg.headdim=24 does not divide d_inner=64"},
       {[](v1::JobSpec& s) { s.set_config_json("{not json"); }, "config_json is not valid JSON"},
       {[](v1::JobSpec& s) { s.set_device_count(3); }, "device_count=3 exceeds"},
-      {[](v1::JobSpec& s) { s.set_tensor_parallel(2); s.set_device_count(2); s.set_config_json(R"({"d_model": 48, "pattern": "M", "vocab_size": 257, "ssm_cfg": {"headdim": 32, "d_state": 16}})"); },
+      {[](v1::JobSpec& s) {
+         s.set_tensor_parallel(2);
+         s.set_device_count(2);
+         s.set_config_json(
+             R"({"d_model": 48, "pattern": "M", "vocab_size": 257, "ssm_cfg": {"headdim": 32, "d_state": 16}})");
+       },
        "tensor_parallel=2 does not divide the Mamba-3 heads H=3"},
-      {[](v1::JobSpec& s) { s.set_device_count(2); s.set_tensor_parallel(4); }, "tensor_parallel=4 does not divide device_count=2"},
+      {[](v1::JobSpec& s) {
+         s.set_device_count(2);
+         s.set_tensor_parallel(4);
+       },
+       "tensor_parallel=4 does not divide device_count=2"},
       {[](v1::JobSpec& s) { s.set_device_kind("tpu"); }, "device_kind=\"tpu\""},
       {[&](v1::JobSpec& s) { s.set_train_data((outside / "x").string()); }, "spec.train_data"},
-      {[&](v1::JobSpec& s) { s.set_train_data((d.dir() / "data/../outside/x").string()); }, "spec.train_data"},
-      {[&](v1::JobSpec& s) { s.set_train_data((d.dir() / "data/escape").string()); }, "spec.train_data"},
+      {[&](v1::JobSpec& s) { s.set_train_data((d.dir() / "data/../outside/x").string()); },
+       "spec.train_data"},
+      {[&](v1::JobSpec& s) { s.set_train_data((d.dir() / "data/escape").string()); },
+       "spec.train_data"},
       {[&](v1::JobSpec& s) { s.set_train_data("data/toy_train"); }, "spec.train_data"},
-      {[&](v1::JobSpec& s) { s.set_valid_data((d.dir() / "data/missing").string()); }, "spec.valid_data"},
+      {[&](v1::JobSpec& s) { s.set_valid_data((d.dir() / "data/missing").string()); },
+       "spec.valid_data"},
       {[](v1::JobSpec& s) { s.add_feature_gates("warp_speed"); }, "warp_speed"},
-      {[](v1::JobSpec& s) { s.add_feature_gates("tma"); s.add_feature_gates("tma"); }, "tma"},
+      {[](v1::JobSpec& s) {
+         s.add_feature_gates("tma");
+         s.add_feature_gates("tma");
+       },
+       "tma"},
   };
   for (const auto& c : cases) {
     v1::JobSpec spec = d.small_job(5);
     c.breaks(spec);
     const grpc::Status s = submit(d, spec, nullptr);
-    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c.message << ": " << s.error_message();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+        << c.message << ": " << s.error_message();
     EXPECT_NE(s.error_message().find(c.message), std::string::npos) << s.error_message();
   }
   EXPECT_EQ(count_jobs(d), 0);
@@ -194,7 +217,8 @@ TEST(Daemon, RequestedScaffoldGateIsRefusedAndRecorded) {
   bool refused = false;
   for (const auto& g : decisions.decisions()) {
     if (g.gate() == "psiv_cache") {
-      refused = g.decision() == "refused" && g.reason().find("pays for itself") != std::string::npos;
+      refused =
+          g.decision() == "refused" && g.reason().find("pays for itself") != std::string::npos;
     }
   }
   EXPECT_TRUE(refused) << decisions.DebugString();
@@ -218,7 +242,8 @@ TEST(Daemon, CancelCheckpointsAndKillingAnExecutorFailsOnlyItsJob) {
   }
   const v1::Job cancelled = wait_for(d, a.id(), is_terminal);
   EXPECT_EQ(cancelled.state(), v1::JOB_STATE_CANCELLED);
-  EXPECT_TRUE(std::filesystem::exists(std::filesystem::path(cancelled.checkpoint_dir()) / "latest"));
+  EXPECT_TRUE(
+      std::filesystem::exists(std::filesystem::path(cancelled.checkpoint_dir()) / "latest"));
   // kill -9 b's executor: b fails with the cause; the daemon carries on.
   const auto pids = executors_of(d.pid());
   ASSERT_EQ(pids.size(), 1u);
@@ -287,7 +312,9 @@ TEST(Daemon, UnwritableStateDirectoryStopsTheDaemonBeforeServing) {
 TEST(Daemon, BearerTokenIsRequiredButHealthIsNot) {
   testing::TempDir secrets;
   testing::write_text(secrets / "token", "s3cret\n");
-  Daemon d([&](nlohmann::json& c) { c["security"] = {{"token_file", (secrets / "token").string()}}; });
+  Daemon d([&](nlohmann::json& c) {
+    c["security"] = {{"token_file", (secrets / "token").string()}};
+  });
   ASSERT_EQ(d.start(), -1) << d.log();
   {
     grpc::ClientContext context;
@@ -313,7 +340,8 @@ TEST(Daemon, BearerTokenIsRequiredButHealthIsNot) {
     v1::SubmitJobResponse response;
     v1::SubmitJobRequest request;
     *request.mutable_spec() = d.small_job(2);
-    EXPECT_EQ(d.jobs()->SubmitJob(&context, request, &response).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+    EXPECT_EQ(d.jobs()->SubmitJob(&context, request, &response).error_code(),
+              grpc::StatusCode::UNAUTHENTICATED);
   }
   // grpc.health.v1 answers without a token (a raw call: no generated stub needed).
   grpc::GenericStub generic(d.channel());
@@ -325,8 +353,8 @@ TEST(Daemon, BearerTokenIsRequiredButHealthIsNot) {
   std::condition_variable cv;
   bool done = false;
   grpc::Status health;
-  generic.UnaryCall(&context, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &response,
-                    [&](grpc::Status s) {
+  generic.UnaryCall(&context, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request,
+                    &response, [&](grpc::Status s) {
                       std::lock_guard lock(mu);
                       health = s;
                       done = true;
@@ -395,7 +423,8 @@ TEST(Daemon, HttpEndpointIsReadOnly) {
   Daemon d;
   ASSERT_EQ(d.start(), -1) << d.log();
   const auto colon = d.http_address().rfind(':');
-  httplib::Client http(d.http_address().substr(0, colon), std::stoi(d.http_address().substr(colon + 1)));
+  httplib::Client http(d.http_address().substr(0, colon),
+                       std::stoi(d.http_address().substr(colon + 1)));
   auto health = http.Get("/healthz");
   ASSERT_TRUE(health);
   EXPECT_EQ(health->status, 200);

@@ -14,8 +14,8 @@
 #include <thread>
 #include <vector>
 
+#include "base/error.h"
 #include "receipts/store.h"
-#include "runtime/common/error.h"
 #include "tests/support/temp_dir.h"
 
 namespace megacpp::receipts {

@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "base/error.h"
 #include "receipts/schema.h"
-#include "runtime/common/error.h"
 #include "tests/support/temp_dir.h"
 
 namespace megacpp::receipts {

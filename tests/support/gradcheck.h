@@ -12,7 +12,8 @@
 
 namespace megacpp::testing {
 
-inline std::vector<double> random_vector(size_t n, std::mt19937_64& rng, double lo = -1, double hi = 1) {
+inline std::vector<double> random_vector(size_t n, std::mt19937_64& rng, double lo = -1,
+                                         double hi = 1) {
   std::vector<double> v(n);
   std::uniform_real_distribution<double> dist(lo, hi);
   for (auto& x : v) x = dist(rng);

@@ -42,8 +42,20 @@ inline std::string read_bytes(const std::filesystem::path& file) {
 
 // Deterministic pseudo-text: words from a small vocabulary, so a model can learn it.
 inline std::string pseudo_text(uint64_t seed, size_t words) {
-  static const char* vocab[] = {"int ", "return ", "const ", "x", "y", "(", ")", ";\n", "{\n",
-                                "}\n", "template <typename T> ", "std::vector<T> ", "= ", "+ "};
+  static const char* vocab[] = {"int ",
+                                "return ",
+                                "const ",
+                                "x",
+                                "y",
+                                "(",
+                                ")",
+                                ";\n",
+                                "{\n",
+                                "}\n",
+                                "template <typename T> ",
+                                "std::vector<T> ",
+                                "= ",
+                                "+ "};
   std::mt19937_64 rng(seed);
   std::string out;
   for (size_t i = 0; i < words; ++i) out += vocab[rng() % (sizeof(vocab) / sizeof(vocab[0]))];

@@ -49,7 +49,8 @@ TEST(RmsNorm, MatchesDefinition) {
   const int rows = 3, dim = 7;
   auto x = random_vector(rows * dim, rng), w = random_vector(dim, rng);
   std::vector<double> residual = x, y(rows * dim), rstd(rows);
-  residual_rmsnorm_forward<double>(rows, dim, 1e-5, residual.data(), nullptr, w.data(), y.data(), rstd.data());
+  residual_rmsnorm_forward<double>(rows, dim, 1e-5, residual.data(), nullptr, w.data(), y.data(),
+                                   rstd.data());
   for (int r = 0; r < rows; ++r) {
     double ms = 0;
     for (int c = 0; c < dim; ++c) ms += x[r * dim + c] * x[r * dim + c] / dim;
@@ -68,11 +69,13 @@ TEST(RmsNorm, GradientsOfInputResidualDeltaAndWeight) {
   // loss = <dy, norm(base + delta)> + <residual_grad, base + delta>
   auto loss = [&] {
     std::vector<double> r = base, y(rows * dim), rstd(rows);
-    residual_rmsnorm_forward(rows, dim, 1e-5, r.data(), delta.data(), w.data(), y.data(), rstd.data());
+    residual_rmsnorm_forward(rows, dim, 1e-5, r.data(), delta.data(), w.data(), y.data(),
+                             rstd.data());
     return dot(dy, y) + dot(residual_grad, r);
   };
   std::vector<double> r = base, y(rows * dim), rstd(rows);
-  residual_rmsnorm_forward(rows, dim, 1e-5, r.data(), delta.data(), w.data(), y.data(), rstd.data());
+  residual_rmsnorm_forward(rows, dim, 1e-5, r.data(), delta.data(), w.data(), y.data(),
+                           rstd.data());
   std::vector<double> dx(rows * dim), dw(dim, 0.0);
   residual_rmsnorm_backward(rows, dim, r.data(), w.data(), rstd.data(), dy.data(),
                             residual_grad.data(), dx.data(), dw.data());
@@ -105,7 +108,8 @@ TEST(Linear, GradientsOfInputWeightAndBias) {
                   /*accumulate_dx=*/true);
   EXPECT_NEAR(dx2[3], 2 * dx[3], 1e-12);
   std::vector<double> once(out * in, 0.0), once_b(out, 0.0);
-  linear_backward<double>(rows, in, out, x.data(), w.data(), dy.data(), nullptr, once.data(), once_b.data());
+  linear_backward<double>(rows, in, out, x.data(), w.data(), dy.data(), nullptr, once.data(),
+                          once_b.data());
   EXPECT_NEAR(dw[5], 2 * once[5], 1e-12);
 }
 
@@ -151,7 +155,8 @@ TEST(AdamW, MatchesTheAlgorithmStepByStep) {
   }
   // Without decay a zero gradient leaves a fresh parameter where it is.
   std::vector<double> q = {3.0}, zero = {0.0}, mq = {0}, vq = {0};
-  adamw_step<double>(1, q.data(), zero.data(), mq.data(), vq.data(), {0.1, 0.9, 0.99, 1e-8, 0.0}, 1);
+  adamw_step<double>(1, q.data(), zero.data(), mq.data(), vq.data(), {0.1, 0.9, 0.99, 1e-8, 0.0},
+                     1);
   EXPECT_EQ(q[0], 3.0);
 }
 

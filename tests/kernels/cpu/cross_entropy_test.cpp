@@ -20,8 +20,8 @@ struct Problem {
   std::vector<int32_t> targets;
 };
 
-// Padding columns hold large values: if they leaked into the softmax they would
-// dominate it.
+// Every column, padded ones included, drawn from the same distribution: the padded columns
+// are ordinary members of the softmax.
 Problem make_problem(int rows, int vocab_padded, int vocab_size, unsigned seed,
                      double amplitude = 3.0) {
   Problem p{rows, vocab_padded, vocab_size, {}, {}};
@@ -31,22 +31,23 @@ Problem make_problem(int rows, int vocab_padded, int vocab_size, unsigned seed,
   p.logits.resize(static_cast<size_t>(rows) * vocab_padded);
   for (int r = 0; r < rows; ++r) {
     for (int c = 0; c < vocab_padded; ++c) {
-      p.logits[static_cast<size_t>(r) * vocab_padded + c] = c < vocab_size ? logit(rng) : 50.0 + c;
+      p.logits[static_cast<size_t>(r) * vocab_padded + c] = logit(rng);
     }
     p.targets.push_back(token(rng));
   }
   return p;
 }
 
-// log(sum(exp)) written directly (fine for the small logits used with it).
-double reference_loss(const Problem& p) {
+// log(sum(exp)) written directly (fine for the small logits used with it), over the first
+// `columns` columns: all of them (vocab_padded) for the official loss.
+double reference_loss(const Problem& p, int columns) {
   double total = 0;
   int counted = 0;
   for (int r = 0; r < p.rows; ++r) {
     if (p.targets[r] < 0) continue;
     const double* x = p.logits.data() + static_cast<size_t>(r) * p.vocab_padded;
     double sum = 0;
-    for (int c = 0; c < p.vocab_size; ++c) sum += std::exp(x[c]);
+    for (int c = 0; c < columns; ++c) sum += std::exp(x[c]);
     total += std::log(sum) - x[p.targets[r]];
     ++counted;
   }
@@ -65,7 +66,7 @@ TEST(CrossEntropy, MatchesReference) {
   p.targets[5] = -100;
   p.targets[6] = 0;
   p.targets[7] = 12;  // the last real token
-  const double expected = reference_loss(p);
+  const double expected = reference_loss(p, p.vocab_padded);
   std::vector<double> grad;
   EXPECT_NEAR(loss_and_grad(p, grad, 1.0f), expected, 1e-13);
   EXPECT_NEAR(cross_entropy_forward(p.rows, p.vocab_padded, p.vocab_size, p.logits.data(),
@@ -83,16 +84,38 @@ TEST(CrossEntropy, GradientIsSoftmaxMinusOneHotOverValidRows) {
   for (int r = 0; r < p.rows; ++r) {
     const double* x = p.logits.data() + static_cast<size_t>(r) * p.vocab_padded;
     double sum = 0;
-    for (int c = 0; c < p.vocab_size; ++c) sum += std::exp(x[c]);
+    for (int c = 0; c < p.vocab_padded; ++c) sum += std::exp(x[c]);
     for (int c = 0; c < p.vocab_padded; ++c) {
       double expected = 0;
-      if (p.targets[r] >= 0 && c < p.vocab_size) {
+      if (p.targets[r] >= 0) {
         expected = (std::exp(x[c]) / sum - (c == p.targets[r] ? 1.0 : 0.0)) * grad_scale / valid;
       }
       EXPECT_NEAR(grad[static_cast<size_t>(r) * p.vocab_padded + c], expected, 1e-15)
           << "row " << r << " column " << c;
     }
   }
+}
+
+// The official convention (shared/spec/model.md): the padded columns are part of the softmax.
+// Their logits move the loss, they receive softmax-probability gradients, and the loss is not the
+// masked one over the real columns alone.
+TEST(CrossEntropy, PaddedColumnsTakePartInLossAndGradient) {
+  Problem p = make_problem(5, 16, 11, 9);
+  std::vector<double> grad;
+  const double loss = loss_and_grad(p, grad, 1.0f);
+  EXPECT_NEAR(loss, reference_loss(p, p.vocab_padded), 1e-13);
+  EXPECT_GT(std::abs(loss - reference_loss(p, p.vocab_size)), 1e-3);
+  for (int r = 0; r < p.rows; ++r) {
+    for (int c = p.vocab_size; c < p.vocab_padded; ++c) {
+      EXPECT_GT(grad[static_cast<size_t>(r) * p.vocab_padded + c], 0.0)
+          << "row " << r << " padded column " << c;
+    }
+  }
+  // Raising one padded column's logit raises the loss of its row (it is never the target).
+  p.logits[static_cast<size_t>(2) * p.vocab_padded + 13] += 4.0;
+  EXPECT_GT(cross_entropy_forward(p.rows, p.vocab_padded, p.vocab_size, p.logits.data(),
+                                  p.targets.data()),
+            loss + 1e-3);
 }
 
 TEST(CrossEntropy, FiniteDifferenceGradient) {
@@ -119,7 +142,7 @@ TEST(CrossEntropy, FiniteDifferenceGradient) {
 TEST(CrossEntropy, StableForLargeLogits) {
   Problem p = make_problem(4, 8, 8, 4);
   for (double& x : p.logits) x += 1e4;  // exp would overflow without the max shift
-  const double expected = reference_loss(make_problem(4, 8, 8, 4));
+  const double expected = reference_loss(make_problem(4, 8, 8, 4), 8);
   std::vector<double> grad;
   EXPECT_NEAR(loss_and_grad(p, grad, 1.0f), expected, 1e-9);
   std::vector<float> logits_float(p.logits.begin(), p.logits.end());

@@ -57,13 +57,15 @@ TEST(Mamba3Preprocess, FollowsTheSpecFormulas) {
   const auto s = small_shape();
   std::mt19937_64 rng(5);
   auto proj = random_vector(static_cast<size_t>(s.rows) * s.columns(), rng, -2, 2);
-  proj[s.col_dd_a()] = 0.5;          // f = 1.5
-  proj[s.col_dd_a() + 1] = -3.0;     // f = 1/4
-  proj[s.col_dd_a() + 2] = -1e6;     // f ≈ 1e-6: the floor binds
-  auto dt_bias = random_vector(s.heads, rng), bw = random_vector(s.state, rng), cw = random_vector(s.state, rng);
+  proj[s.col_dd_a()] = 0.5;       // f = 1.5
+  proj[s.col_dd_a() + 1] = -3.0;  // f = 1/4
+  proj[s.col_dd_a() + 2] = -1e6;  // f ≈ 1e-6: the floor binds
+  auto dt_bias = random_vector(s.heads, rng), bw = random_vector(s.state, rng),
+       cw = random_vector(s.state, rng);
   Buffers out(s);
   std::vector<double> rstd(static_cast<size_t>(s.rows) * 2 * s.rank * s.groups);
-  mamba3_preprocess_forward(s, proj.data(), dt_bias.data(), bw.data(), cw.data(), out.view, rstd.data());
+  mamba3_preprocess_forward(s, proj.data(), dt_bias.data(), bw.data(), cw.data(), out.view,
+                            rstd.data());
   const double dt0 = std::log1p(std::exp(proj[s.col_dd_dt()] + dt_bias[0]));
   EXPECT_NEAR(out.view.dt[0], dt0, 1e-12);
   EXPECT_NEAR(out.view.adt[0], -1.5 * dt0, 1e-12);
@@ -84,23 +86,26 @@ TEST(Mamba3Preprocess, GradientsMatchFiniteDifferences) {
   std::mt19937_64 rng(6);
   auto proj = random_vector(static_cast<size_t>(s.rows) * s.columns(), rng, -2, 2);
   proj[s.col_dd_a() + 2] = -1e6;  // the floor: zero gradient
-  auto dt_bias = random_vector(s.heads, rng), bw = random_vector(s.state, rng), cw = random_vector(s.state, rng);
+  auto dt_bias = random_vector(s.heads, rng), bw = random_vector(s.state, rng),
+       cw = random_vector(s.state, rng);
   Buffers upstream(s);
   const auto upstream_values = random_vector(upstream.storage.size(), rng);
   std::copy(upstream_values.begin(), upstream_values.end(), upstream.storage.begin());
   Buffers out(s);
   std::vector<double> rstd(static_cast<size_t>(s.rows) * 2 * s.rank * s.groups);
   auto loss = [&] {
-    mamba3_preprocess_forward(s, proj.data(), dt_bias.data(), bw.data(), cw.data(), out.view, rstd.data());
+    mamba3_preprocess_forward(s, proj.data(), dt_bias.data(), bw.data(), cw.data(), out.view,
+                              rstd.data());
     double l = 0;
     for (size_t i = 0; i < out.storage.size(); ++i) l += out.storage[i] * upstream.storage[i];
     return l;
   };
   loss();
-  std::vector<double> dproj(proj.size()), ddt_bias(s.heads, 0.0), dbw(s.state, 0.0), dcw(s.state, 0.0);
+  std::vector<double> dproj(proj.size()), ddt_bias(s.heads, 0.0), dbw(s.state, 0.0),
+      dcw(s.state, 0.0);
   std::vector<double> scratch(static_cast<size_t>(s.rows) * (s.heads + 2 * s.state));
-  Mamba3ScanBuffers<const double> g{upstream.view.z,   upstream.view.x,  upstream.view.k,
-                                    upstream.view.q,   upstream.view.adt, upstream.view.dt,
+  Mamba3ScanBuffers<const double> g{upstream.view.z,    upstream.view.x,     upstream.view.k,
+                                    upstream.view.q,    upstream.view.adt,   upstream.view.dt,
                                     upstream.view.trap, upstream.view.angles};
   mamba3_preprocess_backward(s, proj.data(), dt_bias.data(), bw.data(), cw.data(), rstd.data(), g,
                              dproj.data(), ddt_bias.data(), dbw.data(), dcw.data(), scratch.data());

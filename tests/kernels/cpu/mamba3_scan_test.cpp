@@ -10,11 +10,11 @@
 #include <string>
 #include <vector>
 
-#include "kernels/cpu/mamba3_scan.h"
+#include "base/error.h"
+#include "base/rng.h"
+#include "kernels/contracts/mamba3_scan.h"
 #include "kernels/cpu/mamba3_scan_chunked.h"
 #include "kernels/cpu/mamba3_scan_recurrent.h"
-#include "runtime/common/error.h"
-#include "runtime/common/rng.h"
 
 namespace megacpp::cpu {
 

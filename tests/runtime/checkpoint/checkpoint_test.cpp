@@ -4,8 +4,11 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <limits>
+
+#include "base/error.h"
 #include "runtime/checkpoint/safetensors.h"
-#include "runtime/common/error.h"
 #include "tests/support/temp_dir.h"
 
 namespace megacpp {
@@ -13,11 +16,12 @@ namespace {
 
 ModelConfig config() {
   return parse_model_config(
-      nlohmann::json{{"d_model", 16},
-                     {"pattern", "M*"},
-                     {"vocab_size", 20},
-                     {"ssm_cfg", {{"d_state", 8}, {"headdim", 8}, {"mimo_rank", 2}, {"chunk_size", 4}}},
-                     {"attn_cfg", {{"num_heads", 2}}}},
+      nlohmann::json{
+          {"d_model", 16},
+          {"pattern", "M*"},
+          {"vocab_size", 20},
+          {"ssm_cfg", {{"d_state", 8}, {"headdim", 8}, {"mimo_rank", 2}, {"chunk_size", 4}}},
+          {"attn_cfg", {{"num_heads", 2}}}},
       "test");
 }
 
@@ -36,7 +40,8 @@ TEST(Checkpoint, RoundTripsConfigAndWeights) {
   Model<float> model(config());
   model.init_parameters(5);
   save_model_checkpoint(dir.path(), model);
-  EXPECT_EQ(model_config_to_json(load_checkpoint_config(dir.path())), model_config_to_json(config()));
+  EXPECT_EQ(model_config_to_json(load_checkpoint_config(dir.path())),
+            model_config_to_json(config()));
   Model<float> loaded(load_checkpoint_config(dir.path()));
   load_model_weights(dir.path(), loaded);
   EXPECT_EQ(loaded.parameters().values(), model.parameters().values());
@@ -74,7 +79,8 @@ TEST(Checkpoint, RefusesMissingExtraAndMisshapedTensorsByName) {
   misshaped["backbone.layers.0.mixer.D"] = TensorF32{{3}, {1, 2, 3}};
   rewrite(misshaped);
   e = load_error(dir.path());
-  EXPECT_NE(e.find("backbone.layers.0.mixer.D has shape [3], expected [4]"), std::string::npos) << e;
+  EXPECT_NE(e.find("backbone.layers.0.mixer.D has shape [3], expected [4]"), std::string::npos)
+      << e;
 }
 
 TEST(Checkpoint, LatestPointerNamesACompleteCheckpoint) {
@@ -85,6 +91,69 @@ TEST(Checkpoint, LatestPointerNamesACompleteCheckpoint) {
   EXPECT_EQ(latest_checkpoint(dir.path())->filename(), "step-00000007");
   testing::write_text(dir / "latest", "../elsewhere\n");
   EXPECT_THROW(latest_checkpoint(dir.path()), Error);
+}
+
+std::vector<std::string> names_in(const std::filesystem::path& dir) {
+  std::vector<std::string> names;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    names.push_back(entry.path().filename().string());
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+// Retention keeps the newest keep_last step checkpoints, the final one and the one
+// `latest` names, and nothing else that looks like a checkpoint; other files stay.
+TEST(Checkpoint, PruningKeepsTheNewestTheFinalAndTheLatest) {
+  testing::TempDir dir;
+  for (int64_t step : {2, 4, 6, 8, 10, 12}) {
+    testing::write_text(step_checkpoint_dir(dir.path(), step) / "trainer_state.json", "{}");
+  }
+  testing::write_text(dir / "steps.jsonl", "");
+  testing::write_text(dir / "step-notes/readme", "not a checkpoint");
+  // Left by a run that died mid-delete.
+  testing::write_text(dir / ".pruning-step-00000001/model.safetensors", "");
+  mark_latest_checkpoint(dir.path(), 6);  // e.g. rewound by the daemon after a crash
+
+  EXPECT_TRUE(prune_checkpoints(dir.path(), 0, 4).empty());  // 0 keeps everything
+  const auto removed = prune_checkpoints(dir.path(), 2, /*final_step=*/4);
+  EXPECT_EQ(removed, (std::vector<std::filesystem::path>{step_checkpoint_dir(dir.path(), 2),
+                                                         step_checkpoint_dir(dir.path(), 8)}));
+  EXPECT_EQ(names_in(dir.path()),
+            (std::vector<std::string>{"latest", "step-00000004", "step-00000006", "step-00000010",
+                                      "step-00000012", "step-notes", "steps.jsonl"}));
+  // Keeping more than exist removes nothing.
+  EXPECT_TRUE(prune_checkpoints(dir.path(), 10, 4).empty());
+}
+
+TEST(Checkpoint, FreeSpaceFloorNamesDirectoryBytesAndFloor) {
+  testing::TempDir dir;
+  const auto run = dir / "run";
+  require_free_space_for_checkpoint(run, 1 << 20, 0);  // creates the directory
+  EXPECT_TRUE(std::filesystem::is_directory(run));
+  try {
+    require_free_space_for_checkpoint(run, 12345, std::numeric_limits<uint64_t>::max() / 2);
+    FAIL() << "crossed the floor";
+  } catch (const Error& e) {
+    const std::string message = e.what();
+    EXPECT_EQ(e.kind(), ErrorKind::kFailedPrecondition);
+    EXPECT_NE(message.find(run.string() + ": a checkpoint of about 12345 bytes"), std::string::npos)
+        << message;
+    EXPECT_NE(message.find("min_free_bytes=9223372036854775807"), std::string::npos) << message;
+    EXPECT_NE(message.find("bytes free"), std::string::npos) << message;
+  }
+  Model<float> model(config());
+  const uint64_t bytes = training_checkpoint_bytes(model.parameters());
+  EXPECT_GE(bytes, 3 * sizeof(float) * static_cast<uint64_t>(model.parameters().total()));
+  model.init_parameters(1);
+  AdamW<float> optimizer(model.parameters(), OptimizerConfig{});
+  save_model_checkpoint(run, model);
+  save_optimizer_state(run / "optimizer.safetensors", model.parameters(), optimizer);
+  const uint64_t written = std::filesystem::file_size(run / "model.safetensors") +
+                           std::filesystem::file_size(run / "optimizer.safetensors") +
+                           std::filesystem::file_size(run / "config.json");
+  EXPECT_GE(bytes, written);
+  EXPECT_LE(bytes, written + (128 << 10));
 }
 
 }  // namespace

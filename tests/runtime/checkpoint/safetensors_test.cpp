@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/common/error.h"
+#include "base/error.h"
 
 namespace megacpp {
 namespace {

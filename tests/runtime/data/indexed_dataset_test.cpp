@@ -1,6 +1,8 @@
 #include "runtime/data/indexed_dataset.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -14,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/common/error.h"
+#include "base/error.h"
 
 namespace megacpp::data {
 namespace {
@@ -443,6 +445,66 @@ TEST(IndexedDataset, Int64TokensOutsideInt32AreCorruptOnRead) {
   const Error error = expect_error([&] { dataset.read(0, 0, 2, out); });
   EXPECT_EQ(error.kind(), ErrorKind::kCorruptData);
   expect_contains(error.what(), "byte offset 8 is 1099511627776");
+}
+
+// A dataset rewritten under a reader (a job's data replaced while it trains) is an
+// Error naming the .bin: never SIGBUS from a mapping whose pages the truncation took,
+// and never tokens silently different from those the run started with.
+TEST(IndexedDataset, BinTruncatedWhileOpenIsAnErrorNamingTheFile) {
+  TempDir dir;
+  const fs::path prefix = dir.path() / "big";
+  // Many pages, so that a mapped reader would touch pages the truncation removed.
+  std::vector<std::int32_t> tokens(std::size_t{1} << 16);
+  for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<std::int32_t>(i % 251);
+  IndexedDatasetBuilder builder(prefix, TokenDtype::kUint16);
+  builder.add_document(tokens);
+  builder.finalize();
+  const IndexedDataset dataset(prefix);
+  std::vector<std::int32_t> out(1024);
+  dataset.read_stream(60000, out.size(), out.data());
+  EXPECT_EQ(out[0], static_cast<std::int32_t>(60000 % 251));
+  ASSERT_EQ(::truncate(data_file_path(prefix).c_str(), 4096), 0);
+  for (const std::uint64_t first : {std::uint64_t{60000}, std::uint64_t{0}}) {
+    const Error error = expect_error([&] { dataset.read_stream(first, out.size(), out.data()); });
+    EXPECT_EQ(error.kind(), ErrorKind::kCorruptData);
+    expect_contains(error.what(), data_file_path(prefix).string() + ": changed while in use");
+    expect_contains(error.what(), "opened with 131072 bytes");
+  }
+}
+
+TEST(IndexedDataset, BinRewrittenInPlaceWhileOpenIsAnError) {
+  TempDir dir;
+  const fs::path prefix = dir.path() / "tiny";
+  TinyDataset().write(prefix);
+  const IndexedDataset dataset(prefix);
+  std::int32_t out[5] = {};
+  dataset.read_stream(0, 5, out);
+  EXPECT_EQ(out[0], 1);
+  {
+    std::fstream file(data_file_path(prefix), std::ios::in | std::ios::out | std::ios::binary);
+    file.seekp(0);
+    file.put(9);
+  }
+  // Same size, other bytes; a modification time that differs even on a coarse clock.
+  const struct timespec times[2] = {{0, UTIME_OMIT}, {12345, 0}};
+  ASSERT_EQ(::utimensat(AT_FDCWD, data_file_path(prefix).c_str(), times, 0), 0);
+  const Error error = expect_error([&] { dataset.read_stream(0, 5, out); });
+  EXPECT_EQ(error.kind(), ErrorKind::kCorruptData);
+  expect_contains(error.what(), data_file_path(prefix).string() + ": changed while in use");
+}
+
+TEST(IndexedDataset, PairReplacedByRenameKeepsServingTheOpenedFiles) {
+  TempDir dir;
+  const fs::path prefix = dir.path() / "tiny";
+  TinyDataset().write(prefix);
+  const IndexedDataset dataset(prefix);
+  IndexedDatasetBuilder builder(prefix, TokenDtype::kUint16);
+  builder.add_document(std::vector<std::int32_t>{7, 7, 7, 7, 7, 7, 7});
+  builder.finalize();
+  std::int32_t out[5] = {};
+  dataset.read_stream(0, 5, out);
+  EXPECT_EQ(std::vector<std::int32_t>(out, out + 5),
+            (std::vector<std::int32_t>{1, 2, 3, 256, 65535}));
 }
 
 TEST(IndexedDatasetBuilder, RejectsTokensTheDtypeCannotHold) {

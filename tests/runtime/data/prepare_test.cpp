@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/common/error.h"
+#include "base/error.h"
 #include "runtime/data/byte_tokenizer.h"
 #include "runtime/data/indexed_dataset.h"
 

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/common/error.h"
+#include "base/error.h"
 
 namespace megacpp::data {
 namespace {

@@ -15,14 +15,15 @@ namespace {
 
 ModelConfig tiny_test_config(bool tied) {
   return parse_model_config(
-      nlohmann::json{{"d_model", 16},
-                     {"pattern", "M*M"},
-                     {"d_intermediate", 8},
-                     {"vocab_size", 11},
-                     {"tie_embeddings", tied},
-                     {"ssm_cfg",
-                      {{"d_state", 8}, {"headdim", 8}, {"ngroups", 2}, {"mimo_rank", 2}, {"chunk_size", 3}}},
-                     {"attn_cfg", {{"num_heads", 2}, {"num_heads_kv", 1}, {"rotary_emb_dim", 4}}}},
+      nlohmann::json{
+          {"d_model", 16},
+          {"pattern", "M*M"},
+          {"d_intermediate", 8},
+          {"vocab_size", 11},
+          {"tie_embeddings", tied},
+          {"ssm_cfg",
+           {{"d_state", 8}, {"headdim", 8}, {"ngroups", 2}, {"mimo_rank", 2}, {"chunk_size", 3}}},
+          {"attn_cfg", {{"num_heads", 2}, {"num_heads_kv", 1}, {"rotary_emb_dim", 4}}}},
       "test config");
 }
 
@@ -52,7 +53,8 @@ void check_model_gradients(bool tied, ScanForm form) {
   for (const auto& info : params.entries()) {
     // Three elements of every tensor, central differences.
     for (int trial = 0; trial < 3; ++trial) {
-      const int64_t i = info.offset + static_cast<int64_t>(rng() % static_cast<uint64_t>(info.size));
+      const int64_t i =
+          info.offset + static_cast<int64_t>(rng() % static_cast<uint64_t>(info.size));
       double& value = params.values()[static_cast<size_t>(i)];
       const double saved = value, eps = 1e-6;
       value = saved + eps;
@@ -67,8 +69,44 @@ void check_model_gradients(bool tied, ScanForm form) {
   }
 }
 
-TEST(ModelGradients, TiedEmbeddingsChunkedScan) { check_model_gradients(true, ScanForm::kChunked); }
-TEST(ModelGradients, UntiedEmbeddingsRecurrentScan) { check_model_gradients(false, ScanForm::kRecurrent); }
+TEST(ModelGradients, TiedEmbeddingsChunkedScan) {
+  check_model_gradients(true, ScanForm::kChunked);
+}
+TEST(ModelGradients, UntiedEmbeddingsRecurrentScan) {
+  check_model_gradients(false, ScanForm::kRecurrent);
+}
+
+// The loss is a softmax over the whole padded vocabulary (shared/spec/model.md): the lm_head rows
+// of the padded tokens (11 → 16 here) are real parameters and receive gradients. Untied, the
+// embedding's padded rows are never looked up (no input token reaches them): zero gradient.
+// Tied, the shared matrix gets the lm_head's gradient on those rows.
+TEST(ModelGradients, PaddedVocabularyRowsTrainThroughTheLmHead) {
+  for (const bool tied : {false, true}) {
+    const ModelConfig config = tiny_test_config(tied);
+    Model<double> model(config);
+    model.init_parameters(5);
+    model.plan(2, 6);
+    std::mt19937_64 rng(4);
+    const auto tokens = random_tokens(2, 6, config.vocab_size, rng);
+    auto& params = model.parameters();
+    params.zero_grad();
+    model.forward_backward(tokens.data(), 1.0);
+    const int dm = config.d_model;
+    const auto row_norm = [&](const std::string& name, int row) {
+      const double* g = params.grad(params.find(name)) + static_cast<ptrdiff_t>(row) * dm;
+      double sum = 0;
+      for (int c = 0; c < dm; ++c) sum += g[c] * g[c];
+      return std::sqrt(sum);
+    };
+    const std::string head = tied ? "backbone.embedding.weight" : "lm_head.weight";
+    for (int row = config.vocab_size; row < config.padded_vocab(); ++row) {
+      EXPECT_GT(row_norm(head, row), 1e-8) << head << " padded row " << row;
+      if (!tied) {
+        EXPECT_EQ(row_norm("backbone.embedding.weight", row), 0.0) << "row " << row;
+      }
+    }
+  }
+}
 
 TEST(ModelGradients, GradScaleAndAccumulation) {
   Model<double> model(tiny_test_config(true));
@@ -82,7 +120,8 @@ TEST(ModelGradients, GradScaleAndAccumulation) {
   model.parameters().zero_grad();
   model.forward_backward(tokens.data(), 0.5);
   model.forward_backward(tokens.data(), 0.5);
-  for (size_t i = 0; i < once.size(); i += 97) EXPECT_NEAR(model.parameters().grads()[i], once[i], 1e-12);
+  for (size_t i = 0; i < once.size(); i += 97)
+    EXPECT_NEAR(model.parameters().grads()[i], once[i], 1e-12);
 }
 
 TEST(ModelParameters, NamesAndShapesFollowTheSpec) {
@@ -100,7 +139,8 @@ TEST(ModelParameters, NamesAndShapesFollowTheSpec) {
   EXPECT_EQ(shape_of("backbone.layers.0.mixer.B_bias"), (std::vector<int64_t>{4, 2, 8}));
   EXPECT_EQ(shape_of("backbone.layers.0.mixer.mimo_o"), (std::vector<int64_t>{4, 2, 8}));
   EXPECT_EQ(shape_of("backbone.layers.0.mixer.out_proj.weight"), (std::vector<int64_t>{16, 32}));
-  EXPECT_EQ(shape_of("backbone.layers.1.mixer.in_proj.weight"), (std::vector<int64_t>{(2 + 2) * 8, 16}));
+  EXPECT_EQ(shape_of("backbone.layers.1.mixer.in_proj.weight"),
+            (std::vector<int64_t>{(2 + 2) * 8, 16}));
   EXPECT_EQ(shape_of("backbone.layers.1.mixer.out_proj.bias"), (std::vector<int64_t>{16}));
   EXPECT_EQ(shape_of("backbone.layers.2.mlp.fc1.weight"), (std::vector<int64_t>{2 * 128, 16}));
   EXPECT_EQ(shape_of("backbone.embedding.weight"), (std::vector<int64_t>{16, 16}));  // 11 → 16
@@ -139,7 +179,8 @@ TEST(ModelInit, FollowsTheSpec) {
   // out_proj: U(±1/√fan_in)/√(2·n_layer) with an MLP.
   const double bound = 1.0 / std::sqrt(32.0) / std::sqrt(2.0 * 3);
   double max_abs = 0;
-  for (double v : values("backbone.layers.0.mixer.out_proj.weight")) max_abs = std::max(max_abs, std::abs(v));
+  for (double v : values("backbone.layers.0.mixer.out_proj.weight"))
+    max_abs = std::max(max_abs, std::abs(v));
   EXPECT_LE(max_abs, bound);
   EXPECT_GT(max_abs, 0.5 * bound);
   // Embedding N(0, 0.02).

@@ -5,11 +5,13 @@
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <fstream>
+#include <limits>
 
+#include "base/error.h"
 #include "runtime/checkpoint/checkpoint.h"
-#include "runtime/common/error.h"
 #include "runtime/data/prepare.h"
 #include "tests/support/temp_dir.h"
 
@@ -46,7 +48,9 @@ class TrainerTest : public ::testing::Test {
 
   json job(const std::string& run) const {
     return json{{"model", {{"config", small_model()}}},
-                {"data", {{"train", (dir_ / "data/toy_train").string()}, {"valid", (dir_ / "data/toy_valid").string()}}},
+                {"data",
+                 {{"train", (dir_ / "data/toy_train").string()},
+                  {"valid", (dir_ / "data/toy_valid").string()}}},
                 {"steps", 20},
                 {"batch", 2},
                 {"seqlen", 32},
@@ -79,7 +83,8 @@ TEST_F(TrainerTest, TwentyStepsEqualTenSaveLoadInFreshProcessTenMoreBitwise) {
   ASSERT_TRUE(std::filesystem::exists(dir_ / "split/step-00000010/model.safetensors"));
   ASSERT_FALSE(std::filesystem::exists(dir_ / "split/step-00000020"));
   ASSERT_EQ(run_cli("train --quiet " + split.string()), 0);  // a fresh process resumes
-  for (const char* file : {"model.safetensors", "optimizer.safetensors", "trainer_state.json", "config.json"}) {
+  for (const char* file :
+       {"model.safetensors", "optimizer.safetensors", "trainer_state.json", "config.json"}) {
     const auto a = testing::read_bytes(dir_ / "straight/step-00000020" / file);
     const auto b = testing::read_bytes(dir_ / "split/step-00000020" / file);
     ASSERT_FALSE(a.empty()) << file;
@@ -95,7 +100,8 @@ TEST_F(TrainerTest, TwentyStepsEqualTenSaveLoadInFreshProcessTenMoreBitwise) {
   ASSERT_EQ(steps.size(), 20u);
   for (size_t i = 0; i < steps.size(); ++i) EXPECT_EQ(steps[i], static_cast<int64_t>(i + 1));
   // Training learned something, and eval reads the checkpoint back.
-  const auto r = evaluate_checkpoint(dir_ / "split/step-00000020", dir_ / "data/toy_valid", 32, 2, 0);
+  const auto r =
+      evaluate_checkpoint(dir_ / "split/step-00000020", dir_ / "data/toy_valid", 32, 2, 0);
   EXPECT_LT(r.loss, std::log(257.0) - 1.0);
   EXPECT_GT(r.windows, 0);
 }
@@ -135,8 +141,12 @@ TEST_F(TrainerTest, JobValidationNamesTheField) {
       {[](json& j) { j["optimizer"]["lr"] = -1; }, "optimizer.lr=-1 must be positive"},
       {[](json& j) { j["optimizer"]["beta2"] = 1.0; }, "beta2=1 must be in [0, 1)"},
       {[](json& j) { j["scan"] = "fast"; }, "scan=\"fast\""},
-      {[](json& j) { j["model"] = json{{"preset", "huge"}}; }, "unknown model preset \"huge\""},
-      {[](json& j) { j["model"]["config"]["ssm_cfg"]["headdim"] = 12; }, "ssm_cfg.headdim=12 does not divide d_inner=64"},
+      {[](json& j) {
+         j["model"] = json{{"preset", "huge"}};
+       },
+       "unknown model preset \"huge\""},
+      {[](json& j) { j["model"]["config"]["ssm_cfg"]["headdim"] = 12; },
+       "ssm_cfg.headdim=12 does not divide d_inner=64"},
       {[](json& j) { j["data"].erase("train"); }, "missing required field train"},
       {[](json& j) { j["grad_accum"] = "two"; }, "grad_accum"},
   };
@@ -152,13 +162,185 @@ TEST_F(TrainerTest, JobValidationNamesTheField) {
   }
 }
 
+// Grounds for refusal that used to pass: integers cut to 32 bits (2^40 became 0), no
+// upper bounds (grad_accum = 2^31 - 1 hangs a device on one step, threads = 100000
+// brings the executor down), and NaN or infinities, which pass `x < bound` tests and
+// were written back to JSON as null, silently turning into the default.
+TEST_F(TrainerTest, EveryNumericFieldIsBoundedAndFinite) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  struct Case {
+    std::function<void(json&)> breaks;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {[](json& j) { j["grad_accum"] = 2147483647; }, "grad_accum=2147483647 must be at most 1024"},
+      {[](json& j) { j["threads"] = 100000; }, "threads=100000 must be at most 1024"},
+      {[](json& j) { j["batch"] = int64_t{1} << 40; }, "batch=1099511627776 must be at most"},
+      {[](json& j) { j["seqlen"] = (int64_t{1} << 32) + 64; }, "seqlen=4294967360 must be at most"},
+      {[](json& j) { j["steps"] = int64_t{1} << 50; }, "steps=1125899906842624 must be at most"},
+      {[](json& j) {
+         j["batch"] = 1 << 16;
+         j["seqlen"] = 1 << 16;
+       },
+       "batch·seqlen = 65536·65536 = 4294967296 must be at most 2147483647"},
+      {[](json& j) { j["optimizer"]["warmup_steps"] = int64_t{1} << 40; },
+       "optimizer.warmup_steps=1099511627776 must be at most"},
+      {[](json& j) { j["eval"]["interval"] = (int64_t{1} << 32) + 5; },
+       "eval: interval=4294967301 must be at most"},
+      {[](json& j) { j["eval"]["batches"] = -1; }, "eval: batches=-1 must be >= 0"},
+      {[](json& j) { j["checkpoint"]["interval"] = (int64_t{1} << 32) + 5; },
+       "checkpoint: interval=4294967301 must be at most"},
+      {[](json& j) { j["checkpoint"]["keep_last"] = -1; }, "checkpoint: keep_last=-1 must be >= 0"},
+      {[](json& j) { j["checkpoint"]["min_free_bytes"] = -1; },
+       "checkpoint: min_free_bytes=-1 must be >= 0"},
+      {[](json& j) { j["seed"] = -1; }, "seed=-1 must be an integer in [0, 2^64)"},
+      {[&](json& j) { j["optimizer"]["min_lr"] = nan; },
+       "optimizer.min_lr=nan must be a finite number"},
+      {[&](json& j) { j["optimizer"]["lr"] = inf; }, "optimizer.lr=inf must be a finite number"},
+      {[&](json& j) { j["optimizer"]["grad_clip"] = inf; }, "optimizer.grad_clip=inf"},
+      {[&](json& j) { j["optimizer"]["weight_decay"] = nan; }, "optimizer.weight_decay=nan"},
+      {[&](json& j) { j["optimizer"]["beta1"] = nan; }, "optimizer.beta1=nan"},
+      {[&](json& j) { j["optimizer"]["beta2"] = -inf; }, "optimizer.beta2=-inf"},
+      {[&](json& j) { j["optimizer"]["eps"] = inf; }, "optimizer.eps=inf"},
+      {[&](json& j) { j["max_seconds"] = nan; }, "max_seconds=nan must be a finite number"},
+      {[&](json& j) { j["max_seconds"] = inf; }, "max_seconds=inf must be a finite number"},
+      {[](json& j) { j["optimizer"]["lr"] = 1e6; },
+       "optimizer.lr=1000000 must be positive and at most 10"},
+      {[](json& j) { j["model"]["config"]["d_model"] = int64_t{1} << 40; },
+       "d_model=1099511627776 must be at most"},
+  };
+  for (const auto& c : cases) {
+    json j = job("x");
+    c.breaks(j);
+    try {
+      parse_train_job(j, "job.json");
+      ADD_FAILURE() << "accepted: " << c.message;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument) << e.what();
+      EXPECT_NE(std::string(e.what()).find(c.message), std::string::npos) << e.what();
+    }
+  }
+  // The bounds themselves are accepted.
+  json edge = job("x");
+  edge["grad_accum"] = TrainJobLimits::kMaxGradAccum;
+  edge["threads"] = TrainJobLimits::kMaxThreads;
+  edge["seed"] = std::numeric_limits<uint64_t>::max();
+  edge["checkpoint"]["keep_last"] = 0;
+  edge["checkpoint"]["min_free_bytes"] = std::numeric_limits<int64_t>::max();
+  const TrainJob parsed = parse_train_job(edge, "job.json");
+  EXPECT_EQ(parsed.grad_accum, TrainJobLimits::kMaxGradAccum);
+  EXPECT_EQ(parsed.seed, std::numeric_limits<uint64_t>::max());
+  EXPECT_EQ(parsed.keep_last, 0);
+  EXPECT_EQ(parsed.min_free_bytes, static_cast<uint64_t>(std::numeric_limits<int64_t>::max()));
+  EXPECT_EQ(parse_train_job(job("x"), "job.json").keep_last, 3);  // the default
+}
+
+struct QuietObserver : TrainingObserver {
+  void on_start(const json&) override {}
+  void on_step(const StepRecord&) override {}
+  void on_eval(const EvalRecord&) override {}
+  void on_checkpoint(int64_t, const std::filesystem::path&) override {}
+  void on_finish(const RunSummary&) override {}
+};
+
+// Truncating the training data under a running job used to kill it with SIGBUS (the
+// executor died with an empty log); it must fail with an error naming the file.
+TEST_F(TrainerTest, DatasetTruncatedWhileTrainingFailsNamingTheFile) {
+  const std::filesystem::path bin = dir_ / "data/toy_train.bin";
+  struct Truncating final : QuietObserver {
+    std::filesystem::path file;
+    void on_step(const StepRecord& r) override {
+      if (r.step == 2) std::filesystem::resize_file(file, 0);
+    }
+  } observer;
+  observer.file = bin;
+  const TrainJob parsed = parse_train_job(job("trunc"), "job.json");
+  try {
+    train(parsed, observer);
+    FAIL() << "training went on over a truncated dataset";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kCorruptData);
+    EXPECT_NE(std::string(e.what()).find(bin.string() + ": changed while in use"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+std::vector<std::string> step_dirs(const std::filesystem::path& run) {
+  std::vector<std::string> names;
+  for (const auto& entry : std::filesystem::directory_iterator(run)) {
+    const std::string name = entry.path().filename().string();
+    if (entry.is_directory()) names.push_back(name);
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+// Retention: the newest keep_last checkpoints (and the final one) stay, older ones go;
+// a resumed run still matches an uninterrupted one bit for bit.
+TEST_F(TrainerTest, OldCheckpointsArePrunedToKeepLast) {
+  json j = job("kept");
+  j["steps"] = 10;
+  j["eval"]["interval"] = 0;
+  j["checkpoint"]["interval"] = 2;
+  j["checkpoint"]["keep_last"] = 2;
+  QuietObserver quiet;
+  TrainOptions first;
+  first.stop_at = 7;  // checkpoints 2, 4, 6 and the stop at 7
+  train(parse_train_job(j, "job.json"), quiet, first);
+  EXPECT_EQ(step_dirs(dir_ / "kept"), (std::vector<std::string>{"step-00000006", "step-00000007"}));
+  train(parse_train_job(j, "job.json"), quiet);  // resumes from 7: 8, 10 (final)
+  EXPECT_EQ(step_dirs(dir_ / "kept"), (std::vector<std::string>{"step-00000008", "step-00000010"}));
+  EXPECT_EQ(latest_checkpoint(dir_ / "kept")->filename(), "step-00000010");
+
+  json straight = job("straight");
+  straight["steps"] = 10;
+  straight["eval"]["interval"] = 0;
+  straight["checkpoint"]["interval"] = 2;
+  straight["checkpoint"]["keep_last"] = 0;  // keeps every one
+  train(parse_train_job(straight, "job.json"), quiet);
+  EXPECT_EQ(step_dirs(dir_ / "straight").size(), 5u);
+  for (const char* file : {"model.safetensors", "optimizer.safetensors"}) {
+    EXPECT_EQ(testing::read_bytes(dir_ / "kept/step-00000010" / file),
+              testing::read_bytes(dir_ / "straight/step-00000010" / file))
+        << file;
+  }
+}
+
+// The free-space floor: a checkpoint that would cross min_free_bytes fails the run
+// with the directory, the free bytes, the checkpoint's size and the floor, and writes
+// nothing.
+TEST_F(TrainerTest, CheckpointThatWouldCrossTheFloorFailsTheRun) {
+  json j = job("floor");
+  j["steps"] = 4;
+  j["checkpoint"]["interval"] = 2;
+  j["checkpoint"]["min_free_bytes"] = int64_t{1} << 62;
+  QuietObserver quiet;
+  try {
+    train(parse_train_job(j, "job.json"), quiet);
+    FAIL() << "a checkpoint crossed the floor";
+  } catch (const Error& e) {
+    const std::string message = e.what();
+    EXPECT_EQ(e.kind(), ErrorKind::kFailedPrecondition);
+    EXPECT_NE(message.find((dir_ / "floor").string() + ": a checkpoint of about "),
+              std::string::npos)
+        << message;
+    EXPECT_NE(message.find("bytes free and must keep min_free_bytes=4611686018427387904"),
+              std::string::npos)
+        << message;
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir_ / "floor/step-00000002"));
+  EXPECT_FALSE(std::filesystem::exists(dir_ / "floor/latest"));
+}
+
 TEST_F(TrainerTest, CliExitCodes) {
   json bad = job("x");
   bad["batch"] = -3;
   EXPECT_EQ(run_cli("train " + write_job("bad", bad).string()), 2);
   EXPECT_EQ(run_cli("eval --checkpoint " + (dir_ / "nowhere").string() + " --data " +
                     (dir_ / "data/toy_valid").string()),
-            2);
+            4);  // not found: the one exit-code table (cli/commands/exit_codes.h)
   EXPECT_EQ(run_cli("data stats " + (dir_ / "data/toy_valid").string()), 0);
   EXPECT_EQ(run_cli("no-such-command"), 2);
   EXPECT_EQ(run_cli("train"), 2);  // the job file is required

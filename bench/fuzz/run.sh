@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Builds the libFuzzer targets (cmake/fuzz.cmake) in build-fuzz with clang, ASan and UBSan, and
+# runs each for SECONDS (default 20) from a scratch copy of its seed corpus in
+# bench/fuzz/corpus/<target>/, so the committed corpus never grows. Fails on the first crash,
+# leak, timeout or sanitizer report, leaving the input in build-fuzz/fuzz-artifacts/.
+#
+#   bash bench/fuzz/run.sh [SECONDS] [TARGET...]     targets: all by default
+#   MEGACPP_FUZZ_RUNS=1000000 bash bench/fuzz/run.sh 0 safetensors    a fixed number of inputs
+#
+# MEGACPP_FUZZ_JOBS sets the build parallelism (default: nproc); CXX_FUZZ the compiler
+# (default clang++-14).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+seconds=${1:-20}
+shift || true
+targets=("$@")
+if [ ${#targets[@]} -eq 0 ]; then
+  targets=(job_spec daemon_config safetensors indexed_dataset event_stream)
+fi
+
+launcher=()
+if command -v ccache >/dev/null; then launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache); fi
+# -O1 with line tables: fast enough to fuzz, quick to compile, stack traces with lines. Not
+# CMake's RelWithDebInfo flags, which define NDEBUG and so would drop the libraries' asserts.
+cmake -S . -B build-fuzz -G Ninja -DCMAKE_CXX_COMPILER="${CXX_FUZZ:-clang++-14}" \
+  -DMEGACPP_FUZZ=ON -DMEGACPP_CUDA=OFF -DMEGACPP_BUILD_TESTS=OFF -DMEGACPP_BUILD_BENCH=OFF \
+  -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -gline-tables-only" \
+  "${launcher[@]}" >/dev/null
+build_targets=()
+for t in "${targets[@]}"; do build_targets+=("${t}_fuzz"); done
+cmake --build build-fuzz --target "${build_targets[@]}" -j "${MEGACPP_FUZZ_JOBS:-$(nproc)}"
+
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+artifacts="$PWD/build-fuzz/fuzz-artifacts"
+mkdir -p "$artifacts"
+limit=(-max_total_time="$seconds")
+if [ -n "${MEGACPP_FUZZ_RUNS:-}" ]; then limit+=(-runs="$MEGACPP_FUZZ_RUNS"); fi
+
+failed=()
+for t in "${targets[@]}"; do
+  binary="$PWD/build-fuzz/fuzz/${t}_fuzz"
+  seeds="bench/fuzz/corpus/$t"
+  [ -d "$seeds" ] || { echo "fuzz: no seed corpus $seeds" >&2; exit 2; }
+  mkdir -p "$work/$t"
+  cp -r "$seeds" "$work/$t/corpus"
+  dict=()
+  if [ -f "bench/fuzz/$t.dict" ]; then dict=(-dict="$PWD/bench/fuzz/$t.dict"); fi
+  log="$work/$t/log"
+  # -timeout: one input running this long is a hang, not a slow machine (inputs take
+  # milliseconds). -rss_limit_mb also caps single allocations: a parser sized by a hostile
+  # header must not reach for gigabytes.
+  started=$(date +%s)
+  if (cd "$work/$t" && "$binary" "${limit[@]}" -timeout=25 -rss_limit_mb=2048 \
+      -print_final_stats=1 -artifact_prefix="$artifacts/$t-" "${dict[@]}" corpus >"$log" 2>&1); then
+    status=ok
+  else
+    status=FAILED
+    failed+=("$t")
+  fi
+  elapsed=$(($(date +%s) - started))
+  execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log")
+  rate=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$log")
+  corpus=$(find "$work/$t/corpus" -type f | wc -l)
+  printf 'fuzz %-16s %s: %s execs, %s exec/s, %s s, corpus %s -> %s files\n' "$t" "$status" \
+    "${execs:-?}" "${rate:-?}" "$elapsed" "$(find "$seeds" -type f | wc -l)" "$corpus"
+  if [ "$status" != ok ]; then
+    grep -E 'fuzz: BUG|ERROR|runtime error|SUMMARY|Test unit written' "$log" | head -20 >&2 || true
+    tail -40 "$log" >&2
+  fi
+done
+
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "fuzz: FAILED: ${failed[*]} (inputs in $artifacts)" >&2
+  exit 1
+fi
+echo "fuzz: ${#targets[@]} targets, no crashes"

@@ -1,0 +1,589 @@
+// The backward of the CUDA Mamba-3 scan: chunk-local gradients of the entry states, the reverse
+// pass over chunks that turns them into exit-state gradients, every chunk's gradients (one block
+// per (batch, group, chunk) looping over the group's heads), then the cross-chunk suffix sums
+// (angles) and the fixed-order reductions of the per-head parameter gradients. See
+// mamba3_scan_device.cuh for the notation.
+#include "kernels/cuda/mamba3_scan_device.cuh"
+
+namespace megacpp::cuda::scan_detail {
+namespace {
+
+// d_o = dy ⊙ silu(z ⊙ mimo_z) ⊙ mimo_o, rows (i, r), fp32.
+__device__ void load_d_o(const Dims& d, const DevInputs& in, const bf16* dy, const ChunkPos& pos,
+                         float* dst) {
+  const int P = d.headdim, R = d.rank;
+  const int items = d.rows * P;
+  for (int idx = threadIdx.x; idx < items; idx += blockDim.x) {
+    const int row = idx / P, p = idx % P;
+    const int i = row / R, r = row % R;
+    float value = 0.f;
+    if (i < pos.len) {
+      const size_t th = token_head(d, pos.b, pos.t0 + i, pos.h);
+      const size_t wr = (static_cast<size_t>(pos.h) * R + r) * P + p;
+      const float gate = to_f(in.z[th * P + p]) * to_f(in.mimo_z[wr]);
+      value = to_f(dy[th * P + p]) * gate * sigmoidf(gate) * to_f(in.mimo_o[wr]);
+    }
+    dst[idx] = value;
+  }
+}
+
+// dL/dE_c through chunk c's own outputs: Σ_{i,r} e^{l_i} d_o_{i,r} q_{i,r}ᵀ.
+template <bool kTensor>
+__global__ void chunk_dstate_kernel(Dims d, SmemPlan plan, DevInputs in, Work w, const bf16* dy) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const ChunkPos pos = chunk_pos(d, blockIdx.y, false, blockIdx.x);
+  float* sc = reinterpret_cast<float*>(smem + plan.token_scalars);
+  float* cosv = reinterpret_cast<float*>(smem + plan.rotation_cos);
+  float* sinv = reinterpret_cast<float*>(smem + plan.rotation_sin);
+  bf16* q_rot = reinterpret_cast<bf16*>(smem + plan.q_rotated);
+  float* d_o = reinterpret_cast<float*>(smem + plan.d_out);
+  load_scalars(d, in, w, pos, sc, cosv, sinv);
+  load_rotated(d, in.q, in.q_bias, pos, cosv, sinv, q_rot);
+  load_d_o(d, in, dy, pos, d_o);
+  __syncthreads();
+  const int N = d.state, P = d.headdim, R = d.rank, C = d.chunk;
+  const size_t bhc = (static_cast<size_t>(pos.b) * d.heads + pos.h) * d.chunks + pos.c;
+  float* out = w.gstates + bhc * P * N;
+  (void)sizeof(kTensor);
+  block_gemm(
+      P, N, d.rows,
+      [&](int p, int row) { return d_o[row * P + p] * sc[kEntryDecay * C + row / R]; },
+      [&](int row, int n) { return to_f(q_rot[row * N + n]); },
+      [&](int p, int n, float value) { out[p * N + n] = value; });
+}
+
+// G_c = H_c + a_c G_{c+1}, walked from the last chunk; stores G_{c+1} (the gradient of
+// chunk c's exit state) in place of H_c.
+__global__ void state_pass_backward_kernel(Dims d, Work w) {
+  const size_t matrix = static_cast<size_t>(d.headdim) * d.state;
+  const size_t element = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (element >= matrix) return;
+  const size_t bh = blockIdx.y;
+  float* g = w.gstates + bh * d.chunks * matrix + element;
+  const float* decay = w.decay + bh * d.chunks;
+  constexpr int kBatch = 8;  // as in state_pass_kernel
+  float later = 0.f;
+  for (int c0 = d.chunks - 1; c0 >= 0; c0 -= kBatch) {
+    float local[kBatch], scale[kBatch];
+#pragma unroll
+    for (int x = 0; x < kBatch; ++x) {
+      const int c = max(c0 - x, 0);
+      local[x] = g[c * matrix];
+      scale[x] = decay[c];
+    }
+#pragma unroll
+    for (int x = 0; x < kBatch; ++x) {
+      if (c0 - x >= 0) {
+        g[(c0 - x) * matrix] = later;
+        later = scale[x] * later + local[x];
+      }
+    }
+  }
+}
+
+// Un-rotates the gradient in d_qk (w.r.t. rotated q or k, rows (i, r)) in place, adds
+// dL/dθ into d_theta, the bias gradient of head h into its partial, and the result into the
+// group's accumulator (= for the group's first head, + after: a fixed order).
+__device__ void finish_qk_grad(const Dims& d, const ChunkPos& pos, bool first_head,
+                               const float* cosv, const float* sinv, const bf16* rotated,
+                               float* d_qk, float* d_theta, float* bias_partial, float* acc) {
+  const int N = d.state, half = N / 2, R = d.rank, A = d.angles;
+  // Thread per (token, pair): the θ gradient of pair j sums over ranks without races.
+  for (int idx = threadIdx.x; idx < d.chunk * half; idx += blockDim.x) {
+    const int i = idx / half, n = idx % half;
+    if (n >= A) continue;
+    float dl_dtheta = 0.f;
+    const float cs = cosv[i * A + n], sn = sinv[i * A + n];
+    for (int r = 0; r < R; ++r) {
+      float* row = d_qk + (i * R + r) * N;
+      const float da = row[n], db = row[n + half];
+      const float ra = to_f(rotated[(i * R + r) * N + n]);
+      const float rb = to_f(rotated[(i * R + r) * N + n + half]);
+      dl_dtheta += db * ra - da * rb;
+      row[n] = da * cs + db * sn;
+      row[n + half] = db * cs - da * sn;
+    }
+    d_theta[i * A + n] += dl_dtheta;
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < R * N; idx += blockDim.x) {
+    const int r = idx / N, n = idx % N;
+    float sum = 0.f;
+    for (int i = 0; i < pos.len; ++i) sum += d_qk[(i * R + r) * N + n];
+    bias_partial[idx] = sum;
+  }
+  for (int idx = threadIdx.x; idx < pos.len * R * N; idx += blockDim.x) {
+    const int row = idx / N, n = idx % N;
+    const int i = row / R, r = row % R;
+    const size_t out =
+        (((static_cast<size_t>(pos.b) * d.seqlen + pos.t0 + i) * R + r) * d.groups + pos.g) * N + n;
+    acc[out] = first_head ? d_qk[idx] : acc[out] + d_qk[idx];
+  }
+  __syncthreads();
+}
+
+// Everything the chunk contributes to every gradient, for each head of the group.
+//
+// Precision note. The scan depends on the angles only through differences θ_t − θ_s, so
+// the per-token angle gradients sum to zero and dL/dangle_t (a suffix sum of them over
+// the rest of the sequence) is a small remainder of large terms that cancel. They cancel
+// only if the q-side and k-side terms see the same numbers: the rotated q and k are
+// rounded to bf16 once and used everywhere, the intra-chunk score gradient is rounded
+// once for both dQ and dK, and every product with the state (E, dS, F, G) runs in fp32
+// on CUDA cores in both variants. Rounding E or dS to bf16 measured 1.1-3.6% angle error.
+template <bool kTensor>
+__global__ void chunk_backward_kernel(Dims d, SmemPlan plan, DevInputs in, Work w, bool read_psiv,
+                                      const bf16* dy, DevGrads grads) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  float* sc = reinterpret_cast<float*>(smem + plan.token_scalars);
+  float* cosv = reinterpret_cast<float*>(smem + plan.rotation_cos);
+  float* sinv = reinterpret_cast<float*>(smem + plan.rotation_sin);
+  bf16* q_rot = reinterpret_cast<bf16*>(smem + plan.q_rotated);
+  bf16* k_rot = reinterpret_cast<bf16*>(smem + plan.k_rotated);
+  bf16* psiv = reinterpret_cast<bf16*>(smem + plan.psiv);
+  float* state = reinterpret_cast<float*>(smem + plan.state);
+  float* scores = reinterpret_cast<float*>(smem + plan.scores);
+  float* d_scores = reinterpret_cast<float*>(smem + plan.d_scores);
+  float* weights = reinterpret_cast<float*>(smem + plan.token_weights);
+  float* d_weights = reinterpret_cast<float*>(smem + plan.d_token_weights);
+  float* o = reinterpret_cast<float*>(smem + plan.out);
+  float* d_o = reinterpret_cast<float*>(smem + plan.d_out);
+  float* d_psiv = reinterpret_cast<float*>(smem + plan.d_psiv);
+  float* d_qk = reinterpret_cast<float*>(smem + plan.d_qk);
+  float* sum_scratch = reinterpret_cast<float*>(smem + plan.sum_scratch);
+  float* d_theta = reinterpret_cast<float*>(smem + plan.d_theta);
+  const int N = d.state, P = d.headdim, R = d.rank, C = d.chunk, M = d.rows, A = d.angles;
+  const ChunkPos group_pos = chunk_pos(d, blockIdx.y, true, blockIdx.x);
+  const size_t slot = static_cast<size_t>(group_pos.b) * d.chunks + group_pos.c;
+  const size_t slots = static_cast<size_t>(d.batch) * d.chunks;
+
+  for (int hg = 0; hg < d.heads_per_group; ++hg) {
+    ChunkPos pos = group_pos;
+    pos.h = group_pos.g * d.heads_per_group + hg;
+    const int h = pos.h;
+    const size_t bhc = (static_cast<size_t>(pos.b) * d.heads + h) * d.chunks + pos.c;
+    const size_t matrix = static_cast<size_t>(P) * N;
+    float* partial = w.partials + (static_cast<size_t>(h) * slots + slot) * d.partial_width;
+    float* qb_partial = partial;
+    float* kb_partial = partial + R * N;
+    float* mx_partial = partial + 2 * R * N;
+    float* mz_partial = mx_partial + R * P;
+    float* mo_partial = mz_partial + R * P;
+    float* d_partial = mo_partial + R * P;
+    const float skip = to_f(in.d[h]);
+
+    load_scalars(d, in, w, pos, sc, cosv, sinv);
+    load_rotated(d, in.q, in.q_bias, pos, cosv, sinv, q_rot);
+    load_rotated(d, in.k, in.k_bias, pos, cosv, sinv, k_rot);
+    load_psiv(d, in, pos, w.psiv, read_psiv, false, psiv);
+    load_d_o(d, in, dy, pos, d_o);
+    load_state(w.states + bhc * matrix, P * N, state);
+    fill_weights(d, sc, weights);
+    for (int idx = threadIdx.x; idx < C * A; idx += blockDim.x) d_theta[idx] = 0.f;
+    for (int i = threadIdx.x; i < C; i += blockDim.x) {
+      sc[kDLog * C + i] = 0.f;
+      sc[kDGamma * C + i] = 0.f;
+      sc[kDKappa * C + i] = 0.f;
+    }
+    __syncthreads();
+
+    // Recompute the forward: scores, weighted scores and o.
+    gemm<kTensor>(
+        M, M, N, [&](int i, int n) { return to_f(q_rot[i * N + n]); },
+        [&](int n, int j) { return to_f(k_rot[j * N + n]); },
+        [&](int i, int j, float value) { scores[i * M + j] = value; });
+    block_gemm(
+        M, P, N, [&](int i, int n) { return to_f(q_rot[i * N + n]); },
+        [&](int n, int p) { return state[p * N + n]; },
+        [&](int i, int p, float value) { o[i * P + p] = value; });
+    __syncthreads();
+    // dL/dl_i from the entry term e^{l_i} (Q Eᵀ)_i.
+    for (int i = threadIdx.x; i < C; i += blockDim.x) {
+      float dot = 0.f;
+      for (int x = 0; x < R * P; ++x) dot += d_o[i * R * P + x] * o[i * R * P + x];
+      sc[kScratch * C + i] = sc[kEntryDecay * C + i] * dot;
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < M * P; idx += blockDim.x) {
+      o[idx] *= sc[kEntryDecay * C + (idx / P) / R];
+    }
+    __syncthreads();
+    gemm<kTensor>(
+        M, P, M, [&](int i, int j) { return scores[i * M + j] * weights[(i / R) * C + j / R]; },
+        [&](int j, int p) { return to_f(psiv[j * P + p]); },
+        [&](int i, int p, float value) { o[i * P + p] += value + skip * to_f(psiv[i * P + p]); });
+    // Inside the chunk: dSc = dO Vᵀ; dV = D dO + Swᵀ dO.
+    gemm<kTensor>(
+        M, M, P, [&](int i, int p) { return d_o[i * P + p]; },
+        [&](int p, int j) { return to_f(psiv[j * P + p]); },
+        [&](int i, int j, float value) { d_scores[i * M + j] = value; });
+    gemm<kTensor>(
+        M, P, M, [&](int i, int j) { return scores[j * M + i] * weights[(j / R) * C + i / R]; },
+        [&](int j, int p) { return d_o[j * P + p]; },
+        [&](int i, int p, float value) { d_psiv[i * P + p] = value + skip * d_o[i * P + p]; });
+    __syncthreads();
+
+    // Epilogue backward (gating, mimo_o, mimo_z, D) now that o is complete.
+    for (int idx = threadIdx.x; idx < pos.len * P; idx += blockDim.x) {
+      const int i = idx / P, p = idx % P;
+      const size_t th = token_head(d, pos.b, pos.t0 + i, h);
+      const float z = to_f(in.z[th * P + p]), g_out = to_f(dy[th * P + p]);
+      float dz = 0.f;
+      for (int r = 0; r < R; ++r) {
+        const size_t wr = (static_cast<size_t>(h) * R + r) * P + p;
+        const float mz = to_f(in.mimo_z[wr]);
+        const float gate = z * mz, sg = sigmoidf(gate);
+        dz += g_out * o[(i * R + r) * P + p] * to_f(in.mimo_o[wr]) * sg *
+              (1.f + gate * (1.f - sg)) * mz;
+      }
+      grads.z[th * P + p] = __float2bfloat16(dz);
+    }
+    for (int idx = threadIdx.x; idx < R * P; idx += blockDim.x) {
+      const int r = idx / P, p = idx % P;
+      const size_t wr = (static_cast<size_t>(h) * R + r) * P + p;
+      const float mz = to_f(in.mimo_z[wr]), mo = to_f(in.mimo_o[wr]);
+      float d_mo = 0.f, d_mz = 0.f;
+      for (int i = 0; i < pos.len; ++i) {
+        const size_t th = token_head(d, pos.b, pos.t0 + i, h);
+        const float z = to_f(in.z[th * P + p]), g_out = to_f(dy[th * P + p]);
+        const float o_ir = o[(i * R + r) * P + p];
+        const float gate = z * mz, sg = sigmoidf(gate);
+        d_mo += g_out * o_ir * gate * sg;
+        d_mz += g_out * o_ir * mo * sg * (1.f + gate * (1.f - sg)) * z;
+      }
+      mo_partial[idx] = d_mo;
+      mz_partial[idx] = d_mz;
+    }
+    {
+      float local = 0.f;
+      for (int idx = threadIdx.x; idx < M * P; idx += blockDim.x)
+        local += d_o[idx] * to_f(psiv[idx]);
+      const float total = block_sum(local, sum_scratch);
+      if (threadIdx.x == 0) d_partial[0] = total;
+    }
+
+    // Score-weight gradients per token pair, then dSc ⊙= W.
+    for (int idx = threadIdx.x; idx < C * C; idx += blockDim.x) {
+      const int ti = idx / C, tj = idx % C;
+      float d_weight = 0.f;
+      if (tj <= ti) {
+        for (int r = 0; r < R; ++r)
+          for (int r2 = 0; r2 < R; ++r2) {
+            const int at = (ti * R + r) * M + tj * R + r2;
+            d_weight += d_scores[at] * scores[at];
+          }
+      }
+      d_weights[idx] = d_weight;
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < M * M; idx += blockDim.x) {
+      d_scores[idx] *= weights[((idx / M) / R) * C + (idx % M) / R];
+    }
+    for (int i = threadIdx.x; i < C; i += blockDim.x) {
+      float d_log = sc[kScratch * C + i], d_kappa = 0.f;
+      for (int j = 0; j < i; ++j) d_log += d_weights[i * C + j] * weights[i * C + j];
+      for (int ti = i + 1; ti < C; ++ti) {
+        const float weight_term = d_weights[ti * C + i];
+        d_kappa += weight_term * expf(sc[kLog * C + ti] - sc[kLog * C + i]);
+        d_log -= weight_term * weights[ti * C + i];
+      }
+      sc[kDLog * C + i] = d_log;
+      sc[kDKappa * C + i] = d_kappa;
+      sc[kDGamma * C + i] = d_weights[i * C + i];
+    }
+    __syncthreads();
+
+    // dQ = dSc K + e^{l} dO E.
+    gemm<kTensor>(
+        M, N, M, [&](int i, int j) { return d_scores[i * M + j]; },
+        [&](int j, int n) { return to_f(k_rot[j * N + n]); },
+        [&](int i, int n, float value) { d_qk[i * N + n] = value; });
+    __syncthreads();
+    block_gemm(
+        M, N, P, [&](int i, int p) { return d_o[i * P + p]; },
+        [&](int p, int n) { return state[p * N + n]; },
+        [&](int i, int n, float value) { d_qk[i * N + n] += sc[kEntryDecay * C + i / R] * value; });
+    __syncthreads();
+    finish_qk_grad(d, pos, hg == 0, cosv, sinv, q_rot, d_qk, d_theta, qb_partial, w.dq_acc);
+
+    // Exit state: dS = dL/d(exit state). dL/dl_last += e^{l_last} <dS, E>.
+    {
+      const float* g_exit = w.gstates + bhc * matrix;
+      const float* entry = w.states + bhc * matrix;
+      float local = 0.f;
+      for (int idx = threadIdx.x; idx < P * N; idx += blockDim.x) {
+        local += g_exit[idx] * entry[idx];
+        state[idx] = g_exit[idx];
+      }
+      const float total = block_sum(local, sum_scratch);
+      if (threadIdx.x == 0) {
+        sc[kDLog * C + pos.len - 1] += sc[kEntryDecay * C + pos.len - 1] * total;
+      }
+    }
+    __syncthreads();
+    // dK = dScᵀ Q + exit_scale · V dS.
+    gemm<kTensor>(
+        M, N, M, [&](int i, int j) { return d_scores[j * M + i]; },
+        [&](int j, int n) { return to_f(q_rot[j * N + n]); },
+        [&](int i, int n, float value) { d_qk[i * N + n] = value; });
+    __syncthreads();
+    block_gemm(
+        M, N, P, [&](int i, int p) { return to_f(psiv[i * P + p]); },
+        [&](int p, int n) { return state[p * N + n]; },
+        [&](int i, int n, float value) { d_qk[i * N + n] += sc[kExitScale * C + i / R] * value; });
+    // K dSᵀ into o (o is no longer needed): dV += exit_scale · K dSᵀ.
+    block_gemm(
+        M, P, N, [&](int i, int n) { return to_f(k_rot[i * N + n]); },
+        [&](int n, int p) { return state[p * N + n]; },
+        [&](int i, int p, float value) { o[i * P + p] = value; });
+    __syncthreads();
+    for (int j = threadIdx.x; j < C; j += blockDim.x) {
+      float d_scale = 0.f;
+      for (int x = 0; x < R * P; ++x) d_scale += o[j * R * P + x] * to_f(psiv[j * R * P + x]);
+      const float scale = sc[kExitScale * C + j];
+      const int last = pos.len - 1;
+      sc[kDKappa * C + j] += d_scale * expf(sc[kLog * C + last] - sc[kLog * C + j]);
+      sc[kScratch * C + j] = d_scale * scale;
+      sc[kDLog * C + j] -= d_scale * scale;
+    }
+    for (int idx = threadIdx.x; idx < M * P; idx += blockDim.x) {
+      d_psiv[idx] += sc[kExitScale * C + (idx / P) / R] * o[idx];
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float sum = 0.f;
+      for (int j = 0; j < C; ++j) sum += sc[kScratch * C + j];
+      sc[kDLog * C + pos.len - 1] += sum;
+    }
+    finish_qk_grad(d, pos, hg == 0, cosv, sinv, k_rot, d_qk, d_theta, kb_partial, w.dk_acc);
+
+    // v = x ⊙ mimo_x: dx (this head's own output) and mimo_x's partial.
+    for (int idx = threadIdx.x; idx < pos.len * P; idx += blockDim.x) {
+      const int i = idx / P, p = idx % P;
+      const size_t th = token_head(d, pos.b, pos.t0 + i, h);
+      float dx = 0.f;
+      for (int r = 0; r < R; ++r)
+        dx +=
+            d_psiv[(i * R + r) * P + p] * to_f(in.mimo_x[(static_cast<size_t>(h) * R + r) * P + p]);
+      grads.v[th * P + p] = __float2bfloat16(dx);
+    }
+    for (int idx = threadIdx.x; idx < R * P; idx += blockDim.x) {
+      const int r = idx / P, p = idx % P;
+      float sum = 0.f;
+      for (int i = 0; i < pos.len; ++i) {
+        const size_t th = token_head(d, pos.b, pos.t0 + i, h);
+        sum += d_psiv[(i * R + r) * P + p] * to_f(in.v[th * P + p]);
+      }
+      mx_partial[idx] = sum;
+    }
+    // Per-token coefficient gradients; dL/dADT_u = Σ_{i ≥ u} dL/dl_i inside the chunk.
+    if (threadIdx.x == 0) {
+      float suffix = 0.f;
+      for (int i = pos.len - 1; i >= 0; --i) {
+        suffix += sc[kDLog * C + i];
+        const size_t th = token_head(d, pos.b, pos.t0 + i, h);
+        const float both = sc[kDGamma * C + i] + sc[kDKappa * C + i];
+        w.tok_dadt[th] = suffix;
+        w.tok_ddt[th] = both * sc[kTau * C + i];
+        w.tok_dtau[th] = both * sc[kDt * C + i];
+        w.tok_dkappa[th] = sc[kDKappa * C + i];
+      }
+    }
+    for (int j = threadIdx.x; j < A; j += blockDim.x) {
+      const size_t bh = static_cast<size_t>(pos.b) * d.heads + h;
+      float total = 0.f;
+      for (int i = 0; i < pos.len; ++i) {
+        const float value = d_theta[i * A + j];
+        w.dtheta[(bh * d.seqlen + pos.t0 + i) * A + j] = value;
+        total += value;
+      }
+      w.dtheta_tot[(bh * d.chunks + pos.c) * A + j] = total;
+    }
+    __syncthreads();
+  }
+}
+
+// The dθ sum over later chunks: reverse exclusive prefix over chunk totals.
+__global__ void dtheta_offsets_kernel(Dims d, Work w) {
+  const size_t bh = blockIdx.x;
+  for (int j = threadIdx.x; j < d.angles; j += blockDim.x) {
+    float later = 0.f;
+    for (int c = d.chunks - 1; c >= 0; --c) {
+      float* at = w.dtheta_tot + (bh * d.chunks + c) * d.angles + j;
+      const float chunk_total = *at;
+      *at = later;
+      later += chunk_total;
+    }
+  }
+}
+
+// Per token of one (batch, chunk): the angle gradients (suffix sums of dθ, summed over
+// heads in order), dt/trap/adt (with the κ_{t−1} terms) and q/k to bf16.
+__global__ void finish_tokens_kernel(Dims d, DevInputs in, Work w, DevGrads grads) {
+  const int c = blockIdx.x, b = blockIdx.y, A = d.angles, H = d.heads;
+  const int t0 = c * d.chunk, len = min(d.chunk, d.seqlen - t0);
+  for (int item = threadIdx.x; item < H * A; item += blockDim.x) {
+    const int h = item / A, j = item % A;
+    const size_t bh = static_cast<size_t>(b) * H + h;
+    float suffix = w.dtheta_tot[(bh * d.chunks + c) * A + j];
+    for (int i = len - 1; i >= 0; --i) {
+      float* at = w.dtheta + (bh * d.seqlen + t0 + i) * A + j;
+      suffix += *at;
+      *at = suffix;
+    }
+  }
+  __syncthreads();
+  for (int item = threadIdx.x; item < len * A; item += blockDim.x) {
+    const int i = item / A, j = item % A, t = t0 + i;
+    const size_t token = static_cast<size_t>(b) * d.seqlen + t;
+    const float slope = tanhf(to_f(in.angles[token * A + j]));
+    float sum = 0.f;
+    for (int h = 0; h < H; ++h) {
+      const size_t bh = static_cast<size_t>(b) * H + h;
+      sum += w.dtheta[(bh * d.seqlen + t) * A + j] * to_f(in.dt[token * H + h]);
+    }
+    grads.angles[token * A + j] = __float2bfloat16(sum * (1.f - slope * slope) * kPi);
+  }
+  for (int item = threadIdx.x; item < len * H; item += blockDim.x) {
+    const int i = item / H, h = item % H, t = t0 + i;
+    const size_t token = static_cast<size_t>(b) * d.seqlen + t;
+    const size_t th = token * H + h;
+    const size_t bh = static_cast<size_t>(b) * H + h;
+    const float tau = sigmoidf(to_f(in.trap[th])), dt = to_f(in.dt[th]);
+    float d_dt = w.tok_ddt[th], d_tau = w.tok_dtau[th];
+    for (int j = 0; j < A; ++j) {
+      d_dt += w.dtheta[(bh * d.seqlen + t) * A + j] * tanhf(to_f(in.angles[token * A + j])) * kPi;
+    }
+    if (t > 0) {
+      const float prev = w.tok_dkappa[th - H];
+      d_dt += prev * (1.f - tau);
+      d_tau -= prev * dt;
+    }
+    grads.adt[th] = __float2bfloat16(w.tok_dadt[th]);
+    grads.dt[th] = __float2bfloat16(d_dt);
+    grads.trap[th] = __float2bfloat16(d_tau * tau * (1.f - tau));
+  }
+  const int row_width = d.rank * d.groups * d.state;
+  const size_t base = (static_cast<size_t>(b) * d.seqlen + t0) * row_width;
+  for (int idx = threadIdx.x; idx < len * row_width; idx += blockDim.x) {
+    grads.q[base + idx] = __float2bfloat16(w.dq_acc[base + idx]);
+    grads.k[base + idx] = __float2bfloat16(w.dk_acc[base + idx]);
+  }
+}
+
+// Per-head parameter gradients: the (batch, chunk) partials summed in a fixed order.
+__global__ void reduce_params_kernel(Dims d, Work w, DevGrads grads) {
+  __shared__ float sums[8][33];
+  const int h = blockIdx.y, e = blockIdx.x * 32 + threadIdx.x;
+  const size_t slots = static_cast<size_t>(d.batch) * d.chunks;
+  float sum = 0.f;
+  if (e < d.partial_width) {
+    const float* base = w.partials + static_cast<size_t>(h) * slots * d.partial_width + e;
+    for (size_t s = threadIdx.y; s < slots; s += 8) sum += base[s * d.partial_width];
+  }
+  sums[threadIdx.y][threadIdx.x] = sum;
+  __syncthreads();
+  if (threadIdx.y != 0 || e >= d.partial_width) return;
+  float total = 0.f;
+  for (int y = 0; y < 8; ++y) total += sums[y][threadIdx.x];
+  const int RN = d.rank * d.state, RP = d.rank * d.headdim;
+  if (e < RN) {
+    grads.q_bias[static_cast<size_t>(h) * RN + e] = total;
+  } else if (e < 2 * RN) {
+    grads.k_bias[static_cast<size_t>(h) * RN + e - RN] = total;
+  } else if (e < 2 * RN + RP) {
+    grads.mimo_x[static_cast<size_t>(h) * RP + e - 2 * RN] = total;
+  } else if (e < 2 * RN + 2 * RP) {
+    grads.mimo_z[static_cast<size_t>(h) * RP + e - 2 * RN - RP] = total;
+  } else if (e < 2 * RN + 3 * RP) {
+    grads.mimo_o[static_cast<size_t>(h) * RP + e - 2 * RN - 2 * RP] = total;
+  } else {
+    grads.d[h] = total;
+  }
+}
+
+}  // namespace
+
+BackwardLaunches backward_launches(const Dims& d, bool tensor_cores) {
+  const unsigned bh = static_cast<unsigned>(d.batch * d.heads);
+  const unsigned bg = static_cast<unsigned>(d.batch * d.groups);
+  const unsigned chunks = static_cast<unsigned>(d.chunks);
+  const unsigned matrix_blocks =
+      static_cast<unsigned>((d.headdim * d.state + kThreads - 1) / kThreads);
+  const unsigned partial_blocks = static_cast<unsigned>((d.partial_width + 31) / 32);
+  const dim3 threads(kThreads);
+  BackwardLaunches l;
+  l.chunk_dstate = {"chunk_dstate",
+                    tensor_cores ? kernel_address(&chunk_dstate_kernel<true>)
+                                 : kernel_address(&chunk_dstate_kernel<false>),
+                    dim3(chunks, bh), threads, plan_for(d, kDStateKernel)};
+  l.state_pass_backward = {"state_pass_backward",
+                           kernel_address(&state_pass_backward_kernel),
+                           dim3(matrix_blocks, bh),
+                           threads,
+                           {}};
+  l.chunk_backward = {"chunk_backward",
+                      tensor_cores ? kernel_address(&chunk_backward_kernel<true>)
+                                   : kernel_address(&chunk_backward_kernel<false>),
+                      dim3(chunks, bg), threads, plan_for(d, kBackwardKernel)};
+  l.dtheta_offsets = {
+      "dtheta_offsets", kernel_address(&dtheta_offsets_kernel), dim3(bh), threads, {}};
+  l.finish_tokens = {"finish_tokens",
+                     kernel_address(&finish_tokens_kernel),
+                     dim3(chunks, static_cast<unsigned>(d.batch)),
+                     threads,
+                     {}};
+  l.reduce_params = {"reduce_params",
+                     kernel_address(&reduce_params_kernel),
+                     dim3(partial_blocks, static_cast<unsigned>(d.heads)),
+                     dim3(32, 8),
+                     {}};
+  return l;
+}
+
+void run_backward(const BackwardLaunches& launches, bool tensor_cores, bool psiv_cache,
+                  const Dims& d, const DevInputs& in, const Work& w, const bf16* dy,
+                  const DevGrads& grads, cudaStream_t stream) {
+  {
+    const Launch& l = launches.chunk_dstate;
+    if (tensor_cores) {
+      chunk_dstate_kernel<true><<<l.grid, l.block, l.smem.total, stream>>>(d, l.smem, in, w, dy);
+    } else {
+      chunk_dstate_kernel<false><<<l.grid, l.block, l.smem.total, stream>>>(d, l.smem, in, w, dy);
+    }
+    MEGACPP_CUDA_CHECK_LAUNCH(l.name);
+  }
+  {
+    const Launch& l = launches.state_pass_backward;
+    state_pass_backward_kernel<<<l.grid, l.block, 0, stream>>>(d, w);
+    MEGACPP_CUDA_CHECK_LAUNCH(l.name);
+  }
+  {
+    const Launch& l = launches.chunk_backward;
+    if (tensor_cores) {
+      chunk_backward_kernel<true>
+          <<<l.grid, l.block, l.smem.total, stream>>>(d, l.smem, in, w, psiv_cache, dy, grads);
+    } else {
+      chunk_backward_kernel<false>
+          <<<l.grid, l.block, l.smem.total, stream>>>(d, l.smem, in, w, psiv_cache, dy, grads);
+    }
+    MEGACPP_CUDA_CHECK_LAUNCH(l.name);
+  }
+  if (d.angles > 0) {
+    const Launch& l = launches.dtheta_offsets;
+    dtheta_offsets_kernel<<<l.grid, l.block, 0, stream>>>(d, w);
+    MEGACPP_CUDA_CHECK_LAUNCH(l.name);
+  }
+  {
+    const Launch& l = launches.finish_tokens;
+    finish_tokens_kernel<<<l.grid, l.block, 0, stream>>>(d, in, w, grads);
+    MEGACPP_CUDA_CHECK_LAUNCH(l.name);
+  }
+  {
+    const Launch& l = launches.reduce_params;
+    reduce_params_kernel<<<l.grid, l.block, 0, stream>>>(d, w, grads);
+    MEGACPP_CUDA_CHECK_LAUNCH(l.name);
+  }
+}
+
+}  // namespace megacpp::cuda::scan_detail

@@ -1,0 +1,339 @@
+#pragma once
+// What the three files of the CUDA Mamba-3 scan share (see mamba3_scan.h for the structure):
+//   mamba3_scan_forward.cu   the forward kernels and their launches
+//   mamba3_scan_backward.cu  the backward kernels and their launches
+//   mamba3_scan.cu           Mamba3ScanCuda: validation, workspace, launch table, introspection
+// Here: the shape constants, the dynamic shared-memory plan of the chunk kernels, the device
+// views of inputs, gradients and workspace, the launch records, and the device functions that
+// forward and backward chunk kernels both call.
+//
+// The math per chunk follows kernels/cpu/mamba3_scan_chunked.h (its header states the chunked
+// form); names match it: l = cumulative ADT since the chunk start, κ_j = γ_j + (1 − τ_{j+1})
+// DT_{j+1}, W_ij = e^{l_i − l_j} κ_j (j < i), γ_i (j = i), exit scale e^{l_last − l_j} κ_j.
+// Every exponential is e^{Λ_a − Λ_b} for two tokens a ≥ b of one chunk (or the token before it),
+// so the gradient of ADT only needs chunk-local suffix sums of dL/dl.
+#include <cstddef>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/mamba3_scan.h"
+
+namespace megacpp::cuda::scan_detail {
+
+constexpr int kThreads = 256;
+constexpr float kPi = 3.14159265358979323846f;
+
+// Shape constants every kernel needs, passed by value.
+struct Dims {
+  int batch, seqlen, heads, groups, state, headdim, rank, chunk, angles;
+  int chunks;           // ceil(seqlen / chunk)
+  int rows;             // chunk * rank: rows (token, rank) of a chunk
+  int heads_per_group;  // heads / groups
+  int partial_width;    // per-head parameter gradient floats of one (batch, chunk)
+};
+
+// Byte offsets of the blocks of a chunk kernel's dynamic shared memory; a block the kernel does
+// not use stays at offset 0. rows = (token i, rank r) of the chunk, i·R + r; C = chunk tokens.
+struct SmemPlan {
+  size_t token_scalars = 0;    // fp32 [kScalarCount][C]: the per-token scalars (enum Scalar)
+  size_t rotation_cos = 0;     // fp32 [C][A]: cos θ of each rotation pair at each token
+  size_t rotation_sin = 0;     // fp32 [C][A]: sin θ
+  size_t q_rotated = 0;        // bf16 [rows][N]: q + q_bias, rotated
+  size_t k_rotated = 0;        // bf16 [rows][N]: k + k_bias, rotated
+  size_t psiv = 0;             // bf16 [rows][P]: v ⊙ mimo_x
+  size_t state = 0;            // fp32 [P][N]: the chunk's entry state E; in the backward later
+                               //   dL/d(exit state)
+  size_t scores = 0;           // fp32 [rows][rows]: Q Kᵀ (the output kernel stores it ⊙ W)
+  size_t d_scores = 0;         // fp32 [rows][rows]: dL/d(Q Kᵀ ⊙ W), then ⊙ W (= dL/d(Q Kᵀ))
+  size_t token_weights = 0;    // fp32 [C][C]: W
+  size_t d_token_weights = 0;  // fp32 [C][C]: dL/dW; shares `out` when it fits
+  size_t out = 0;              // fp32 [rows][P]: o; in the backward later K dSᵀ
+  size_t d_out = 0;            // fp32 [rows][P]: dL/do = dy ⊙ silu(z ⊙ mimo_z) ⊙ mimo_o
+  size_t d_psiv = 0;           // fp32 [rows][P]: dL/d(v ⊙ mimo_x)
+  size_t d_qk = 0;             // fp32 [rows][N]: dL/d(rotated q), then dL/d(rotated k)
+  size_t sum_scratch = 0;      // fp32 [kThreads]: block_sum's; shares d_qk when it fits
+  size_t d_theta = 0;          // fp32 [C][A]: dL/dθ of each token of this head
+  size_t total = 0;
+};
+
+enum ScanKernel { kStateKernel, kOutputKernel, kDStateKernel, kBackwardKernel };
+
+// Per-token scalar arrays of a chunk, each `chunk` floats, in the token_scalars block.
+enum Scalar {
+  kAdt,
+  kDt,
+  kTau,
+  kGamma,
+  kKappa,
+  kLog,
+  kEntryDecay,
+  kExitScale,
+  kDLog,
+  kDGamma,
+  kDKappa,
+  kScratch,
+  kScalarCount
+};
+
+inline SmemPlan plan_for(const Dims& d, ScanKernel kernel) {
+  SmemPlan p;
+  size_t cursor = 0;
+  const auto take = [&cursor](size_t bytes) {
+    const size_t at = cursor;
+    cursor += (bytes + 15) / 16 * 16;
+    return at;
+  };
+  const size_t m = static_cast<size_t>(d.rows), n = static_cast<size_t>(d.state);
+  const size_t hp = static_cast<size_t>(d.headdim), c = static_cast<size_t>(d.chunk);
+  const size_t a = static_cast<size_t>(d.angles);
+  p.token_scalars = take(kScalarCount * c * sizeof(float));
+  p.rotation_cos = take(c * a * sizeof(float));
+  p.rotation_sin = take(c * a * sizeof(float));
+  const bool backward = kernel == kBackwardKernel;
+  if (kernel != kStateKernel) p.q_rotated = take(m * n * sizeof(bf16));
+  if (kernel != kDStateKernel) p.k_rotated = take(m * n * sizeof(bf16));
+  if (kernel != kDStateKernel) p.psiv = take(m * hp * sizeof(bf16));
+  if (kernel == kOutputKernel || backward) {
+    p.state = take(hp * n * sizeof(float));
+    p.scores = take(m * m * sizeof(float));
+    p.token_weights = take(c * c * sizeof(float));
+    p.out = take(m * hp * sizeof(float));
+  }
+  if (kernel == kDStateKernel || backward) p.d_out = take(m * hp * sizeof(float));
+  if (backward) {
+    p.d_scores = take(m * m * sizeof(float));
+    // d_token_weights lives in out's space (o is dead between the epilogue and K dSᵀ) when it
+    // fits.
+    p.d_token_weights = c * c <= m * hp ? p.out : take(c * c * sizeof(float));
+    p.d_psiv = take(m * hp * sizeof(float));
+    p.d_qk = take(m * n * sizeof(float));
+    // sum_scratch lives in d_qk's space: the two block sums run while d_qk holds nothing.
+    p.sum_scratch = m * n >= kThreads ? p.d_qk : take(kThreads * sizeof(float));
+    p.d_theta = take(c * a * sizeof(float));
+  }
+  p.total = cursor;
+  return p;
+}
+
+struct DevInputs {
+  const bf16 *q, *k, *v, *z, *adt, *dt, *trap, *angles, *q_bias, *k_bias, *mimo_x, *mimo_z, *mimo_o,
+      *d;
+};
+
+struct DevGrads {
+  bf16 *q, *k, *v, *z, *adt, *dt, *trap, *angles;
+  float *q_bias, *k_bias, *mimo_x, *mimo_z, *mimo_o, *d;
+};
+
+// Workspace (all fp32 unless noted), indices in the comments.
+struct Work {
+  float* theta0;      // [B, H, chunks, A] θ just before each chunk
+  float* states;      // [B, H, chunks, P, N] chunk-local exit part, then entry states
+  float* decay;       // [B, H, chunks] e^{l_last}
+  float* gstates;     // [B, H, chunks, P, N] dL/d(entry), then dL/d(exit state)
+  float* dq_acc;      // [B, L, R, G, N] summed over the group's heads
+  float* dk_acc;      // [B, L, R, G, N]
+  float* dtheta;      // [B, H, L, A] dL/dθ_t, then its suffix sum over t
+  float* dtheta_tot;  // [B, H, chunks, A] per chunk, then the sum over later chunks
+  float* tok_dadt;    // [B, L, H]
+  float* tok_ddt;     // [B, L, H] d_dt without the κ_{t−1} and angle terms
+  float* tok_dtau;    // [B, L, H] d_τ without the κ_{t−1} term
+  float* tok_dkappa;  // [B, L, H]
+  float* partials;    // [H, B * chunks, partial_width]
+  bf16* psiv;         // [B, L, H, R, P] or null
+};
+
+// One kernel launch as the scan makes it, derived once per shape: what forward() and backward()
+// launch with and what kernel_attributes() reports.
+struct Launch {
+  const char* name = "";
+  const void* function = nullptr;  // the kernel, for the runtime's attribute and occupancy calls
+  dim3 grid;
+  dim3 block;
+  SmemPlan smem;  // the chunk kernels' dynamic shared memory; smem.total bytes (0 for the others)
+};
+
+// mamba3_scan_forward.cu: the forward's kernels, in launch order.
+struct ForwardLaunches {
+  Launch angle_prefix, chunk_state, state_pass, chunk_output;
+};
+ForwardLaunches forward_launches(const Dims& d, bool tensor_cores);
+// Writes y; keeps the chunk-entry states (and PsiV when psiv_cache) in w for run_backward.
+void run_forward(const ForwardLaunches& launches, bool tensor_cores, bool psiv_cache, const Dims& d,
+                 const DevInputs& in, const Work& w, bf16* y, cudaStream_t stream);
+
+// mamba3_scan_backward.cu: the backward's kernels, in launch order.
+struct BackwardLaunches {
+  Launch chunk_dstate, state_pass_backward, chunk_backward, dtheta_offsets, finish_tokens,
+      reduce_params;
+};
+BackwardLaunches backward_launches(const Dims& d, bool tensor_cores);
+void run_backward(const BackwardLaunches& launches, bool tensor_cores, bool psiv_cache,
+                  const Dims& d, const DevInputs& in, const Work& w, const bf16* dy,
+                  const DevGrads& grads, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------
+// Device functions of both passes' chunk kernels.
+
+static __device__ __forceinline__ float sigmoidf(float x) {
+  return 1.f / (1.f + expf(-x));
+}
+
+struct ChunkPos {
+  int b, h, g, c, t0, len;
+};
+
+static __device__ ChunkPos chunk_pos(const Dims& d, int bh_or_bg, bool by_group, int c) {
+  ChunkPos pos;
+  if (by_group) {
+    pos.b = bh_or_bg / d.groups;
+    pos.g = bh_or_bg % d.groups;
+    pos.h = pos.g * d.heads_per_group;
+  } else {
+    pos.b = bh_or_bg / d.heads;
+    pos.h = bh_or_bg % d.heads;
+    pos.g = pos.h / d.heads_per_group;
+  }
+  pos.c = c;
+  pos.t0 = c * d.chunk;
+  pos.len = min(d.chunk, d.seqlen - pos.t0);
+  return pos;
+}
+
+static __device__ __forceinline__ size_t token_head(const Dims& d, int b, int t, int h) {
+  return (static_cast<size_t>(b) * d.seqlen + t) * d.heads + h;
+}
+
+// Per-token scalars and rotation cos/sin of head pos.h for the chunk. Padded tokens
+// (i ≥ len) get zero coefficients, so they contribute nothing anywhere.
+static __device__ void load_scalars(const Dims& d, const DevInputs& in, const Work& w,
+                                    const ChunkPos& pos, float* sc, float* cosv, float* sinv) {
+  const int C = d.chunk;
+  for (int i = threadIdx.x; i < C; i += blockDim.x) {
+    float adt = 0.f, dt = 0.f, tau = 0.f, kappa = 0.f;
+    if (i < pos.len) {
+      const size_t th = token_head(d, pos.b, pos.t0 + i, pos.h);
+      adt = to_f(in.adt[th]);
+      dt = to_f(in.dt[th]);
+      tau = sigmoidf(to_f(in.trap[th]));
+      kappa = tau * dt;
+      if (pos.t0 + i + 1 < d.seqlen) {
+        const size_t next = th + d.heads;
+        kappa += (1.f - sigmoidf(to_f(in.trap[next]))) * to_f(in.dt[next]);
+      }
+    }
+    sc[kAdt * C + i] = adt;
+    sc[kDt * C + i] = dt;
+    sc[kTau * C + i] = tau;
+    sc[kGamma * C + i] = tau * dt;
+    sc[kKappa * C + i] = kappa;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float running = 0.f;
+    for (int i = 0; i < C; ++i) {
+      running += sc[kAdt * C + i];
+      sc[kLog * C + i] = running;
+    }
+    const float last = sc[kLog * C + (pos.len - 1)];
+    for (int i = 0; i < C; ++i) {
+      sc[kEntryDecay * C + i] = expf(sc[kLog * C + i]);
+      sc[kExitScale * C + i] = expf(last - sc[kLog * C + i]) * sc[kKappa * C + i];
+    }
+  }
+  const int A = d.angles;
+  for (int j = threadIdx.x; j < A; j += blockDim.x) {
+    const size_t bh = static_cast<size_t>(pos.b) * d.heads + pos.h;
+    float theta = w.theta0[(bh * d.chunks + pos.c) * A + j];
+    for (int i = 0; i < C; ++i) {
+      float cs = 1.f, sn = 0.f;
+      if (i < pos.len) {
+        const int t = pos.t0 + i;
+        const float slope =
+            tanhf(to_f(in.angles[(static_cast<size_t>(pos.b) * d.seqlen + t) * A + j]));
+        theta += slope * to_f(in.dt[token_head(d, pos.b, t, pos.h)]) * kPi;
+        sincosf(theta, &sn, &cs);
+      }
+      cosv[i * A + j] = cs;
+      sinv[i * A + j] = sn;
+    }
+  }
+  __syncthreads();
+}
+
+// q or k of head pos.h for the chunk: + bias, rotated, rounded to bf16. Rows (i, r).
+static __device__ void load_rotated(const Dims& d, const bf16* src, const bf16* bias,
+                                    const ChunkPos& pos, const float* cosv, const float* sinv,
+                                    bf16* dst) {
+  const int N = d.state, half = N / 2, R = d.rank, A = d.angles;
+  const int items = d.rows * half;
+  for (int idx = threadIdx.x; idx < items; idx += blockDim.x) {
+    const int row = idx / half, n = idx % half;
+    const int i = row / R, r = row % R;
+    float first = 0.f, second = 0.f;
+    if (i < pos.len) {
+      const int t = pos.t0 + i;
+      const size_t base = ((static_cast<size_t>(pos.b) * d.seqlen + t) * R + r) * d.groups + pos.g;
+      const bf16* in_row = src + base * N;
+      const bf16* bias_row = bias + (static_cast<size_t>(pos.h) * R + r) * N;
+      const float a = to_f(in_row[n]) + to_f(bias_row[n]);
+      const float b = to_f(in_row[n + half]) + to_f(bias_row[n + half]);
+      if (n < A) {
+        const float cs = cosv[i * A + n], sn = sinv[i * A + n];
+        first = a * cs - b * sn;
+        second = a * sn + b * cs;
+      } else {
+        first = a;
+        second = b;
+      }
+    }
+    dst[row * N + n] = __float2bfloat16(first);
+    dst[row * N + n + half] = __float2bfloat16(second);
+  }
+}
+
+// v = x ⊙ mimo_x (PsiV) of head pos.h, rows (i, r), bf16: from the cache when
+// read_cache, else computed (and stored to the cache when write_cache). Both ways give
+// the same bits, so the cache never changes results.
+static __device__ void load_psiv(const Dims& d, const DevInputs& in, const ChunkPos& pos,
+                                 bf16* cache, bool read_cache, bool write_cache, bf16* dst) {
+  const int P = d.headdim, R = d.rank;
+  const int items = d.rows * P;
+  for (int idx = threadIdx.x; idx < items; idx += blockDim.x) {
+    const int row = idx / P, p = idx % P;
+    const int i = row / R, r = row % R;
+    bf16 value = __float2bfloat16(0.f);
+    if (i < pos.len) {
+      const size_t th = token_head(d, pos.b, pos.t0 + i, pos.h);
+      const size_t cached = (th * R + r) * P + p;
+      if (read_cache) {
+        value = cache[cached];
+      } else {
+        value = __float2bfloat16(to_f(in.v[th * P + p]) *
+                                 to_f(in.mimo_x[(static_cast<size_t>(pos.h) * R + r) * P + p]));
+        if (write_cache) cache[cached] = value;
+      }
+    }
+    dst[row * P + p] = value;
+  }
+}
+
+// Token-level weights W[i][j] of the chunk (zero above the diagonal).
+static __device__ void fill_weights(const Dims& d, const float* sc, float* weights) {
+  const int C = d.chunk;
+  for (int idx = threadIdx.x; idx < C * C; idx += blockDim.x) {
+    const int i = idx / C, j = idx % C;
+    float weight = 0.f;
+    if (j < i) {
+      weight = expf(sc[kLog * C + i] - sc[kLog * C + j]) * sc[kKappa * C + j];
+    } else if (j == i) {
+      weight = sc[kGamma * C + i];
+    }
+    weights[idx] = weight;
+  }
+}
+
+static __device__ void load_state(const float* src, int count, float* dst) {
+  for (int idx = threadIdx.x; idx < count; idx += blockDim.x) dst[idx] = src[idx];
+}
+
+}  // namespace megacpp::cuda::scan_detail

@@ -1,0 +1,125 @@
+// megacpp-executor: runs one training job for the daemon. Started by megacppd
+// with the job file and a pipe (--events-fd) on which it streams ExecutorEvents.
+// SIGTERM (cancel, daemon shutdown) or the daemon's death (the pipe breaks, or
+// PR_SET_PDEATHSIG) make it finish the current step, checkpoint and exit 0.
+#include <signal.h>
+#include <spdlog/spdlog.h>
+#include <sys/prctl.h>
+#include <unistd.h>
+#include <CLI/CLI.hpp>
+
+#include <atomic>
+
+#include "base/error.h"
+#include "runtime/trainer/trainer.h"
+#include "service/executor/event_stream.h"
+
+namespace {
+
+std::atomic<bool> g_stop{false};
+
+void request_stop(int) {
+  g_stop.store(true);
+}
+
+class EventObserver final : public megacpp::TrainingObserver {
+ public:
+  explicit EventObserver(int fd) : fd_(fd) {}
+  void on_start(const nlohmann::json& info) override {
+    megacpp::v1::ExecutorEvent e;
+    auto* s = e.mutable_started();
+    s->set_first_step(info.value("first_step", int64_t{1}));
+    s->set_total_steps(info.value("steps", int64_t{0}));
+    s->set_parameters(info.value("parameters", int64_t{0}));
+    s->set_info_json(info.dump());
+    send(e);
+  }
+  void on_step(const megacpp::StepRecord& r) override {
+    megacpp::v1::ExecutorEvent e;
+    auto* s = e.mutable_step();
+    s->set_step(r.step);
+    s->set_loss(r.loss);
+    s->set_grad_norm(r.grad_norm);
+    s->set_lr(r.lr);
+    s->set_tokens(r.tokens);
+    s->set_step_ms(r.step_ms);
+    s->set_tokens_per_s(r.tokens_per_s);
+    s->set_flops_per_s(r.flops_per_s);
+    send(e);
+  }
+  void on_eval(const megacpp::EvalRecord& r) override {
+    megacpp::v1::ExecutorEvent e;
+    e.mutable_eval()->set_step(r.step);
+    e.mutable_eval()->set_val_loss(r.loss);
+    send(e);
+  }
+  void on_checkpoint(int64_t step, const std::filesystem::path& dir) override {
+    megacpp::v1::ExecutorEvent e;
+    e.mutable_checkpoint()->set_step(step);
+    e.mutable_checkpoint()->set_dir(dir.string());
+    send(e);
+  }
+  void on_finish(const megacpp::RunSummary& summary) override {
+    megacpp::v1::ExecutorEvent e;
+    e.set_summary_json(megacpp::to_json(summary).dump());
+    send(e);
+  }
+  void send_failure(const std::string& message) {
+    megacpp::v1::ExecutorEvent e;
+    e.set_failed(message);
+    send(e);
+  }
+
+ private:
+  void send(const megacpp::v1::ExecutorEvent& e) {
+    // A broken pipe means the daemon is gone: stop after this step, with a checkpoint.
+    if (!megacpp::executor::write_event(fd_, e)) g_stop.store(true);
+  }
+  int fd_;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"megacpp-executor: runs one job for megacppd"};
+  std::string job_file;
+  int events_fd = -1;
+  app.add_option("--job", job_file, "job JSON file")->required();
+  app.add_option("--events-fd", events_fd, "pipe to stream events on")->required();
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+  // The daemon's death delivers SIGTERM; a closed pipe is noticed on write. A
+  // signal mask inherited from the parent must not keep SIGTERM from us.
+  sigset_t none;
+  sigemptyset(&none);
+  ::sigprocmask(SIG_SETMASK, &none, nullptr);
+  ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+  if (::getppid() == 1) g_stop.store(true);
+  struct sigaction stop {};
+  stop.sa_handler = request_stop;
+  sigemptyset(&stop.sa_mask);
+  ::sigaction(SIGTERM, &stop, nullptr);
+  ::sigaction(SIGINT, &stop, nullptr);
+  ::signal(SIGPIPE, SIG_IGN);
+  spdlog::set_pattern("%H:%M:%S.%e %l %v");
+
+  EventObserver observer(events_fd);
+  try {
+    const megacpp::TrainJob job = megacpp::load_train_job(job_file);
+    megacpp::TrainOptions options;
+    options.stop_requested = &g_stop;
+    megacpp::train(job, observer, options);
+  } catch (const megacpp::Error& e) {
+    spdlog::error("{}", e.what());
+    observer.send_failure(e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    spdlog::error("internal error: {}", e.what());
+    observer.send_failure(std::string("internal error: ") + e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,313 @@
+// Job spec validation (daemon/job_spec.cpp), what SubmitJob runs before anything is
+// queued: every numeric field bounded and finite, 64-bit config values refused by their
+// real value, a job that cannot fit in memory refused with the estimate, and the
+// checkpoint floor and retention carried to the trainer. The last test submits to a
+// real daemon.
+#include "daemon/job_spec.h"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <thread>
+
+#include "base/error.h"
+#include "runtime/data/prepare.h"
+#include "runtime/trainer/trainer.h"
+#include "tests/daemon/daemon_harness.h"
+
+namespace megacpp {
+namespace {
+
+namespace v1 = megacpp::v1;
+using daemon::MemoryBudget;
+using daemon::validate_job_spec;
+using nlohmann::json;
+
+constexpr uint64_t kGiB = uint64_t{1} << 30;
+
+class SpecTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    for (int i = 0; i < 4; ++i) {
+      testing::write_text(dir_ / ("corpus/f" + std::to_string(i) + ".txt"),
+                          testing::pseudo_text(static_cast<uint64_t>(i), 200));
+    }
+    data::PrepareOptions prepare;
+    prepare.input = dir_ / "corpus";
+    prepare.output_prefix = dir_ / "data/toy";
+    prepare.valid_fraction = 0.25;
+    data::prepare_dataset(prepare);
+    config_.data_roots = {std::filesystem::canonical(dir_ / "data")};
+    config_.checkpoint_root = dir_ / "checkpoints";
+    config_.min_free_bytes = 12345678;
+  }
+
+  v1::JobSpec small_job() const {
+    v1::JobSpec spec;
+    spec.set_config_json(
+        R"({"d_model": 32, "pattern": "M*", "d_intermediate": 32, "vocab_size": 257,
+        "ssm_cfg": {"d_state": 16, "headdim": 16, "mimo_rank": 2, "chunk_size": 8},
+        "attn_cfg": {"num_heads": 2, "rotary_emb_dim": 8}})");
+    spec.set_train_data((config_.data_roots[0] / "toy_train").string());
+    spec.set_valid_data((config_.data_roots[0] / "toy_valid").string());
+    spec.set_steps(5);
+    spec.set_batch(2);
+    spec.set_seqlen(32);
+    spec.set_threads(1);
+    return spec;
+  }
+
+  daemon::ValidatedJob validate(const v1::JobSpec& spec, MemoryBudget budget = {8 * kGiB, 0},
+                                int gpus = 0) const {
+    return validate_job_spec(spec, config_, 2, gpus, dir_ / "checkpoints/job-1", budget);
+  }
+
+  // The message of the refusal, or "" when the spec was accepted.
+  std::string refusal(const v1::JobSpec& spec, MemoryBudget budget = {8 * kGiB, 0}) const {
+    try {
+      validate(spec, budget);
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument) << e.what();
+      return e.what();
+    }
+    return "";
+  }
+
+  testing::TempDir dir_;
+  DaemonConfig config_;
+};
+
+struct Case {
+  const char* name;
+  std::function<void(v1::JobSpec&)> breaks;
+  std::string message;
+};
+
+void expect_refusals(const std::vector<Case>& cases,
+                     const std::function<std::string(const v1::JobSpec&)>& refusal,
+                     const v1::JobSpec& base) {
+  for (const Case& c : cases) {
+    v1::JobSpec spec = base;
+    c.breaks(spec);
+    const std::string message = refusal(spec);
+    EXPECT_NE(message.find(c.message), std::string::npos)
+        << c.name << ": expected \"" << c.message << "\", got \"" << message << "\"";
+  }
+}
+
+// Accepted before: grad_accum = 2^31 - 1 (hangs a slot for ever), threads = 100000
+// (segfaults the executor), NaN and infinities in the float fields (several were
+// written to job.json as null and replaced by defaults, while the store kept the NaN),
+// unbounded max_restarts; and d_model = 2^40 was reported as "d_model=0".
+TEST_F(SpecTest, EveryNumericFieldIsBoundedAndFinite) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  const std::vector<Case> cases = {
+      {"grad_accum", [](v1::JobSpec& s) { s.set_grad_accum(2147483647); },
+       "grad_accum=2147483647 must be at most 1024"},
+      {"threads", [](v1::JobSpec& s) { s.set_threads(100000); },
+       "threads=100000 must be at most 1024"},
+      {"steps", [](v1::JobSpec& s) { s.set_steps(int64_t{1} << 40); },
+       "steps=1099511627776 must be at most"},
+      {"min_lr", [&](v1::JobSpec& s) { s.mutable_optimizer()->set_min_lr(nan); },
+       "optimizer.min_lr=nan must be a finite number"},
+      {"grad_clip", [&](v1::JobSpec& s) { s.mutable_optimizer()->set_grad_clip(inf); },
+       "optimizer.grad_clip=inf must be a finite number"},
+      {"weight_decay", [&](v1::JobSpec& s) { s.mutable_optimizer()->set_weight_decay(nan); },
+       "optimizer.weight_decay=nan"},
+      {"beta1", [&](v1::JobSpec& s) { s.mutable_optimizer()->set_beta1(nan); },
+       "optimizer.beta1=nan"},
+      {"beta2", [&](v1::JobSpec& s) { s.mutable_optimizer()->set_beta2(-inf); },
+       "optimizer.beta2=-inf"},
+      {"eps", [&](v1::JobSpec& s) { s.mutable_optimizer()->set_eps(inf); }, "optimizer.eps=inf"},
+      {"lr", [&](v1::JobSpec& s) { s.mutable_optimizer()->set_lr(inf); }, "optimizer.lr=inf"},
+      {"max_seconds nan", [&](v1::JobSpec& s) { s.set_max_seconds(nan); },
+       "max_seconds=nan must be a finite number"},
+      {"max_seconds inf", [&](v1::JobSpec& s) { s.set_max_seconds(inf); },
+       "max_seconds=inf must be a finite number"},
+      {"max_restarts high",
+       [](v1::JobSpec& s) {
+         s.set_restart_policy(v1::RESTART_POLICY_ON_FAILURE);
+         s.set_max_restarts(1000000);
+       },
+       "max_restarts=1000000 must be in [0, 100]"},
+      {"max_restarts negative", [](v1::JobSpec& s) { s.set_max_restarts(-1); },
+       "max_restarts=-1 must be in [0, 100]"},
+      {"restart_policy",
+       [](v1::JobSpec& s) { s.set_restart_policy(static_cast<v1::RestartPolicy>(99)); },
+       "restart_policy=99 is not a RestartPolicy value"},
+      {"keep_last", [](v1::JobSpec& s) { s.set_checkpoint_keep_last(-2); },
+       "checkpoint_keep_last=-2 must be in [0,"},
+      {"d_model 2^40",
+       [](v1::JobSpec& s) {
+         s.set_config_json(R"({"d_model": 1099511627776, "pattern": "M", "vocab_size": 257})");
+       },
+       "d_model=1099511627776 must be at most 1048576"},
+      {"a number past the double range",
+       [](v1::JobSpec& s) {
+         s.set_config_json(R"({"d_model": 32, "pattern": "*", "vocab_size": 257,
+             "attn_cfg": {"num_heads": 2, "softmax_scale": 1e400}})");
+       },
+       "config_json is not valid JSON"},
+  };
+  expect_refusals(
+      cases, [&](const v1::JobSpec& s) { return refusal(s); }, small_job());
+  // Each bound itself is accepted.
+  v1::JobSpec edge = small_job();
+  edge.set_grad_accum(TrainJobLimits::kMaxGradAccum);
+  edge.set_threads(TrainJobLimits::kMaxThreads);
+  edge.set_restart_policy(v1::RESTART_POLICY_ON_FAILURE);
+  edge.set_max_restarts(daemon::kMaxRestarts);
+  EXPECT_EQ(refusal(edge), "");
+}
+
+// Refused at submit with the estimate, rather than dying of bad_alloc once running.
+TEST_F(SpecTest, JobThatCannotFitIsRefusedWithTheEstimate) {
+  v1::JobSpec wide = small_job();
+  wide.set_config_json(R"({"d_model": 1048576, "pattern": "M*", "vocab_size": 257,
+      "ssm_cfg": {"d_state": 16, "headdim": 64}, "attn_cfg": {"num_heads": 16}})");
+  std::string message = refusal(wide);
+  EXPECT_NE(message.find("the job needs about"), std::string::npos) << message;
+  EXPECT_NE(message.find("weights"), std::string::npos) << message;
+  EXPECT_NE(message.find("AdamW moments"), std::string::npos) << message;
+  EXPECT_NE(message.find("activations"), std::string::npos) << message;
+  EXPECT_NE(message.find("more than the 8589934592 bytes this host has available"),
+            std::string::npos)
+      << message;
+  // Against the host's own memory as well (no budget given).
+  message = refusal(wide, MemoryBudget{});
+  EXPECT_NE(message.find("the job needs about"), std::string::npos) << message;
+  EXPECT_NE(message.find("MemAvailable"), std::string::npos) << message;
+
+  v1::JobSpec rows = small_job();
+  rows.set_batch(65536);
+  rows.set_seqlen(65536);  // batch·seqlen = 2^32
+  message = refusal(rows);
+  EXPECT_NE(message.find("spec.batch=65536, seqlen=65536: the job needs about"), std::string::npos)
+      << message;
+
+  // A small budget refuses even the small job; a fitting one accepts it.
+  message = refusal(small_job(), MemoryBudget{1 << 20, 0});
+  EXPECT_NE(message.find("more than the 1048576 bytes"), std::string::npos) << message;
+  EXPECT_EQ(refusal(small_job()), "");
+  EXPECT_EQ(refusal(small_job(), MemoryBudget{}), "");
+
+  // A cuda job is measured against one GPU's memory, split over tensor_parallel.
+  v1::JobSpec cuda = small_job();
+  cuda.set_device_kind("cuda");
+  try {
+    validate(cuda, MemoryBudget{0, 1 << 20}, 1);
+    ADD_FAILURE() << "a cuda job larger than the GPU was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("more than a GPU's 1048576 bytes"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_NO_THROW(validate(cuda, MemoryBudget{0, 80 * kGiB}, 1));
+  EXPECT_NO_THROW(validate(cuda, MemoryBudget{0, 0}, 1));  // memory unknown: not checked
+}
+
+// The daemon's free-space floor and the retention rule reach the trainer's job.
+TEST_F(SpecTest, CheckpointFloorAndRetentionReachTheTrainJob) {
+  const auto job = validate(small_job()).train_job;
+  EXPECT_EQ(job["checkpoint"]["min_free_bytes"], 12345678);
+  EXPECT_EQ(job["checkpoint"]["keep_last"], 3);
+  const TrainJob parsed = parse_train_job(job, "job.json");
+  EXPECT_EQ(parsed.min_free_bytes, 12345678u);
+  EXPECT_EQ(parsed.keep_last, 3);
+
+  v1::JobSpec all = small_job();
+  all.set_checkpoint_keep_last(0);
+  EXPECT_EQ(validate(all).train_job["checkpoint"]["keep_last"], 0);
+  v1::JobSpec five = small_job();
+  five.set_checkpoint_keep_last(5);
+  EXPECT_EQ(parse_train_job(validate(five).train_job, "job.json").keep_last, 5);
+}
+
+// Through a real daemon: the refusals are INVALID_ARGUMENT naming the field, and
+// nothing is queued.
+TEST(SpecDaemon, BadNumbersAreRefusedAtSubmitAndNothingIsQueued) {
+  testing::Daemon d;
+  ASSERT_EQ(d.start(), -1) << d.log();
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const std::vector<Case> cases = {
+      {"grad_accum", [](v1::JobSpec& s) { s.set_grad_accum(2147483647); },
+       "grad_accum=2147483647 must be at most"},
+      {"threads", [](v1::JobSpec& s) { s.set_threads(100000); }, "threads=100000 must be at most"},
+      {"min_lr", [&](v1::JobSpec& s) { s.mutable_optimizer()->set_min_lr(nan); },
+       "optimizer.min_lr=nan"},
+      {"memory",
+       [](v1::JobSpec& s) {
+         s.set_batch(65536);
+         s.set_seqlen(65536);
+       },
+       "the job needs about"},
+  };
+  for (const Case& c : cases) {
+    v1::JobSpec spec = d.small_job(5);
+    c.breaks(spec);
+    grpc::ClientContext context;
+    v1::SubmitJobRequest request;
+    *request.mutable_spec() = spec;
+    v1::SubmitJobResponse response;
+    const grpc::Status status = d.jobs()->SubmitJob(&context, request, &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+        << c.name << ": " << status.error_message();
+    EXPECT_NE(status.error_message().find(c.message), std::string::npos)
+        << c.name << ": " << status.error_message();
+  }
+  grpc::ClientContext context;
+  v1::ListJobsResponse listed;
+  ASSERT_TRUE(d.jobs()->ListJobs(&context, v1::ListJobsRequest(), &listed).ok());
+  EXPECT_EQ(listed.jobs_size(), 0);
+}
+
+// A dataset truncated under a running job used to kill its executor with SIGBUS and an
+// empty log; the job must fail with an error naming the file.
+TEST(SpecDaemon, DatasetTruncatedUnderARunningJobFailsItNamingTheFile) {
+  testing::Daemon d;
+  ASSERT_EQ(d.start(), -1) << d.log();
+  v1::JobSpec spec = d.small_job(1000000);
+  spec.clear_valid_data();
+  grpc::ClientContext submit_context;
+  v1::SubmitJobRequest request;
+  *request.mutable_spec() = spec;
+  v1::SubmitJobResponse response;
+  const grpc::Status submitted = d.jobs()->SubmitJob(&submit_context, request, &response);
+  ASSERT_TRUE(submitted.ok()) << submitted.error_message();
+  const std::string id = response.job().id();
+  const auto get = [&] {
+    grpc::ClientContext context;
+    v1::GetJobRequest get_request;
+    get_request.set_id(id);
+    v1::Job job;
+    EXPECT_TRUE(d.jobs()->GetJob(&context, get_request, &job).ok());
+    return job;
+  };
+  // Generous deadlines: the test machine may be busy.
+  const auto wait = [&](const std::function<bool(const v1::Job&)>& done) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+    v1::Job job = get();
+    while (!done(job) && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      job = get();
+    }
+    return job;
+  };
+  v1::Job job = wait([](const v1::Job& j) { return j.step() >= 2; });
+  ASSERT_GE(job.step(), 2) << v1::JobState_Name(job.state()) << "\n" << d.log();
+  // The daemon names the file by its canonical path.
+  const std::string bin = std::filesystem::canonical(d.data("train") + ".bin").string();
+  std::filesystem::resize_file(bin, 0);
+  job = wait([](const v1::Job& j) {
+    return j.state() != v1::JOB_STATE_RUNNING && j.state() != v1::JOB_STATE_QUEUED;
+  });
+  EXPECT_EQ(job.state(), v1::JOB_STATE_FAILED) << job.error();
+  EXPECT_NE(job.error().find(bin + ": changed while in use"), std::string::npos) << job.error();
+  EXPECT_EQ(job.error().find("signal"), std::string::npos) << job.error();
+}
+
+}  // namespace
+}  // namespace megacpp

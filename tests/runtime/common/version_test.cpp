@@ -1,5 +1,0 @@
-#include <gtest/gtest.h>
-
-#include "runtime/common/version.h"
-
-TEST(Version, NamesTheProject) { EXPECT_NE(megacpp::version_string().find("megacpp"), std::string::npos); }
