@@ -5,7 +5,7 @@
 // The readers open, stat, pread and mmap their files themselves, so each harness writes its
 // input to a real file and hands over the path: the code under test is exactly what runs on a
 // user's file. One file per harness is rewritten in place for every input (a few syscalls),
-// in a private directory under $TMPDIR that is removed at exit.
+// in a private scratch directory (ScratchDir).
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -68,16 +68,20 @@ void expect_clean(Body&& body, std::initializer_list<ErrorKind> allowed) {
   }
 }
 
-// A private directory, removed with everything in it at exit: in /dev/shm where there is one
-// (rewriting a file a million times on a disk file system is I/O bound), else in $TMPDIR.
+// A private directory, removed with everything in it at a normal exit: under
+// $MEGACPP_FUZZ_SCRATCH when set (run.sh sets it, and removes it after a crash, which skips
+// destructors), else in /dev/shm where there is one (rewriting a file a million times on a disk
+// file system is I/O bound), else in $TMPDIR.
 class ScratchDir {
  public:
   ScratchDir() {
     std::error_code ec;
-    const std::filesystem::path base =
-        std::filesystem::is_directory("/dev/shm", ec) && ::access("/dev/shm", W_OK) == 0
-            ? std::filesystem::path("/dev/shm")
-            : std::filesystem::temp_directory_path();
+    std::filesystem::path base = std::filesystem::temp_directory_path();
+    if (const char* scratch = std::getenv("MEGACPP_FUZZ_SCRATCH"); scratch && *scratch) {
+      base = scratch;
+    } else if (std::filesystem::is_directory("/dev/shm", ec) && ::access("/dev/shm", W_OK) == 0) {
+      base = "/dev/shm";
+    }
     std::string pattern = (base / "megacpp-fuzz-XXXXXX").string();
     if (::mkdtemp(pattern.data()) == nullptr) bug("cannot create a scratch directory");
     path_ = pattern;

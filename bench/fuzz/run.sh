@@ -32,7 +32,10 @@ for t in "${targets[@]}"; do build_targets+=("${t}_fuzz"); done
 cmake --build build-fuzz --target "${build_targets[@]}" -j "${MEGACPP_FUZZ_JOBS:-$(nproc)}"
 
 work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+# The harnesses' scratch files, in memory where possible (see fuzz_support.h).
+scratch=$(mktemp -d -p /dev/shm megacpp-fuzz-run.XXXXXX 2>/dev/null || mktemp -d)
+export MEGACPP_FUZZ_SCRATCH="$scratch"
+trap 'rm -rf "$work" "$scratch"' EXIT
 artifacts="$PWD/build-fuzz/fuzz-artifacts"
 mkdir -p "$artifacts"
 limit=(-max_total_time="$seconds")
