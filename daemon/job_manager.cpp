@@ -777,6 +777,10 @@ bool JobManager::claim_devices(Entry& e) {
 void JobManager::spawn(Lock& lock, Entry& e) {
   const fs::path dir = job_dir(e.job.id());
   fs::create_directories(dir);
+  // A cuda job runs on the GPU it claimed: the slot "cuda:N" is device ordinal N.
+  if (e.job.devices_size() > 0 && e.job.devices(0).rfind("cuda:", 0) == 0) {
+    e.train_job["gpu"] = std::stoi(e.job.devices(0).substr(5));
+  }
   save_json_atomically(dir / "job.json", e.train_job);
   int fds[2];
   if (::pipe2(fds, O_CLOEXEC) != 0) {

@@ -212,13 +212,35 @@ ValidatedJob validate_job_spec(const megacpp::v1::JobSpec& spec, const DaemonCon
   out.gate_decisions = gates::GateRegistry::builtin().decide(requested, out.device_kind);
   if (out.device_kind == gates::DeviceKind::kCuda) {
     // Checked after the gates so their decisions are recorded with the refusal.
+#ifdef MEGACPP_HAVE_CUDA
+    if (tp > 1 || out.device_count > 1) {
+      out.gate_decisions.push_back(
+          {"cuda_backend",
+           gates::Decision::kRefused,
+           fmt::format("device_kind=cuda with tensor_parallel={} over device_count={}: the CUDA "
+                       "backend trains on one GPU; tensor parallelism across GPUs is not "
+                       "implemented yet",
+                       tp, out.device_count),
+           gates::GateImplementation::kScaffold,
+           {}});
+    } else {
+      out.gate_decisions.push_back({"cuda_backend",
+                                    gates::Decision::kOn,
+                                    "device_kind=cuda: the whole step runs on one GPU "
+                                    "(runtime/model/cuda_model.h)",
+                                    gates::GateImplementation::kImplemented,
+                                    {}});
+      out.train_job["device"] = "cuda";
+    }
+#else
     out.gate_decisions.push_back(
         {"cuda_backend",
          gates::Decision::kRefused,
-         "device_kind=cuda: the CUDA training backend is not implemented yet (the scan kernels "
-         "exist; the trainer runs on the CPU only)",
+         "device_kind=cuda: this megacppd was built without the CUDA toolkit, so it has no CUDA "
+         "backend; rebuild it where nvcc exists (/usr/local/cuda)",
          gates::GateImplementation::kScaffold,
          {}});
+#endif
   }
   return out;
 }

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job: builds megacpp, starts the daemon (megacppd) with its embedded
 # receipt store, turns the C++ headers under /usr/include into a byte-level
-# dataset, submits the `tiny` training job (CPU, at most ~3 minutes), watches it
+# dataset, submits the `tiny` training job (on the GPU when the daemon has one, else the
+# CPU; at most ~3 minutes), watches it
 # to the end, evaluates the final checkpoint on the whole validation split and
 # prints the run summary from the receipt store. Then stops the daemon.
 set -euo pipefail
@@ -28,10 +29,14 @@ done
 export MEGACPP_DAEMON=127.0.0.1:50551
 $bin/megacpp status
 
-job=$($bin/megacpp submit configs/tiny_job.json)
+# A cuda job when the daemon found a GPU (a build with CUDA on a machine with a driver).
+kind=cpu
+if $bin/megacpp status | grep -q '^  cuda:'; then kind=cuda; fi
+job=$($bin/megacpp submit --device-kind "$kind" configs/tiny_job.json)
 echo "submitted $job"
 $bin/megacpp watch "$job"
 $bin/megacpp receipts gates "$job"
+if [ "$kind" = cuda ]; then $bin/megacpp receipts kernels "$job"; fi
 $bin/megacpp receipts runs "$job"
 latest=state/checkpoints/$job/$(cat "state/checkpoints/$job/latest")
 $bin/megacpp eval --checkpoint "$latest" --data data/cxx_valid --seqlen 256 --batch 8

@@ -94,6 +94,7 @@ struct SubmitArgs {
   ClientOptions client;
   std::string file;
   bool watch = false;
+  std::string device_kind;  // empty: the spec's own
 };
 
 int submit(const SubmitArgs& args, const GlobalOptions& global) {
@@ -112,6 +113,7 @@ int submit(const SubmitArgs& args, const GlobalOptions& global) {
       *path = (base / *path).lexically_normal().string();
     }
   }
+  if (!args.device_kind.empty()) spec.set_device_kind(args.device_kind);
   v1::SubmitJobRequest request;
   *request.mutable_spec() = spec;
   v1::SubmitJobResponse response;
@@ -136,6 +138,9 @@ void add_submit(CLI::App& app, CommandTable& commands) {
   // missing file anywhere else, not a usage error.
   command->add_option("file", args.file, "job spec JSON")->required();
   command->add_flag("--watch", args.watch, "then watch it to the end");
+  // The daemon validates the value (cpu or cuda) with the rest of the spec.
+  command->add_option("--device-kind", args.device_kind,
+                      "run on this kind of device (cpu, cuda) instead of the spec's device_kind");
   add_client_options(command, args.client);
 }
 

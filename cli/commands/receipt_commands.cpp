@@ -110,10 +110,21 @@ int list_kernels(ReceiptStub& stub, grpc::ClientContext& context, const Receipts
     print_json(out);
     return kExitOk;
   }
+  // A receipt without samples carries the kernel's attributes only; one without registers is
+  // an op of library kernels (a cuBLASLt GEMM) timed as a whole.
+  fmt::print("{:32}  {:>5}  {:>13}  {:>5}  {:>28}  {}\n", "kernel or op", "regs", "smem st+dyn",
+             "occ", "ms per call min/median/max", "device");
   for (const auto& k : out.kernels()) {
-    fmt::print("{:32}  {:10}  regs {:3}  smem {}+{}  occ {:.2f}  {:.3f}/{:.3f}/{:.3f} ms\n",
-               k.kernel(), k.device(), k.registers(), k.static_smem(), k.dynamic_smem(),
-               k.occupancy(), k.time_ms_min(), k.time_ms_median(), k.time_ms_max());
+    const std::string regs = k.registers() > 0 ? std::to_string(k.registers()) : "-";
+    const std::string smem =
+        k.registers() > 0 ? fmt::format("{}+{}", k.static_smem(), k.dynamic_smem()) : "-";
+    const std::string occ = k.registers() > 0 ? fmt::format("{:.2f}", k.occupancy()) : "-";
+    const std::string times = k.samples() > 0
+                                  ? fmt::format("{:.3f}/{:.3f}/{:.3f} ({} calls)", k.time_ms_min(),
+                                                k.time_ms_median(), k.time_ms_max(), k.samples())
+                                  : "-";
+    fmt::print("{:32}  {:>5}  {:>13}  {:>5}  {:>28}  {}\n", k.kernel(), regs, smem, occ, times,
+               k.device());
   }
   return kExitOk;
 }

@@ -2,6 +2,7 @@
 // The kernels are in mamba3_scan_forward.cu and mamba3_scan_backward.cu; what the three files
 // share is in mamba3_scan_device.cuh.
 #include <cuda_runtime.h>
+#include <array>
 
 #include <string>
 #include <vector>
@@ -177,18 +178,20 @@ size_t scan_shared_bytes_needed(const ops::ScanShape& shape) {
   return scan_detail::plan_for(scan_detail::dims_of(shape), scan_detail::kBackwardKernel).total;
 }
 
-Mamba3ScanCuda::Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache, bool tensor_cores)
-    : shape_(shape), psiv_cache_(psiv_cache), tensor_cores_(tensor_cores) {
-  scan_detail::validate(shape);
-  MEGACPP_CUDA_CHECK(cudaGetDevice(&device_));
-  const Dims d = scan_detail::dims_of(shape);
-  scan_detail::raise_shared_limits(d);
+namespace {
+
+// The workspace's parts in floats, in the order the arena hands them out: the first
+// kForwardParts are written by forward() and read by backward() (they are the layer's own); the
+// rest are backward()'s temporaries (several scans may share them).
+constexpr int kParts = 13;
+constexpr int kForwardParts = 3;
+
+std::array<size_t, kParts> part_sizes(const Dims& d) {
   const size_t B = static_cast<size_t>(d.batch), L = static_cast<size_t>(d.seqlen);
   const size_t H = static_cast<size_t>(d.heads), chunks = static_cast<size_t>(d.chunks);
   const size_t A = static_cast<size_t>(d.angles), matrix = static_cast<size_t>(d.headdim) * d.state;
   const size_t qk = B * L * d.rank * d.groups * d.state;
-  // Sizes in floats, in the order the arena hands them out.
-  const size_t sizes[] = {
+  return {
       B * H * chunks * A,       // theta0
       B * H * chunks * matrix,  // states
       B * H * chunks,           // decay
@@ -203,20 +206,69 @@ Mamba3ScanCuda::Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache, boo
       B * L * H,                                              // per-token scalars
       H * B * chunks * static_cast<size_t>(d.partial_width),  // partials
   };
+}
+
+size_t part_bytes(size_t floats) {
+  return (floats * sizeof(float) + 255) / 256 * 256;
+}
+
+size_t bytes_of_parts(const std::array<size_t, kParts>& sizes, int first, int last) {
   size_t total = 0;
-  for (size_t s : sizes) total += (s * sizeof(float) + 255) / 256 * 256;
+  for (int i = first; i < last; ++i) total += part_bytes(sizes[static_cast<size_t>(i)]);
+  return total;
+}
+
+}  // namespace
+
+size_t Mamba3ScanCuda::backward_workspace_bytes(const ops::ScanShape& shape) {
+  scan_detail::validate(shape);
+  return bytes_of_parts(part_sizes(scan_detail::dims_of(shape)), kForwardParts, kParts);
+}
+
+Mamba3ScanCuda::Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache, bool tensor_cores,
+                               void* backward_workspace, size_t backward_bytes)
+    : shape_(shape), psiv_cache_(psiv_cache), tensor_cores_(tensor_cores) {
+  scan_detail::validate(shape);
+  MEGACPP_CUDA_CHECK(cudaGetDevice(&device_));
+  const Dims d = scan_detail::dims_of(shape);
+  scan_detail::raise_shared_limits(d);
+  const std::array<size_t, kParts> sizes = part_sizes(d);
+  const size_t backward_needed = bytes_of_parts(sizes, kForwardParts, kParts);
+  if (backward_workspace != nullptr && backward_bytes < backward_needed) {
+    refuse(ErrorKind::kInvalidArgument,
+           "Mamba3ScanCuda: the shared backward workspace has {} bytes, backward_workspace_bytes "
+           "is {}",
+           backward_bytes, backward_needed);
+  }
+  const bool own_backward = backward_workspace == nullptr;
+  const size_t own = bytes_of_parts(sizes, 0, own_backward ? kParts : kForwardParts);
+  const size_t B = static_cast<size_t>(d.batch), L = static_cast<size_t>(d.seqlen);
+  const size_t H = static_cast<size_t>(d.heads);
   psiv_bytes_ = psiv_cache ? B * L * H * d.rank * d.headdim * sizeof(bf16) : 0;
-  workspace_bytes_ = total + psiv_bytes_;
+  workspace_bytes_ = own + psiv_bytes_;
   MEGACPP_CUDA_CHECK(cudaMalloc(&arena_, workspace_bytes_));
   buffers_ = new Buffers{};
   buffers_->dims = d;
   buffers_->forward = scan_detail::forward_launches(d, tensor_cores);
   buffers_->backward = scan_detail::backward_launches(d, tensor_cores);
   unsigned char* cursor = static_cast<unsigned char*>(arena_);
-  float* parts[13];
-  for (int i = 0; i < 13; ++i) {
+  float* parts[kParts];
+  for (int i = 0; i < kParts; ++i) {
+    if (i == kForwardParts && !own_backward) {
+      // psiv stays in the own arena, after the forward parts.
+      unsigned char* psiv = cursor;
+      cursor = static_cast<unsigned char*>(backward_workspace);
+      parts[i] = reinterpret_cast<float*>(cursor);
+      cursor += part_bytes(sizes[static_cast<size_t>(i)]);
+      for (int j = i + 1; j < kParts; ++j) {
+        parts[j] = reinterpret_cast<float*>(cursor);
+        cursor += part_bytes(sizes[static_cast<size_t>(j)]);
+      }
+      cursor = psiv;
+      break;
+    }
     parts[i] = reinterpret_cast<float*>(cursor);
-    cursor += (sizes[i] * sizeof(float) + 255) / 256 * 256;
+    cursor += part_bytes(sizes[static_cast<size_t>(i)]);
   }
   Work& w = buffers_->work;
   w.theta0 = parts[0];
@@ -235,6 +287,7 @@ Mamba3ScanCuda::Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache, boo
   w.psiv = psiv_cache ? reinterpret_cast<bf16*>(cursor) : nullptr;
   // θ offsets stay zero when there are no angles: the kernels that read them then skip.
   MEGACPP_CUDA_CHECK(cudaMemset(arena_, 0, workspace_bytes_));
+  if (!own_backward) MEGACPP_CUDA_CHECK(cudaMemset(backward_workspace, 0, backward_needed));
 }
 
 Mamba3ScanCuda::~Mamba3ScanCuda() {

@@ -86,8 +86,15 @@ class Mamba3ScanCuda {
   // and backward reads it instead of recomputing it. tensor_cores: the chunk products run
   // on the tensor cores (bf16 operands, fp32 accumulation); off, on CUDA cores in fp32
   // (operands held in shared memory as bf16 either way).
+  // backward_workspace: null, or backward_workspace_bytes(shape) bytes of device memory for
+  // backward()'s temporaries, which scans whose backwards run one after another on one stream
+  // (a model's layers) may share; the scan then allocates only what forward() keeps for
+  // backward() (the chunk-entry states and decays, PsiV).
   explicit Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache = false,
-                          bool tensor_cores = true);
+                          bool tensor_cores = true, void* backward_workspace = nullptr,
+                          size_t backward_bytes = 0);
+  // Bytes of backward()'s temporaries for `shape` (throws like the constructor on a bad shape).
+  static size_t backward_workspace_bytes(const ops::ScanShape& shape);
   ~Mamba3ScanCuda();
   Mamba3ScanCuda(const Mamba3ScanCuda&) = delete;
   Mamba3ScanCuda& operator=(const Mamba3ScanCuda&) = delete;

@@ -421,7 +421,20 @@ ModelConfig model_preset(const std::string& name) {
              {"tie_embeddings", true}},
         "preset tiny");
   }
-  fail(ErrorKind::kInvalidArgument, "unknown model preset \"{}\": known presets are: tiny", name);
+  if (name == "bench-350m") {
+    // shared/bench/anchors.md's whole-step benchmark: 24 layers, (MMM*)×6, 16 q / 4 kv heads.
+    return parse_model_config(
+        json{{"d_model", 1024},
+             {"pattern", "MMM*MMM*MMM*MMM*MMM*MMM*"},
+             {"d_intermediate", 2816},
+             {"vocab_size", 32000},
+             {"ssm_cfg", {{"d_state", 64}, {"headdim", 64}, {"mimo_rank", 4}, {"chunk_size", 16}}},
+             {"attn_cfg", {{"num_heads", 16}, {"num_heads_kv", 4}, {"rotary_emb_dim", 64}}},
+             {"tie_embeddings", true}},
+        "preset bench-350m");
+  }
+  fail(ErrorKind::kInvalidArgument,
+       "unknown model preset \"{}\": known presets are: tiny, bench-350m", name);
 }
 
 }  // namespace megacpp

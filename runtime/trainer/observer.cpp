@@ -24,13 +24,36 @@ nlohmann::json to_json(const EvalRecord& r) {
   return {{"step", r.step}, {"val_loss", r.loss}, {"tokens", r.tokens}};
 }
 
+nlohmann::json to_json(const KernelRecord& r) {
+  return {{"kernel", r.kernel},
+          {"device", r.device},
+          {"launch", r.launch},
+          {"registers", r.registers},
+          {"static_smem", r.static_smem},
+          {"dynamic_smem", r.dynamic_smem},
+          {"occupancy", r.occupancy},
+          {"time_ms_min", r.time_ms_min},
+          {"time_ms_median", r.time_ms_median},
+          {"time_ms_max", r.time_ms_max},
+          {"samples", r.samples}};
+}
+
 nlohmann::json to_json(const RunSummary& r) {
-  return {{"first_step", r.first_step},         {"last_step", r.last_step},
-          {"total_steps", r.total_steps},       {"tokens", r.tokens},
-          {"wall_seconds", r.wall_seconds},     {"final_loss", r.final_loss},
-          {"final_val_loss", r.final_val_loss}, {"median_step_ms", r.median_step_ms},
-          {"tokens_per_s", r.tokens_per_s},     {"flops_per_step", r.flops_per_step},
-          {"flops_per_s", r.flops_per_s},       {"stop_reason", r.stop_reason}};
+  return {{"first_step", r.first_step},
+          {"last_step", r.last_step},
+          {"total_steps", r.total_steps},
+          {"tokens", r.tokens},
+          {"wall_seconds", r.wall_seconds},
+          {"final_loss", r.final_loss},
+          {"final_val_loss", r.final_val_loss},
+          {"median_step_ms", r.median_step_ms},
+          {"tokens_per_s", r.tokens_per_s},
+          {"flops_per_step", r.flops_per_step},
+          {"flops_per_s", r.flops_per_s},
+          {"stop_reason", r.stop_reason},
+          {"device", r.device},
+          {"device_bytes", r.device_bytes},
+          {"seconds_to_first_step", r.seconds_to_first_step}};
 }
 
 JsonLinesObserver::JsonLinesObserver(const std::filesystem::path& file, bool print_progress)
@@ -84,6 +107,14 @@ void JsonLinesObserver::on_finish(const RunSummary& s) {
   nlohmann::json line = to_json(s);
   line["type"] = "summary";
   write(line);
+}
+
+void JsonLinesObserver::on_kernels(const std::vector<KernelRecord>& kernels) {
+  for (const KernelRecord& k : kernels) {
+    nlohmann::json line = to_json(k);
+    line["type"] = "kernel";
+    write(line);
+  }
 }
 
 }  // namespace megacpp

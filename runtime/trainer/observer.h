@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 namespace megacpp {
 
@@ -39,9 +40,33 @@ struct RunSummary {
   double flops_per_step = 0;
   double flops_per_s = 0;   // at the median step time
   std::string stop_reason;  // "completed", "time_limit", "stop_at", "stopped"
+  std::string device;       // "cpu", or "cuda:N" with the GPU's name
+  // Device memory the model held after its first step (the planned arena, the ops' own
+  // workspaces, library handles); 0 on the CPU.
+  uint64_t device_bytes = 0;
+  // From the start of train() to the end of the first step: loading, planning, first kernels.
+  double seconds_to_first_step = 0;
+};
+
+// One kernel, or one op of several kernels, of a GPU step: what the device says about it
+// (registers, shared memory, occupancy; 0 where the op is library code such as a cuBLASLt GEMM)
+// and its device time per call over the profiled steps (samples 0: attributes only).
+struct KernelRecord {
+  std::string kernel;
+  std::string device;
+  nlohmann::json launch;  // what identifies the launch: grid, block, shapes, calls per step
+  int registers = 0;
+  int static_smem = 0;
+  int dynamic_smem = 0;
+  double occupancy = 0;
+  double time_ms_min = 0;
+  double time_ms_median = 0;
+  double time_ms_max = 0;
+  int samples = 0;
 };
 
 nlohmann::json to_json(const StepRecord& r);
+nlohmann::json to_json(const KernelRecord& r);
 nlohmann::json to_json(const EvalRecord& r);
 nlohmann::json to_json(const RunSummary& r);
 
@@ -53,6 +78,8 @@ class TrainingObserver {
   virtual void on_eval(const EvalRecord& record) = 0;
   virtual void on_checkpoint(int64_t step, const std::filesystem::path& dir) = 0;
   virtual void on_finish(const RunSummary& summary) = 0;
+  // Once per run on a GPU, after its profiled steps. Observers without a use for them ignore them.
+  virtual void on_kernels(const std::vector<KernelRecord>& kernels) { (void)kernels; }
 };
 
 // One JSON object per line, {"type": "step"|"eval"|"checkpoint"|"start"|"summary", ...},
@@ -66,6 +93,7 @@ class JsonLinesObserver final : public TrainingObserver {
   void on_eval(const EvalRecord& record) override;
   void on_checkpoint(int64_t step, const std::filesystem::path& dir) override;
   void on_finish(const RunSummary& summary) override;
+  void on_kernels(const std::vector<KernelRecord>& kernels) override;
 
  private:
   void write(const nlohmann::json& line);

@@ -17,6 +17,10 @@
 #include "runtime/checkpoint/checkpoint.h"
 #include "runtime/data/sequence_loader.h"
 #include "runtime/model/model.h"
+#ifdef MEGACPP_HAVE_CUDA
+#include "kernels/cuda/device_query.h"
+#include "runtime/model/cuda_model.h"
+#endif
 
 namespace megacpp {
 
@@ -102,10 +106,11 @@ void refuse_unknown_keys(const json& object, std::initializer_list<const char*> 
 
 TrainJob parse_train_job(const json& j, const std::string& source) {
   if (!j.is_object()) fail(ErrorKind::kInvalidArgument, "{}: a job must be a JSON object", source);
-  refuse_unknown_keys(j,
-                      {"model", "data", "steps", "batch", "seqlen", "grad_accum", "optimizer",
-                       "eval", "checkpoint", "seed", "max_seconds", "scan", "threads", "log"},
-                      source);
+  refuse_unknown_keys(
+      j,
+      {"model", "data", "steps", "batch", "seqlen", "grad_accum", "optimizer", "eval", "checkpoint",
+       "seed", "max_seconds", "scan", "threads", "log", "device", "gpu"},
+      source);
   TrainJob job;
   if (!j.contains("model") || !j["model"].is_object()) {
     fail(ErrorKind::kInvalidArgument,
@@ -247,6 +252,16 @@ TrainJob parse_train_job(const json& j, const std::string& source) {
   }
   job.threads = static_cast<int>(top("threads", 0, 0, L::kMaxThreads));
   job.log = read_field<std::string>(j, "log", source, "");
+  const std::string device = read_field<std::string>(j, "device", source, "cpu");
+  if (device == "cpu") {
+    job.device = TrainDevice::kCpu;
+  } else if (device == "cuda") {
+    job.device = TrainDevice::kCuda;
+  } else {
+    fail(ErrorKind::kInvalidArgument, "{}: device=\"{}\" must be \"cpu\" or \"cuda\"", source,
+         device);
+  }
+  job.gpu = static_cast<int>(top("gpu", 0, 0, L::kMaxGpu));
   return job;
 }
 
@@ -258,7 +273,138 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double mean_eval_loss(Model<float>& model, const data::IndexedDataset& dataset, int seqlen,
+// What runs a job's steps: the host model and optimizer (on the CPU), or their device mirror. The
+// host model and optimizer stay the checkpoint's source of truth: sync_host() brings them up to
+// date before a checkpoint is written.
+class StepBackend {
+ public:
+  virtual ~StepBackend() = default;
+  virtual void zero_grad() = 0;
+  virtual double forward_backward(const int32_t* tokens, double grad_scale) = 0;
+  virtual double forward(const int32_t* tokens) = 0;
+  // Global gradient norm (before clipping), clipping and one AdamW update.
+  virtual double update(double lr) = 0;
+  virtual void sync_host() = 0;
+  virtual std::string device() const = 0;
+  virtual uint64_t device_bytes() const = 0;
+  // Kernel receipts: the steps between set_profiling(true) and (false) are timed per op; the
+  // CPU backend has none.
+  virtual void set_profiling(bool on) { (void)on; }
+  virtual std::vector<KernelRecord> kernel_records() const { return {}; }
+};
+
+class CpuBackend final : public StepBackend {
+ public:
+  // optimizer may be null for a backend that only evaluates.
+  CpuBackend(Model<float>& model, AdamW<float>* optimizer, double grad_clip)
+      : model_(model), optimizer_(optimizer), grad_clip_(grad_clip) {}
+  void zero_grad() override { model_.parameters().zero_grad(); }
+  double forward_backward(const int32_t* tokens, double grad_scale) override {
+    return model_.forward_backward(tokens, grad_scale);
+  }
+  double forward(const int32_t* tokens) override { return model_.forward(tokens); }
+  double update(double lr) override {
+    auto& params = model_.parameters();
+    const cpu::GradBuffer<float> all{params.grads().data(), params.total()};
+    const double norm = cpu::clip_grad_norm<float>(std::span(&all, 1), grad_clip_);
+    if (optimizer_ == nullptr)
+      fail(ErrorKind::kInternal, "CpuBackend::update without an optimizer");
+    optimizer_->step(lr);
+    return norm;
+  }
+  void sync_host() override {}
+  std::string device() const override { return "cpu"; }
+  uint64_t device_bytes() const override { return 0; }
+
+ private:
+  Model<float>& model_;
+  AdamW<float>* optimizer_;
+  double grad_clip_;
+};
+
+#ifdef MEGACPP_HAVE_CUDA
+class CudaBackend final : public StepBackend {
+ public:
+  CudaBackend(Model<float>& host, AdamW<float>& optimizer, const TrainJob& job)
+      : host_(host), optimizer_(optimizer) {
+    const cuda::RuntimeInfo info = cuda::query_devices();
+    if (job.gpu >= static_cast<int>(info.devices.size())) {
+      fail(ErrorKind::kFailedPrecondition,
+           "gpu={}: this machine has {} CUDA device(s) visible to the job{}{}", job.gpu,
+           info.devices.size(), info.error.empty() ? "" : ": ", info.error);
+    }
+    device_ = fmt::format("cuda:{} ({})", job.gpu, info.devices[static_cast<size_t>(job.gpu)].name);
+    model_ = std::make_unique<CudaModel>(host, job.batch, job.seqlen, job.optimizer, job.gpu);
+    model_->upload(host.parameters(), &optimizer);
+  }
+  void zero_grad() override { model_->zero_grad(); }
+  double forward_backward(const int32_t* tokens, double grad_scale) override {
+    return model_->forward_backward(tokens, grad_scale);
+  }
+  double forward(const int32_t* tokens) override { return model_->forward(tokens); }
+  double update(double lr) override { return model_->optimizer_step(lr); }
+  void sync_host() override { model_->download(host_.parameters(), &optimizer_); }
+  std::string device() const override { return device_; }
+  uint64_t device_bytes() const override { return model_->device_bytes_in_use(); }
+  void set_profiling(bool on) override { model_->set_profiling(on); }
+  std::vector<KernelRecord> kernel_records() const override {
+    std::vector<KernelRecord> out;
+    // The ops of the step, timed on the stream between their neighbours (each one kernel or a few:
+    // library GEMMs have no attributes of ours).
+    for (const OpTime& t : model_->op_times()) {
+      KernelRecord r;
+      r.kernel = t.op;
+      r.device = device_;
+      r.launch = {{"kind", "op"}, {"calls", t.calls}};
+      r.time_ms_min = t.min_ms;
+      r.time_ms_median = t.median_ms;
+      r.time_ms_max = t.max_ms;
+      r.samples = static_cast<int>(t.calls);
+      out.push_back(std::move(r));
+    }
+    // The scan's own kernels: what the runtime says about each at this shape.
+    for (const cuda::KernelAttributes& k : model_->scan_kernel_attributes()) {
+      KernelRecord r;
+      r.kernel = k.name;
+      r.device = device_;
+      r.launch = {{"kind", "kernel"},
+                  {"op", "mamba scan"},
+                  {"grid_blocks", k.grid_blocks},
+                  {"block_threads", k.block_threads},
+                  {"blocks_per_sm", k.blocks_per_sm},
+                  {"local_bytes_per_thread", k.local_bytes_per_thread}};
+      r.registers = k.registers_per_thread;
+      r.static_smem = static_cast<int>(k.static_shared_bytes);
+      r.dynamic_smem = static_cast<int>(k.dynamic_shared_bytes);
+      r.occupancy = k.occupancy;
+      out.push_back(std::move(r));
+    }
+    return out;
+  }
+
+ private:
+  Model<float>& host_;
+  AdamW<float>& optimizer_;
+  std::string device_;
+  std::unique_ptr<CudaModel> model_;
+};
+#endif
+
+std::unique_ptr<StepBackend> make_backend(const TrainJob& job, Model<float>& model,
+                                          AdamW<float>& optimizer) {
+  if (job.device == TrainDevice::kCpu) {
+    model.plan(job.batch, job.seqlen);
+    return std::make_unique<CpuBackend>(model, &optimizer, job.optimizer.grad_clip);
+  }
+#ifdef MEGACPP_HAVE_CUDA
+  return std::make_unique<CudaBackend>(model, optimizer, job);
+#else
+  fail(ErrorKind::kFailedPrecondition,
+       "device=cuda: this build of megacpp has no CUDA backend (built without the CUDA toolkit)");
+#endif
+}
+
+double mean_eval_loss(StepBackend& model, const data::IndexedDataset& dataset, int seqlen,
                       int batch, int64_t max_windows, int64_t* windows_used) {
   const int64_t available = data::num_eval_windows(dataset, seqlen);
   const int64_t windows = max_windows > 0 ? std::min(max_windows, available) : available;
@@ -286,6 +432,7 @@ double mean_eval_loss(Model<float>& model, const data::IndexedDataset& dataset, 
 }  // namespace
 
 RunSummary train(const TrainJob& job, TrainingObserver& observer, const TrainOptions& options) {
+  const auto train_start = Clock::now();
   if (job.threads > 0) omp_set_num_threads(job.threads);
   auto train_set = std::make_shared<const data::IndexedDataset>(job.train_data);
   std::shared_ptr<const data::IndexedDataset> valid_set;
@@ -313,7 +460,7 @@ RunSummary train(const TrainJob& job, TrainingObserver& observer, const TrainOpt
     }
   }
   if (step == 0) model.init_parameters(job.seed);
-  model.plan(job.batch, job.seqlen);
+  const std::unique_ptr<StepBackend> backend = make_backend(job, model, optimizer);
 
   const double flops_per_micro = model.step_flops(job.batch, job.seqlen);
   const double flops_per_step = flops_per_micro * job.grad_accum;
@@ -322,6 +469,7 @@ RunSummary train(const TrainJob& job, TrainingObserver& observer, const TrainOpt
                      {"model", model_config_to_json(job.model)},
                      {"parameters", model.parameters().total()},
                      {"threads", omp_get_max_threads()},
+                     {"device", backend->device()},
                      {"first_step", step + 1},
                      {"steps", job.steps},
                      {"tokens_per_step", tokens_per_step},
@@ -333,6 +481,7 @@ RunSummary train(const TrainJob& job, TrainingObserver& observer, const TrainOpt
     // as `latest` and leaves the disk above the floor.
     require_free_space_for_checkpoint(
         job.checkpoint_dir, training_checkpoint_bytes(model.parameters()), job.min_free_bytes);
+    backend->sync_host();
     const fs::path dir = step_checkpoint_dir(job.checkpoint_dir, at_step);
     save_model_checkpoint(dir, model);
     save_optimizer_state(dir / "optimizer.safetensors", model.parameters(), optimizer);
@@ -360,7 +509,7 @@ RunSummary train(const TrainJob& job, TrainingObserver& observer, const TrainOpt
     if (!valid_set) return;
     int64_t windows = 0;
     last_val =
-        mean_eval_loss(model, *valid_set, job.seqlen, job.batch,
+        mean_eval_loss(*backend, *valid_set, job.seqlen, job.batch,
                        job.eval_batches > 0 ? int64_t{job.eval_batches} * job.batch : 0, &windows);
     observer.on_eval({at_step, last_val, windows * job.seqlen});
   };
@@ -378,21 +527,31 @@ RunSummary train(const TrainJob& job, TrainingObserver& observer, const TrainOpt
   size_t next_timing = 0;
   const auto run_start = Clock::now();
   bool checkpoint_current = false;
-  auto& params = model.parameters();
+  summary.device = backend->device();
+  constexpr int64_t kProfiledSteps = 3;
   while (step < job.steps) {
     const auto t0 = Clock::now();
     ++step;
-    params.zero_grad();
+    // The profiled window: the kProfiledSteps steps after the first (which pays for warm-up).
+    const bool profiled = step > summary.first_step && step <= summary.first_step + kProfiledSteps;
+    if (step == summary.first_step + 1) backend->set_profiling(true);
+    backend->zero_grad();
     double loss = 0;
     for (int micro = 0; micro < job.grad_accum; ++micro) {
       loader.next_batch(job.batch, tokens.data());
-      loss += model.forward_backward(tokens.data(), 1.0 / job.grad_accum) / job.grad_accum;
+      loss += backend->forward_backward(tokens.data(), 1.0 / job.grad_accum) / job.grad_accum;
     }
-    const cpu::GradBuffer<float> all{params.grads().data(), params.total()};
-    const double grad_norm =
-        cpu::clip_grad_norm<float>(std::span(&all, 1), job.optimizer.grad_clip);
     const double lr = learning_rate(job.optimizer, step, job.steps);
-    optimizer.step(lr);
+    const double grad_norm = backend->update(lr);
+    if (profiled && (step == summary.first_step + kProfiledSteps || step == job.steps)) {
+      backend->set_profiling(false);
+      observer.on_kernels(backend->kernel_records());
+    }
+    if (step == summary.first_step) {
+      summary.seconds_to_first_step =
+          std::chrono::duration<double>(Clock::now() - train_start).count();
+      summary.device_bytes = backend->device_bytes();
+    }
     const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
     if (step_ms.size() < kTimedSteps) {
       step_ms.push_back(ms);
@@ -459,7 +618,8 @@ EvalResult evaluate_checkpoint(const fs::path& checkpoint_dir, const fs::path& d
   model.plan(batch, seqlen);
   const data::IndexedDataset dataset(data_prefix);
   EvalResult result;
-  result.loss = mean_eval_loss(model, dataset, seqlen, batch, max_windows, &result.windows);
+  CpuBackend backend(model, nullptr, 0.0);
+  result.loss = mean_eval_loss(backend, dataset, seqlen, batch, max_windows, &result.windows);
   result.tokens = result.windows * seqlen;
   return result;
 }

@@ -22,7 +22,11 @@ namespace megacpp {
 //  "eval": {"interval": 50, "batches": 4},
 //  "checkpoint": {"dir": "runs/x", "interval": 100, "keep_last": 3, "min_free_bytes": 0},
 //  "seed": 1234, "max_seconds": 0, "scan": "chunked"|"recurrent", "threads": 0,
-//  "log": "runs/x/steps.jsonl"}
+//  "log": "runs/x/steps.jsonl", "device": "cpu"|"cuda", "gpu": 0}
+// Where the steps run: the CPU runtime (float), or the CUDA backend (runtime/model/cuda_model.h,
+// mixed precision) on GPU ordinal `gpu`.
+enum class TrainDevice { kCpu, kCuda };
+
 struct TrainJob {
   ModelConfig model;
   std::string model_source;
@@ -48,6 +52,8 @@ struct TrainJob {
   ScanForm scan_form = ScanForm::kChunked;
   int threads = 0;            // OpenMP threads; 0: the runtime's default
   std::filesystem::path log;  // JSON lines; empty: none
+  TrainDevice device = TrainDevice::kCpu;
+  int gpu = 0;  // the CUDA device ordinal a cuda job runs on
 };
 
 // The bounds of a job's numeric fields. Each is far beyond a sensible job and keeps the
@@ -66,6 +72,7 @@ struct TrainJobLimits {
   static constexpr double kMaxLr = 10;
   static constexpr double kMaxWeightDecay = 100;
   static constexpr double kMaxGradClip = 1e9;
+  static constexpr int kMaxGpu = 1023;
 };
 
 // Validates every field; errors name the field (e.g. "job.json: batch=0 must be positive").

@@ -64,6 +64,24 @@ class EventObserver final : public megacpp::TrainingObserver {
     e.set_summary_json(megacpp::to_json(summary).dump());
     send(e);
   }
+  void on_kernels(const std::vector<megacpp::KernelRecord>& kernels) override {
+    for (const megacpp::KernelRecord& k : kernels) {
+      megacpp::v1::ExecutorEvent e;
+      auto* r = e.mutable_kernel();
+      r->set_kernel(k.kernel);
+      r->set_device(k.device);
+      r->set_launch_json(k.launch.dump());
+      r->set_registers(k.registers);
+      r->set_static_smem(k.static_smem);
+      r->set_dynamic_smem(k.dynamic_smem);
+      r->set_occupancy(k.occupancy);
+      r->set_time_ms_min(k.time_ms_min);
+      r->set_time_ms_median(k.time_ms_median);
+      r->set_time_ms_max(k.time_ms_max);
+      r->set_samples(k.samples);
+      send(e);
+    }
+  }
   void send_failure(const std::string& message) {
     megacpp::v1::ExecutorEvent e;
     e.set_failed(message);

@@ -209,6 +209,37 @@ TEST_F(SpecTest, JobThatCannotFitIsRefusedWithTheEstimate) {
   EXPECT_NO_THROW(validate(cuda, MemoryBudget{0, 0}, 1));  // memory unknown: not checked
 }
 
+// A cuda job's gate decision: on (the train job runs on the GPU) in a CUDA build, refused with
+// the reason in a CPU-only build or across several GPUs, never a silent CPU run.
+TEST_F(SpecTest, ACudaJobRunsOnTheGpuOrIsRefusedWithTheReason) {
+  v1::JobSpec cuda = small_job();
+  cuda.set_device_kind("cuda");
+  const auto decision_of = [](const daemon::ValidatedJob& job) {
+    for (const auto& d : job.gate_decisions) {
+      if (d.gate == "cuda_backend") return d;
+    }
+    ADD_FAILURE() << "no cuda_backend decision";
+    return gates::GateDecision{};
+  };
+  const daemon::ValidatedJob one = validate(cuda, MemoryBudget{}, 1);
+#ifdef MEGACPP_HAVE_CUDA
+  EXPECT_EQ(decision_of(one).decision, gates::Decision::kOn);
+  EXPECT_EQ(one.train_job["device"], "cuda");
+  // Several GPUs need tensor parallelism, which the CUDA backend does not have yet.
+  cuda.set_device_count(2);
+  cuda.set_tensor_parallel(2);
+  const daemon::ValidatedJob two = validate(cuda, MemoryBudget{}, 2);
+  EXPECT_EQ(decision_of(two).decision, gates::Decision::kRefused);
+  EXPECT_NE(decision_of(two).reason.find("tensor_parallel=2"), std::string::npos)
+      << decision_of(two).reason;
+#else
+  EXPECT_EQ(decision_of(one).decision, gates::Decision::kRefused);
+  EXPECT_NE(decision_of(one).reason.find("built without the CUDA toolkit"), std::string::npos)
+      << decision_of(one).reason;
+  EXPECT_FALSE(one.train_job.contains("device"));
+#endif
+}
+
 // The daemon's free-space floor and the retention rule reach the trainer's job.
 TEST_F(SpecTest, CheckpointFloorAndRetentionReachTheTrainJob) {
   const auto job = validate(small_job()).train_job;

@@ -58,6 +58,9 @@ struct Mamba3Scan {
     int same_bits_as = -1;
     bool tensor_cores = true;
     bool psiv_cache = false;
+    // Built over a backward workspace shared with a second scan, whose forward and backward on
+    // other inputs run between this one's: this one's results must not change by a bit.
+    bool shared_backward = false;
   };
   struct Case {
     std::string name;
@@ -107,6 +110,10 @@ struct Mamba3Scan {
         {{.name = "tensor-core"},
          {.name = "tensor-core psiv-cache", .same_bits_as = 0, .psiv_cache = true}},
         "_PsivCache");
+    add(s,
+        {{.name = "tensor-core"},
+         {.name = "tensor-core shared-backward", .same_bits_as = 0, .shared_backward = true}},
+        "_SharedBackward");
     return out;
   }
 
@@ -203,7 +210,17 @@ struct Mamba3Scan {
   }
 
   static oracle::Gpu gpu(const Case& c, const Variant& v, oracle::DeviceTensors& t) {
-    const auto scan = std::make_shared<Mamba3ScanCuda>(c.shape, v.psiv_cache, v.tensor_cores);
+    const ScanShape& sh = c.shape;
+    std::shared_ptr<oracle::DeviceBuffer> shared;
+    if (v.shared_backward) {
+      shared = std::make_shared<oracle::DeviceBuffer>(Mamba3ScanCuda::backward_workspace_bytes(sh));
+    }
+    const auto make_scan = [&] {
+      return std::make_shared<Mamba3ScanCuda>(sh, v.psiv_cache, v.tensor_cores,
+                                              shared ? shared->get() : nullptr,
+                                              shared ? shared->bytes() : 0);
+    };
+    const auto scan = make_scan();
     EXPECT_EQ(scan->psiv_bytes() > 0, v.psiv_cache) << "PsiV cache of " << scan->psiv_bytes();
     const megacpp::cuda::ScanDeviceInputs in{.q = t.bf16("q"),
                                              .k = t.bf16("k"),
@@ -235,12 +252,60 @@ struct Mamba3Scan {
                                                .d = t.f32("dD")};
     uint16_t* const y = t.bf16("y");
     const uint16_t* const dy = t.bf16("dy");
+    if (!v.shared_backward) {
+      return {{{"forward",
+                [=] {
+                  scan->forward(in, y);
+                }},
+               {"backward",
+                [=] {
+                  scan->backward(in, dy, grads);
+                }}},
+              {}};
+    }
+    // The other scan: q and k swapped (other inputs), its outputs in scratch buffers.
+    const auto other = make_scan();
+    megacpp::cuda::ScanDeviceInputs swapped = in;
+    std::swap(swapped.q, swapped.k);
+    const size_t tokens = static_cast<size_t>(sh.batch) * sh.seqlen;
+    const size_t qk = tokens * sh.rank * sh.groups * sh.state;
+    const size_t hp = tokens * sh.heads * sh.headdim, h = tokens * sh.heads;
+    const size_t a = tokens * static_cast<size_t>(std::max(sh.angles, 1));
+    const size_t params =
+        static_cast<size_t>(sh.heads) * sh.rank * (2 * sh.state + 3 * sh.headdim) +
+        static_cast<size_t>(sh.heads);
+    // bf16 per-token gradients and y first, then (256-byte aligned) the fp32 parameter gradients.
+    const size_t bf16_bytes = (2 * (2 * qk + 3 * hp + 3 * h + a) + 255) / 256 * 256;
+    const auto scratch = std::make_shared<oracle::DeviceBuffer>(bf16_bytes + 4 * params);
+    uint16_t* b = static_cast<uint16_t*>(scratch->get());
+    megacpp::cuda::ScanDeviceGrads other_grads = grads;
+    other_grads.q = b;
+    other_grads.k = b += qk;
+    other_grads.v = b += qk;
+    other_grads.z = b += hp;
+    other_grads.adt = b += hp;
+    other_grads.dt = b += h;
+    other_grads.trap = b += h;
+    b += h;
+    other_grads.angles = sh.angles > 0 ? b : nullptr;
+    uint16_t* other_y = b + a;
+    float* f = reinterpret_cast<float*>(static_cast<char*>(scratch->get()) + bf16_bytes);
+    other_grads.q_bias = f;
+    other_grads.k_bias = f += static_cast<size_t>(sh.heads) * sh.rank * sh.state;
+    other_grads.mimo_x = f += static_cast<size_t>(sh.heads) * sh.rank * sh.state;
+    other_grads.mimo_z = f += static_cast<size_t>(sh.heads) * sh.rank * sh.headdim;
+    other_grads.mimo_o = f += static_cast<size_t>(sh.heads) * sh.rank * sh.headdim;
+    other_grads.d = f + static_cast<size_t>(sh.heads) * sh.rank * sh.headdim;
     return {{{"forward",
               [=] {
                 scan->forward(in, y);
+                other->forward(swapped, other_y);
               }},
              {"backward",
               [=] {
+                (void)shared;
+                (void)scratch;
+                other->backward(swapped, dy, other_grads);
                 scan->backward(in, dy, grads);
               }}},
             {}};

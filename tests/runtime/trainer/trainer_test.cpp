@@ -149,6 +149,8 @@ TEST_F(TrainerTest, JobValidationNamesTheField) {
        "ssm_cfg.headdim=12 does not divide d_inner=64"},
       {[](json& j) { j["data"].erase("train"); }, "missing required field train"},
       {[](json& j) { j["grad_accum"] = "two"; }, "grad_accum"},
+      {[](json& j) { j["device"] = "tpu"; }, "device=\"tpu\" must be \"cpu\" or \"cuda\""},
+      {[](json& j) { j["gpu"] = -1; }, "gpu=-1 must be >= 0"},
   };
   for (const auto& c : cases) {
     json j = job("x");
@@ -275,6 +277,23 @@ std::vector<std::string> step_dirs(const std::filesystem::path& run) {
   }
   std::sort(names.begin(), names.end());
   return names;
+}
+
+// A cuda job on a machine without a usable GPU (or a build without CUDA) fails before the first
+// step with a precondition error that says so; nothing falls back to the CPU.
+TEST_F(TrainerTest, ACudaJobWithoutAUsableGpuFailsInsteadOfFallingBack) {
+  json j = job("cuda");
+  j["device"] = "cuda";
+  QuietObserver quiet;
+  try {
+    const RunSummary summary = train(parse_train_job(j, "job.json"), quiet);
+    if (summary.device.rfind("cuda", 0) == 0) GTEST_SKIP() << "this machine has a GPU";
+    ADD_FAILURE() << "a cuda job ran on " << summary.device;
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kFailedPrecondition) << e.what();
+    EXPECT_NE(std::string(e.what()).find("CUDA"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir_ / "cuda/step-00000020"));
 }
 
 // Retention: the newest keep_last checkpoints (and the final one) stay, older ones go;

@@ -1,0 +1,224 @@
+// The whole training step on one GPU (runtime/model/cuda_model.h): step time, tokens/s, model
+// FLOP/s (Model::step_flops, the formula of bench/RESULTS.md and ../shared/peer/official_step.py),
+// MFU against a bf16 GEMM ceiling measured in the same process (cuBLASLt through LinearCuda,
+// 8192³), device memory, the time from the start to the end of the first step, and each op's
+// share of the step (CUDA events between neighbouring ops, over the profiled steps).
+//
+//   cuda_step_bench [--preset bench-350m] [--rank 4] [--batch 4] [--seqlen 8192] [--steps 8]
+//                   [--json FILE]
+// --rank 1 is the SISO variant of the preset (chunk 64, as the official R = 1 path runs).
+#include <cstdio>
+
+#ifdef MEGACPP_HAVE_CUDA
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "base/error.h"
+#include "kernels/cuda/check.h"
+#include "kernels/cuda/device_query.h"
+#include "kernels/cuda/linear.h"
+#include "runtime/model/cuda_model.h"
+
+namespace {
+
+using megacpp::CudaModel;
+using Clock = std::chrono::steady_clock;
+
+struct Options {
+  std::string preset = "bench-350m";
+  int rank = 4;
+  int batch = 4;
+  int seqlen = 8192;
+  int steps = 8;
+  std::string json;
+};
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    const auto value = [&]() -> std::string {
+      if (i + 1 >= argc) megacpp::fail(megacpp::ErrorKind::kInvalidArgument, "{} needs a value", a);
+      return argv[++i];
+    };
+    if (a == "--preset") {
+      o.preset = value();
+    } else if (a == "--rank") {
+      o.rank = std::stoi(value());
+    } else if (a == "--batch") {
+      o.batch = std::stoi(value());
+    } else if (a == "--seqlen") {
+      o.seqlen = std::stoi(value());
+    } else if (a == "--steps") {
+      o.steps = std::stoi(value());
+    } else if (a == "--json") {
+      o.json = value();
+    } else {
+      megacpp::fail(megacpp::ErrorKind::kInvalidArgument, "unknown argument {}", a);
+    }
+  }
+  return o;
+}
+
+// Median bf16 GEMM rate (FLOP/s) of LinearCuda at 8192³, the ceiling MFU is measured against.
+double gemm_ceiling() {
+  const int n = 8192;
+  const megacpp::cuda::LinearShape shape{n, n, n};
+  const size_t ws = megacpp::cuda::LinearCuda::workspace_bytes(shape);
+  void *x = nullptr, *w = nullptr, *y = nullptr, *workspace = nullptr;
+  const size_t elems = static_cast<size_t>(n) * n;
+  MEGACPP_CUDA_CHECK(cudaMalloc(&x, elems * 2));
+  MEGACPP_CUDA_CHECK(cudaMalloc(&w, elems * 2));
+  MEGACPP_CUDA_CHECK(cudaMalloc(&y, elems * 2));
+  MEGACPP_CUDA_CHECK(cudaMalloc(&workspace, ws));
+  MEGACPP_CUDA_CHECK(cudaMemset(x, 0, elems * 2));
+  MEGACPP_CUDA_CHECK(cudaMemset(w, 0, elems * 2));
+  std::vector<double> rates;
+  {
+    megacpp::cuda::LinearCuda gemm(shape, workspace, ws);
+    cudaEvent_t start, stop;
+    MEGACPP_CUDA_CHECK(cudaEventCreate(&start));
+    MEGACPP_CUDA_CHECK(cudaEventCreate(&stop));
+    const auto run = [&] {
+      gemm.forward(static_cast<uint16_t*>(x), static_cast<uint16_t*>(w), nullptr,
+                   megacpp::cuda::RowsOut{static_cast<uint16_t*>(y), nullptr});
+    };
+    for (int i = 0; i < 3; ++i) run();
+    for (int i = 0; i < 15; ++i) {
+      MEGACPP_CUDA_CHECK(cudaEventRecord(start));
+      run();
+      MEGACPP_CUDA_CHECK(cudaEventRecord(stop));
+      MEGACPP_CUDA_CHECK(cudaEventSynchronize(stop));
+      float ms = 0;
+      MEGACPP_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+      rates.push_back(2.0 * n * n * static_cast<double>(n) / (ms * 1e-3));
+    }
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+  }
+  cudaFree(x);
+  cudaFree(w);
+  cudaFree(y);
+  cudaFree(workspace);
+  std::sort(rates.begin(), rates.end());
+  return rates[rates.size() / 2];
+}
+
+int run(const Options& o) {
+  const auto start = Clock::now();
+  megacpp::ModelConfig config = megacpp::model_preset(o.preset);
+  if (o.rank != config.ssm.mimo_rank) {
+    config.ssm.mimo_rank = o.rank;
+    config.ssm.chunk_size = 64 / o.rank;
+  }
+  megacpp::Model<float> host(config);
+  host.init_parameters(1);
+  megacpp::OptimizerConfig optimizer;
+  optimizer.lr = 3e-4;
+  megacpp::AdamW<float> moments(host.parameters(), optimizer);
+  CudaModel model(host, o.batch, o.seqlen, optimizer);
+  model.upload(host.parameters(), &moments);
+  std::mt19937_64 rng(3);
+  std::vector<int32_t> tokens(static_cast<size_t>(o.batch) * (o.seqlen + 1));
+  for (auto& t : tokens) t = static_cast<int32_t>(rng() % static_cast<uint64_t>(config.vocab_size));
+  const auto step = [&] {
+    model.zero_grad();
+    const double loss = model.forward_backward(tokens.data(), 1.0);
+    model.optimizer_step(3e-4);
+    return loss;
+  };
+  const double first_loss = step();
+  const double to_first_step = std::chrono::duration<double>(Clock::now() - start).count();
+  step();
+  std::vector<double> ms;
+  for (int i = 0; i < o.steps; ++i) {
+    const auto t0 = Clock::now();
+    step();
+    ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+  }
+  const size_t in_use = model.device_bytes_in_use();
+  // The op breakdown comes from separate, profiled steps: the events are not in the timed ones.
+  model.set_profiling(true);
+  for (int i = 0; i < 3; ++i) step();
+  const std::vector<megacpp::OpTime> ops = model.op_times();
+  model.set_profiling(false);
+
+  std::vector<double> sorted = ms;
+  std::sort(sorted.begin(), sorted.end());
+  const double median = sorted[sorted.size() / 2];
+  const double flops = host.step_flops(o.batch, o.seqlen);
+  const double tokens_per_step = static_cast<double>(o.batch) * o.seqlen;
+  const double ceiling = gemm_ceiling();
+  const auto info = megacpp::cuda::query_devices();
+  double op_total = 0;
+  for (const auto& op : ops) op_total += op.total_ms;
+
+  nlohmann::json out{
+      {"device", info.devices.empty() ? "" : info.devices[0].name},
+      {"preset", o.preset},
+      {"rank", o.rank},
+      {"chunk", config.ssm.chunk_size},
+      {"batch", o.batch},
+      {"seqlen", o.seqlen},
+      {"parameters", host.parameters().total()},
+      {"first_loss", first_loss},
+      {"seconds_to_first_step", to_first_step},
+      {"step_ms", {{"min", sorted.front()}, {"median", median}, {"max", sorted.back()}}},
+      {"tokens_per_s", tokens_per_step / (median / 1e3)},
+      {"model_flops_per_step", flops},
+      {"model_tflops_per_s", flops / (median / 1e3) / 1e12},
+      {"gemm_ceiling_tflops_per_s", ceiling / 1e12},
+      {"mfu", flops / (median / 1e3) / ceiling},
+      {"device_bytes_in_use", in_use},
+      {"planned_bytes", model.planned_bytes()}};
+  std::printf(
+      "%s R=%d chunk %d, batch %d x seqlen %d: step min/median/max %.1f/%.1f/%.1f ms, "
+      "%.0f tokens/s, %.1f model TFLOP/s, MFU %.1f%% of the %.0f TFLOP/s GEMM ceiling, "
+      "%.1f GiB in use, first step after %.1f s\n",
+      o.preset.c_str(), o.rank, config.ssm.chunk_size, o.batch, o.seqlen, sorted.front(), median,
+      sorted.back(), tokens_per_step / (median / 1e3), flops / (median / 1e3) / 1e12,
+      100 * flops / (median / 1e3) / ceiling, ceiling / 1e12,
+      static_cast<double>(in_use) / (1 << 30), to_first_step);
+  std::printf("%-36s %6s %10s %7s\n", "op (3 profiled steps)", "calls", "ms/step", "share");
+  for (const auto& op : ops) {
+    std::printf("%-36s %6lld %10.2f %6.1f%%\n", op.op.c_str(), static_cast<long long>(op.calls / 3),
+                op.total_ms / 3, 100 * op.total_ms / op_total);
+    out["ops"].push_back({{"op", op.op},
+                          {"calls_per_step", op.calls / 3},
+                          {"ms_per_step", op.total_ms / 3},
+                          {"share", op.total_ms / op_total}});
+  }
+  if (!o.json.empty()) std::ofstream(o.json) << out.dump(1) << "\n";
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(parse(argc, argv));
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+}
+
+#else
+
+int main() {
+  std::fprintf(stderr, "cuda_step_bench: this build has no CUDA backend\n");
+  return 2;
+}
+
+#endif

@@ -1,0 +1,70 @@
+#pragma once
+// A linear layer on a CUDA GPU through cuBLASLt: the function of kernels/cpu/linear.h,
+// y[rows, out] = x[rows, in] · W[out, in]ᵀ + b[out], in the step's mixed precision: x, W and dy
+// are bf16 matmul operands, accumulation is fp32, the bias and the weight/bias gradients are fp32
+// (they feed the fp32 master weights), y and dx are written in bf16 or fp32 as the caller asks.
+//
+// Plain C++ (no CUDA types), so host code compiled by the C++ compiler can include it. All
+// pointers are device pointers owned by the caller; matrices are row-major. The GEMM algorithms
+// are chosen for 16-byte aligned matrices and bias (less where a row's bytes are not a multiple
+// of 16), as cudaMalloc gives them: a less aligned pointer is refused (kInvalidArgument). The
+// workspace is 256-byte aligned. One op is driven from one host thread at a time.
+//
+//   forward   one GEMM, the bias added by the GEMM's epilogue for an fp32 y (cuBLASLt's bias
+//             has D's type), by a small kernel after it for a bf16 y.
+//   backward  dx = dy · W (one GEMM), dW (+)= dyᵀ · x (one GEMM, beta 1 when accumulating), db
+//             (+)= the column sums of dy (fixed-order, no atomics).
+// The algorithm of each GEMM is chosen once, in the constructor, and kept: the same call gives
+// the same bits every time (cuBLASLt is deterministic for a fixed algorithm and workspace).
+#include <cstddef>
+#include <cstdint>
+
+namespace megacpp::cuda {
+
+struct LinearShape {
+  int rows = 0;  // batch · seqlen (or a chunk of it)
+  int in = 0;    // input features
+  int out = 0;   // output features
+};
+
+// A [rows, columns] result written either in bf16 or in fp32: exactly one pointer is set.
+struct RowsOut {
+  uint16_t* bf16 = nullptr;
+  float* f32 = nullptr;
+};
+
+class LinearCuda {
+ public:
+  // Device workspace the op needs while it lives: cuBLASLt's GEMM workspace and the bias
+  // gradient's partials. Ops that run one after another on one stream may share one workspace
+  // (pass the largest of their sizes to each).
+  static size_t workspace_bytes(const LinearShape& shape);
+  // Validates the shape (kInvalidArgument naming the field otherwise), takes `workspace` and
+  // picks the GEMM algorithms for this shape and both output types.
+  LinearCuda(const LinearShape& shape, void* workspace, size_t bytes);
+  ~LinearCuda();
+  LinearCuda(const LinearCuda&) = delete;
+  LinearCuda& operator=(const LinearCuda&) = delete;
+
+  // y = x · Wᵀ (+ bias; bias may be null). x bf16 [rows, in], weight bf16 [out, in], bias fp32
+  // [out]. stream: a cudaStream_t, or null. Asynchronous.
+  void forward(const uint16_t* x, const uint16_t* weight, const float* bias, RowsOut y,
+               void* stream = nullptr) const;
+  // dy bf16 [rows, out]. dx [rows, in] = dy · W, overwritten (both pointers null: not computed).
+  // dweight fp32 [out, in] and dbias fp32 [out] (may be null) add into what they hold when
+  // `accumulate`, otherwise are overwritten. Asynchronous.
+  void backward(const uint16_t* x, const uint16_t* weight, const uint16_t* dy, RowsOut dx,
+                float* dweight, float* dbias, bool accumulate, void* stream = nullptr) const;
+
+  const LinearShape& shape() const { return shape_; }
+
+ private:
+  struct Plans;
+  LinearShape shape_;
+  int device_ = 0;
+  void* workspace_ = nullptr;
+  size_t workspace_bytes_ = 0;
+  Plans* plans_ = nullptr;
+};
+
+}  // namespace megacpp::cuda

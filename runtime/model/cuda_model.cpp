@@ -1,0 +1,880 @@
+#include "runtime/model/cuda_model.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <string>
+
+#include "kernels/cuda/adamw.h"
+#include "kernels/cuda/attention.h"
+#include "kernels/cuda/check.h"
+#include "kernels/cuda/embedding.h"
+#include "kernels/cuda/gated_mlp.h"
+#include "kernels/cuda/grad_clip.h"
+#include "kernels/cuda/linear.h"
+#include "kernels/cuda/lm_head_loss.h"
+#include "kernels/cuda/mamba3_preprocess.h"
+#include "kernels/cuda/mamba3_scan.h"
+#include "kernels/cuda/rmsnorm.h"
+#include "kernels/cuda/rotary.h"
+#include "kernels/cuda/tensor_ops.h"
+#include "runtime/model/device_arena.h"
+
+namespace megacpp {
+
+namespace {
+
+size_t free_device_bytes() {
+  size_t free = 0, total = 0;
+  MEGACPP_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+  return free;
+}
+
+}  // namespace
+
+struct CudaModel::Impl {
+  // A parameter of the host set: where its fp32 value, gradient and bf16 copy sit on the device.
+  struct Param {
+    int id = -1;
+    int64_t offset = 0;
+    int64_t size = 0;
+  };
+
+  struct MambaLayer {
+    Param in_proj, dt_bias, b_bias, c_bias, b_norm, c_norm, mimo_x, mimo_z, mimo_o, d, out_proj;
+    ops::Mamba3PreprocessShape shape;
+    std::unique_ptr<cuda::LinearCuda> in_linear, out_linear;
+    std::unique_ptr<cuda::Mamba3PreprocessCuda> preprocess;
+    std::unique_ptr<cuda::Mamba3ScanCuda> scan;
+    // Kept from the forward for the backward.
+    uint16_t* proj = nullptr;     // [rows, columns]
+    uint16_t* scan_in = nullptr;  // z, x, k, q, adt, dt, trap, angles: [rows, columns - 2·... ]
+    uint16_t* y = nullptr;        // [rows, d_inner]
+  };
+
+  struct AttentionLayer {
+    Param in_proj, in_bias, out_proj, out_bias;
+    int q_heads = 0, kv_heads = 0, head_dim = 0, width = 0;
+    std::unique_ptr<cuda::LinearCuda> in_linear, out_linear;
+    std::unique_ptr<cuda::CausalAttentionCuda> attention;
+    uint16_t* qkv = nullptr;  // [rows, width], q and k rotated
+    uint16_t* ctx = nullptr;  // [rows, q_heads·head_dim]
+    float* lse = nullptr;     // [batch, q_heads, seqlen]
+  };
+
+  struct MlpLayer {
+    Param fc1, fc2;
+    std::unique_ptr<cuda::GatedMlpCuda> mlp;
+    uint16_t* fc1_out = nullptr;  // [rows, 2·hidden]
+    uint16_t* act = nullptr;      // [rows, hidden]
+  };
+
+  struct Block {
+    Param norm, norm2;
+    std::unique_ptr<MambaLayer> mamba;
+    std::unique_ptr<AttentionLayer> attention;
+    std::unique_ptr<MlpLayer> mlp;
+  };
+
+  ModelConfig config;
+  OptimizerConfig optimizer;
+  int device = 0;
+  int batch = 0, seqlen = 0, rows = 0;
+  int64_t total = 0;
+  std::vector<ParameterInfo> entries;
+  size_t free_before = 0;
+  cudaStream_t stream = nullptr;
+  DeviceArena arena;
+
+  float* values = nullptr;
+  float* grads = nullptr;
+  float* exp_avg = nullptr;
+  float* exp_avg_sq = nullptr;
+  uint16_t* values_bf16 = nullptr;
+  int64_t steps_taken = 0;
+
+  Param embedding, norm_f, lm_head;
+  std::vector<Block> blocks;
+  std::vector<Param> site_weight;
+
+  int32_t* inputs = nullptr;   // [rows]
+  int32_t* targets = nullptr;  // [rows]
+  std::vector<int32_t> host_inputs, host_targets;
+  std::vector<float*> residual;   // per site [rows, d_model]
+  std::vector<uint16_t*> normed;  // per site [rows, d_model]
+  std::vector<float*> rstd;       // per site [rows]
+  uint16_t* delta = nullptr;      // a sublayer's output [rows, d_model]
+  uint16_t* ddelta = nullptr;     // its gradient, bf16 [rows, d_model]
+  float* dresidual = nullptr;     // [rows, d_model]
+  // The gradient of a norm site's output, fp32 [rows, d_model]: written by the sublayer's input
+  // GEMM in fp32 rather than bf16, because the norm weight's gradient sums it over every row.
+  float* dnormed = nullptr;
+  uint16_t* scratch_a = nullptr;   // the largest per-token backward scratch of any sublayer
+  uint16_t* scratch_b = nullptr;   // a second one
+  uint16_t* scratch_c = nullptr;   // a third one (the scan's input gradients)
+  float* param_scratch = nullptr;  // per-mixer parameter gradients the ops overwrite
+  float* loss = nullptr;           // [1]
+  float* grad_norm = nullptr;      // [1]
+  float* clip_scale = nullptr;     // [1]
+  void* op_workspace = nullptr;    // shared by the ops that run one after another
+  size_t op_workspace_bytes = 0;
+  void* scan_backward_workspace = nullptr;  // every Mamba layer's scan backward temporaries
+  size_t scan_backward_bytes = 0;
+  void* norm_workspace = nullptr;   // the global norm's tables (kept)
+  void* adamw_workspace = nullptr;  // AdamW's tables (kept)
+
+  std::unique_ptr<cuda::EmbeddingCuda> embedding_op;
+  std::unique_ptr<cuda::ResidualRmsNormCuda> norm_op;
+  std::unique_ptr<cuda::LmHeadLossCuda> lm_head_op;
+  std::unique_ptr<cuda::GradNormCuda> grad_norm_op;
+  std::unique_ptr<cuda::AdamWCuda> adamw_op;
+
+  Param param(const ParameterSet<float>& set, const std::string& name, bool required = true) {
+    const int id = set.find(name);
+    if (id < 0) {
+      if (required) fail(ErrorKind::kInternal, "CudaModel: the host model has no {}", name);
+      return {};
+    }
+    return {id, set.info(id).offset, set.info(id).size};
+  }
+  float* value(const Param& p) const { return p.id < 0 ? nullptr : values + p.offset; }
+  float* grad(const Param& p) const { return p.id < 0 ? nullptr : grads + p.offset; }
+  uint16_t* bf16(const Param& p) const { return p.id < 0 ? nullptr : values_bf16 + p.offset; }
+  void* s() const { return stream; }
+
+  // Op timing while profiling: lap() records an event on the stream and charges the time since
+  // the previous one to `label` (nullptr: a starting mark); harvest(), after the stream was
+  // synchronized, adds the laps into op_times. The events exist before the first profiled step.
+  static constexpr size_t kMaxLaps = 4096;
+  bool profiling = false;
+  std::vector<cudaEvent_t> events;
+  std::vector<const char*> lap_labels;
+  size_t laps = 0;
+  std::map<std::string, std::vector<float>> op_samples;  // per op, one time per call
+  void lap(const char* label);
+  void harvest();
+
+  void upload_tokens(const int32_t* tokens);
+  void run_forward();
+  void mamba_forward(MambaLayer& l, const uint16_t* x);
+  void attention_forward(AttentionLayer& l, const uint16_t* x);
+  void mamba_backward(MambaLayer& l, const uint16_t* x);
+  void attention_backward(AttentionLayer& l, const uint16_t* x);
+  float read_loss();
+};
+
+namespace {
+
+// The scan's inputs carved out of one buffer, in the preprocessing's output order.
+cuda::PreprocessDeviceOutputs carve_scan_inputs(uint16_t* base, const ops::Mamba3PreprocessShape& s,
+                                                size_t rows) {
+  cuda::PreprocessDeviceOutputs o;
+  const size_t di = static_cast<size_t>(s.d_inner()), bc = static_cast<size_t>(s.bc_width());
+  const size_t h = static_cast<size_t>(s.heads);
+  o.z = base;
+  o.x = o.z + rows * di;
+  o.k = o.x + rows * di;
+  o.q = o.k + rows * bc;
+  o.adt = o.q + rows * bc;
+  o.dt = o.adt + rows * h;
+  o.trap = o.dt + rows * h;
+  o.angles = s.angles > 0 ? o.trap + rows * h : nullptr;
+  return o;
+}
+
+size_t scan_input_elements(const ops::Mamba3PreprocessShape& s, size_t rows) {
+  return rows * (2 * static_cast<size_t>(s.d_inner()) + 2 * static_cast<size_t>(s.bc_width()) +
+                 3 * static_cast<size_t>(s.heads) + static_cast<size_t>(s.angles));
+}
+
+}  // namespace
+
+CudaModel::CudaModel(const Model<float>& host, int batch, int seqlen,
+                     const OptimizerConfig& optimizer, int device)
+    : impl_(std::make_unique<Impl>()) {
+  Impl& m = *impl_;
+  if (batch <= 0 || seqlen <= 0) {
+    fail(ErrorKind::kInvalidArgument, "batch={} and seqlen={} must be positive", batch, seqlen);
+  }
+  m.config = host.config();
+  m.optimizer = optimizer;
+  m.device = device;
+  m.batch = batch;
+  m.seqlen = seqlen;
+  m.rows = batch * seqlen;
+  MEGACPP_CUDA_CHECK(cudaSetDevice(device));
+  m.free_before = free_device_bytes();
+  MEGACPP_CUDA_CHECK(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking));
+
+  const ModelConfig& c = m.config;
+  const ParameterSet<float>& set = host.parameters();
+  m.total = set.total();
+  m.entries = set.entries();
+  const size_t rows = static_cast<size_t>(m.rows), dm = static_cast<size_t>(c.d_model);
+  DeviceArena& a = m.arena;
+
+  const size_t n = static_cast<size_t>(m.total);
+  a.reserve(&m.values, n, "parameters");
+  a.reserve(&m.grads, n, "gradients");
+  a.reserve(&m.exp_avg, n, "AdamW exp_avg");
+  a.reserve(&m.exp_avg_sq, n, "AdamW exp_avg_sq");
+  a.reserve(&m.values_bf16, n, "bf16 weights");
+
+  m.embedding = m.param(set, "backbone.embedding.weight");
+  m.norm_f = m.param(set, "backbone.norm_f.weight");
+  m.lm_head = c.tie_embeddings ? m.embedding : m.param(set, "lm_head.weight");
+
+  // Sizes of the shared backward scratch: the largest need of any sublayer.
+  size_t scratch_a = rows * dm, scratch_b = rows * dm, scratch_c = 0, param_scratch = 0;
+  size_t workspace = 0, scan_backward = 0;
+  // The scan's shape for a mixer's preprocessing shape: [batch, seqlen] and the config's chunk.
+  const auto scan_shape_of = [&](const ops::Mamba3PreprocessShape& p) {
+    ops::ScanShape s;
+    s.batch = batch;
+    s.seqlen = seqlen;
+    s.heads = p.heads;
+    s.groups = p.groups;
+    s.state = p.state;
+    s.headdim = p.headdim;
+    s.rank = p.rank;
+    s.chunk = c.ssm.chunk_size;
+    s.angles = p.angles;
+    return s;
+  };
+  const auto need_workspace = [&](size_t bytes) {
+    workspace = std::max(workspace, bytes);
+  };
+
+  m.blocks.resize(static_cast<size_t>(c.n_layer));
+  for (int i = 0; i < c.n_layer; ++i) {
+    Impl::Block& b = m.blocks[static_cast<size_t>(i)];
+    const std::string p = "backbone.layers." + std::to_string(i) + ".";
+    b.norm = m.param(set, p + "norm.weight");
+    m.site_weight.push_back(b.norm);
+    if (c.is_attention_layer(i)) {
+      auto layer = std::make_unique<Impl::AttentionLayer>();
+      layer->in_proj = m.param(set, p + "mixer.in_proj.weight");
+      layer->in_bias = m.param(set, p + "mixer.in_proj.bias", false);
+      layer->out_proj = m.param(set, p + "mixer.out_proj.weight");
+      layer->out_bias = m.param(set, p + "mixer.out_proj.bias", false);
+      layer->q_heads = c.attn.num_heads;
+      layer->kv_heads = c.attn_kv_heads();
+      layer->head_dim = c.attn_head_dim();
+      layer->width = (layer->q_heads + 2 * layer->kv_heads) * layer->head_dim;
+      const size_t width = static_cast<size_t>(layer->width);
+      const size_t ctx = static_cast<size_t>(layer->q_heads) * layer->head_dim;
+      a.reserve(&layer->qkv, rows * width, p + "qkv");
+      a.reserve(&layer->ctx, rows * ctx, p + "ctx");
+      a.reserve(&layer->lse, rows * static_cast<size_t>(layer->q_heads), p + "lse");
+      scratch_a = std::max(scratch_a, rows * ctx);    // dctx
+      scratch_b = std::max(scratch_b, rows * width);  // dqkv
+      need_workspace(cuda::LinearCuda::workspace_bytes({m.rows, c.d_model, layer->width}));
+      need_workspace(cuda::LinearCuda::workspace_bytes({m.rows, static_cast<int>(ctx), c.d_model}));
+      need_workspace(cuda::CausalAttentionCuda::workspace_bytes({batch, seqlen, layer->q_heads,
+                                                                 layer->kv_heads, layer->head_dim,
+                                                                 c.attn_softmax_scale()}));
+      b.attention = std::move(layer);
+    } else {
+      auto layer = std::make_unique<Impl::MambaLayer>();
+      const std::string q = p + "mixer.";
+      layer->in_proj = m.param(set, q + "in_proj.weight");
+      layer->dt_bias = m.param(set, q + "dt_bias");
+      layer->b_bias = m.param(set, q + "B_bias");
+      layer->c_bias = m.param(set, q + "C_bias");
+      layer->b_norm = m.param(set, q + "B_norm.weight");
+      layer->c_norm = m.param(set, q + "C_norm.weight");
+      layer->mimo_x = m.param(set, q + "mimo_x");
+      layer->mimo_z = m.param(set, q + "mimo_z");
+      layer->mimo_o = m.param(set, q + "mimo_o");
+      layer->d = m.param(set, q + "D");
+      layer->out_proj = m.param(set, q + "out_proj.weight");
+      ops::Mamba3PreprocessShape& s = layer->shape;
+      s.rows = m.rows;
+      s.heads = c.ssm_heads();
+      s.headdim = c.ssm.headdim;
+      s.state = c.ssm.d_state;
+      s.groups = c.ssm.ngroups;
+      s.rank = c.ssm.mimo_rank;
+      s.angles = c.rope_angles();
+      s.a_floor = c.ssm.A_floor;
+      s.norm_eps = c.norm_epsilon;
+      const size_t cols = static_cast<size_t>(s.columns());
+      const size_t di = static_cast<size_t>(s.d_inner());
+      a.reserve(&layer->proj, rows * cols, q + "proj");
+      a.reserve(&layer->scan_in, scan_input_elements(s, rows), q + "scan inputs");
+      a.reserve(&layer->y, rows * di, q + "y");
+      scratch_a = std::max(scratch_a, rows * di);    // dy of the scan
+      scratch_b = std::max(scratch_b, rows * cols);  // dproj
+      scratch_c = std::max(scratch_c, scan_input_elements(s, rows));
+      const size_t h = static_cast<size_t>(s.heads);
+      const size_t rn = static_cast<size_t>(s.rank) * s.state;
+      const size_t rp = static_cast<size_t>(s.rank) * s.headdim;
+      // The scan's 6 parameter gradients, then the preprocessing's 3.
+      param_scratch = std::max(param_scratch, 2 * h * rn + 3 * h * rp + h + h + 2 * s.state);
+      scan_backward =
+          std::max(scan_backward, cuda::Mamba3ScanCuda::backward_workspace_bytes(scan_shape_of(s)));
+      need_workspace(cuda::LinearCuda::workspace_bytes({m.rows, c.d_model, s.columns()}));
+      need_workspace(cuda::LinearCuda::workspace_bytes({m.rows, s.d_inner(), c.d_model}));
+      b.mamba = std::move(layer);
+    }
+    if (c.d_intermediate > 0) {
+      b.norm2 = m.param(set, p + "norm2.weight");
+      m.site_weight.push_back(b.norm2);
+      auto layer = std::make_unique<Impl::MlpLayer>();
+      layer->fc1 = m.param(set, p + "mlp.fc1.weight");
+      layer->fc2 = m.param(set, p + "mlp.fc2.weight");
+      const size_t hidden = static_cast<size_t>(c.mlp_hidden());
+      a.reserve(&layer->fc1_out, rows * 2 * hidden, p + "mlp fc1_out");
+      a.reserve(&layer->act, rows * hidden, p + "mlp act");
+      scratch_a = std::max(scratch_a, rows * hidden);      // dact
+      scratch_b = std::max(scratch_b, rows * 2 * hidden);  // dfc1_out
+      need_workspace(cuda::GatedMlpCuda::workspace_bytes({m.rows, c.d_model, c.mlp_hidden()}));
+      b.mlp = std::move(layer);
+    }
+  }
+  m.site_weight.push_back(m.norm_f);
+
+  const size_t sites = m.site_weight.size();
+  m.residual.assign(sites, nullptr);
+  m.normed.assign(sites, nullptr);
+  m.rstd.assign(sites, nullptr);
+  for (size_t k = 0; k < sites; ++k) {
+    a.reserve(&m.residual[k], rows * dm, "residual " + std::to_string(k));
+    a.reserve(&m.normed[k], rows * dm, "normed " + std::to_string(k));
+    a.reserve(&m.rstd[k], rows, "rstd " + std::to_string(k));
+  }
+  a.reserve(&m.inputs, rows, "input tokens");
+  a.reserve(&m.targets, rows, "target tokens");
+  a.reserve(&m.delta, rows * dm, "sublayer output");
+  a.reserve(&m.ddelta, rows * dm, "sublayer output gradient");
+  a.reserve(&m.dresidual, rows * dm, "residual gradient");
+  a.reserve(&m.dnormed, rows * dm, "normed gradient");
+  a.reserve(&m.scratch_a, scratch_a, "backward scratch a");
+  a.reserve(&m.scratch_b, scratch_b, "backward scratch b");
+  a.reserve(&m.scratch_c, std::max<size_t>(scratch_c, 1), "scan input gradients");
+  a.reserve(&m.param_scratch, std::max<size_t>(param_scratch, 1), "mixer parameter gradients");
+  a.reserve(&m.loss, 1, "loss");
+  a.reserve(&m.grad_norm, 1, "gradient norm");
+  a.reserve(&m.clip_scale, 1, "clip scale");
+
+  const cuda::EmbeddingShape embedding_shape{m.rows, c.d_model, c.padded_vocab()};
+  const cuda::RmsNormShape norm_shape{m.rows, c.d_model, c.norm_epsilon};
+  const cuda::LmHeadLossShape lm_head_shape{m.rows, c.d_model, c.padded_vocab(), c.vocab_size, 0};
+  need_workspace(cuda::EmbeddingCuda::workspace_bytes(embedding_shape));
+  need_workspace(cuda::ResidualRmsNormCuda::workspace_bytes(norm_shape));
+  need_workspace(cuda::LmHeadLossCuda::workspace_bytes(lm_head_shape));
+  m.op_workspace_bytes = workspace;
+  m.scan_backward_bytes = scan_backward;
+  if (scan_backward > 0) {
+    a.reserve(reinterpret_cast<char**>(&m.scan_backward_workspace), scan_backward,
+              "scan backward temporaries");
+  }
+  a.reserve(reinterpret_cast<char**>(&m.op_workspace), workspace, "op workspace");
+
+  // The optimizer's tables hold the tensors' addresses, which exist only after allocate():
+  // their sizes depend on the tensor sizes alone, so they are computed from placeholders.
+  std::vector<cuda::GradTensorRef> grad_refs{{reinterpret_cast<const float*>(1), m.total}};
+  std::vector<cuda::AdamWTensorRef> adamw_refs;
+  const auto placeholder = reinterpret_cast<float*>(alignof(float));
+  for (const ParameterInfo& e : m.entries) {
+    adamw_refs.push_back(
+        {placeholder, placeholder, placeholder, placeholder, nullptr, e.size, e.weight_decay});
+  }
+  const size_t norm_bytes = cuda::GradNormCuda::workspace_bytes(grad_refs);
+  const size_t adamw_bytes = cuda::AdamWCuda::workspace_bytes(adamw_refs);
+  a.reserve(reinterpret_cast<char**>(&m.norm_workspace), norm_bytes, "gradient norm tables");
+  a.reserve(reinterpret_cast<char**>(&m.adamw_workspace), adamw_bytes, "AdamW tables");
+
+  a.allocate();
+
+  void* ws = m.op_workspace;
+  const size_t wsb = m.op_workspace_bytes;
+  m.embedding_op = std::make_unique<cuda::EmbeddingCuda>(embedding_shape, ws, wsb);
+  m.norm_op = std::make_unique<cuda::ResidualRmsNormCuda>(norm_shape, ws, wsb);
+  m.lm_head_op = std::make_unique<cuda::LmHeadLossCuda>(lm_head_shape, ws, wsb);
+  for (Impl::Block& b : m.blocks) {
+    if (b.attention) {
+      Impl::AttentionLayer& l = *b.attention;
+      l.in_linear = std::make_unique<cuda::LinearCuda>(
+          cuda::LinearShape{m.rows, c.d_model, l.width}, ws, wsb);
+      l.out_linear = std::make_unique<cuda::LinearCuda>(
+          cuda::LinearShape{m.rows, l.q_heads * l.head_dim, c.d_model}, ws, wsb);
+      l.attention = std::make_unique<cuda::CausalAttentionCuda>(
+          cuda::AttentionShape{batch, seqlen, l.q_heads, l.kv_heads, l.head_dim,
+                               c.attn_softmax_scale()},
+          ws, wsb);
+    }
+    if (b.mamba) {
+      Impl::MambaLayer& l = *b.mamba;
+      l.in_linear = std::make_unique<cuda::LinearCuda>(
+          cuda::LinearShape{m.rows, c.d_model, l.shape.columns()}, ws, wsb);
+      l.out_linear = std::make_unique<cuda::LinearCuda>(
+          cuda::LinearShape{m.rows, l.shape.d_inner(), c.d_model}, ws, wsb);
+      l.preprocess = std::make_unique<cuda::Mamba3PreprocessCuda>(l.shape);
+      // The layers' backwards run one after another: they share the scan's temporaries.
+      l.scan = std::make_unique<cuda::Mamba3ScanCuda>(
+          scan_shape_of(l.shape), false, true, m.scan_backward_workspace, m.scan_backward_bytes);
+    }
+    if (b.mlp) {
+      b.mlp->mlp = std::make_unique<cuda::GatedMlpCuda>(
+          cuda::GatedMlpShape{m.rows, c.d_model, c.mlp_hidden()}, ws, wsb);
+    }
+  }
+  grad_refs = {{m.grads, m.total}};
+  m.grad_norm_op = std::make_unique<cuda::GradNormCuda>(grad_refs, m.norm_workspace, norm_bytes);
+  adamw_refs.clear();
+  for (const ParameterInfo& e : m.entries) {
+    adamw_refs.push_back({m.values + e.offset, m.grads + e.offset, m.exp_avg + e.offset,
+                          m.exp_avg_sq + e.offset, m.values_bf16 + e.offset, e.size,
+                          e.weight_decay});
+  }
+  m.adamw_op = std::make_unique<cuda::AdamWCuda>(adamw_refs, m.adamw_workspace, adamw_bytes);
+  MEGACPP_CUDA_CHECK(cudaMemsetAsync(m.grads, 0, n * sizeof(float), m.stream));
+  MEGACPP_CUDA_CHECK(cudaMemsetAsync(m.exp_avg, 0, n * sizeof(float), m.stream));
+  MEGACPP_CUDA_CHECK(cudaMemsetAsync(m.exp_avg_sq, 0, n * sizeof(float), m.stream));
+  MEGACPP_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+}
+
+CudaModel::~CudaModel() {
+  if (impl_ && impl_->stream != nullptr) {
+    cudaStreamSynchronize(impl_->stream);
+    for (cudaEvent_t e : impl_->events) cudaEventDestroy(e);
+    impl_->embedding_op.reset();
+    impl_->blocks.clear();
+    cudaStreamDestroy(impl_->stream);
+  }
+}
+
+int CudaModel::batch() const {
+  return impl_->batch;
+}
+int CudaModel::seqlen() const {
+  return impl_->seqlen;
+}
+size_t CudaModel::planned_bytes() const {
+  return impl_->arena.bytes();
+}
+
+size_t CudaModel::device_bytes_in_use() const {
+  const size_t now = free_device_bytes();
+  return impl_->free_before > now ? impl_->free_before - now : 0;
+}
+
+void CudaModel::upload(const ParameterSet<float>& params, const AdamW<float>* optimizer) {
+  Impl& m = *impl_;
+  if (params.total() != m.total) {
+    fail(ErrorKind::kInternal, "CudaModel::upload: {} parameters, the device model has {}",
+         params.total(), m.total);
+  }
+  const size_t bytes = static_cast<size_t>(m.total) * sizeof(float);
+  MEGACPP_CUDA_CHECK(
+      cudaMemcpyAsync(m.values, params.values().data(), bytes, cudaMemcpyHostToDevice, m.stream));
+  if (optimizer != nullptr) {
+    auto& o = const_cast<AdamW<float>&>(*optimizer);
+    MEGACPP_CUDA_CHECK(
+        cudaMemcpyAsync(m.exp_avg, o.exp_avg().data(), bytes, cudaMemcpyHostToDevice, m.stream));
+    MEGACPP_CUDA_CHECK(cudaMemcpyAsync(m.exp_avg_sq, o.exp_avg_sq().data(), bytes,
+                                       cudaMemcpyHostToDevice, m.stream));
+    m.steps_taken = optimizer->steps_taken();
+  }
+  cuda::cast_f32_to_bf16(m.values, m.values_bf16, m.total, m.s());
+  MEGACPP_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+}
+
+void CudaModel::download(ParameterSet<float>& params, AdamW<float>* optimizer) const {
+  const Impl& m = *impl_;
+  const size_t bytes = static_cast<size_t>(m.total) * sizeof(float);
+  MEGACPP_CUDA_CHECK(
+      cudaMemcpyAsync(params.values().data(), m.values, bytes, cudaMemcpyDeviceToHost, m.stream));
+  if (optimizer != nullptr) {
+    MEGACPP_CUDA_CHECK(cudaMemcpyAsync(optimizer->exp_avg().data(), m.exp_avg, bytes,
+                                       cudaMemcpyDeviceToHost, m.stream));
+    MEGACPP_CUDA_CHECK(cudaMemcpyAsync(optimizer->exp_avg_sq().data(), m.exp_avg_sq, bytes,
+                                       cudaMemcpyDeviceToHost, m.stream));
+    optimizer->set_steps_taken(m.steps_taken);
+  }
+  MEGACPP_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+}
+
+std::vector<float> CudaModel::download_gradients() const {
+  const Impl& m = *impl_;
+  std::vector<float> out(static_cast<size_t>(m.total));
+  MEGACPP_CUDA_CHECK(cudaMemcpyAsync(out.data(), m.grads, out.size() * sizeof(float),
+                                     cudaMemcpyDeviceToHost, m.stream));
+  MEGACPP_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+  return out;
+}
+
+void CudaModel::zero_grad() {
+  Impl& m = *impl_;
+  MEGACPP_CUDA_CHECK(
+      cudaMemsetAsync(m.grads, 0, static_cast<size_t>(m.total) * sizeof(float), m.stream));
+}
+
+namespace {
+
+// Splits [batch, seqlen + 1] windows into inputs and next-token targets, refusing what the
+// device cannot: an input outside the vocabulary, a target at or beyond it (negative targets are
+// ignored rows, as in the CPU loss).
+void split_tokens(const ModelConfig& c, int batch, int seqlen, const int32_t* tokens,
+                  std::vector<int32_t>& inputs, std::vector<int32_t>& targets) {
+  inputs.resize(static_cast<size_t>(batch) * seqlen);
+  targets.resize(inputs.size());
+  for (int b = 0; b < batch; ++b) {
+    for (int t = 0; t < seqlen; ++t) {
+      const int32_t in = tokens[b * (seqlen + 1) + t];
+      const int32_t target = tokens[b * (seqlen + 1) + t + 1];
+      if (in < 0 || in >= c.vocab_size) {
+        fail(ErrorKind::kInvalidArgument,
+             "token {} at batch row {}, position {} is outside [0, {})", in, b, t, c.vocab_size);
+      }
+      if (target >= c.vocab_size) {
+        fail(ErrorKind::kInvalidArgument,
+             "target token {} at batch row {}, position {} is outside [0, {})", target, b, t + 1,
+             c.vocab_size);
+      }
+      inputs[static_cast<size_t>(b * seqlen + t)] = in;
+      targets[static_cast<size_t>(b * seqlen + t)] = target;
+    }
+  }
+}
+
+}  // namespace
+
+void CudaModel::Impl::lap(const char* label) {
+  if (!profiling) return;
+  if (laps == events.size()) {
+    fail(ErrorKind::kInternal, "CudaModel: more than {} timed ops between two synchronizations",
+         events.size());
+  }
+  MEGACPP_CUDA_CHECK(cudaEventRecord(events[laps], stream));
+  lap_labels[laps] = label;
+  ++laps;
+}
+
+void CudaModel::Impl::harvest() {
+  for (size_t i = 1; i < laps; ++i) {
+    if (lap_labels[i] == nullptr) continue;
+    float ms = 0;
+    MEGACPP_CUDA_CHECK(cudaEventElapsedTime(&ms, events[i - 1], events[i]));
+    op_samples[lap_labels[i]].push_back(ms);
+  }
+  laps = 0;
+}
+
+void CudaModel::Impl::upload_tokens(const int32_t* tokens) {
+  split_tokens(config, batch, seqlen, tokens, host_inputs, host_targets);
+  const size_t bytes = host_inputs.size() * sizeof(int32_t);
+  MEGACPP_CUDA_CHECK(
+      cudaMemcpyAsync(inputs, host_inputs.data(), bytes, cudaMemcpyHostToDevice, stream));
+  MEGACPP_CUDA_CHECK(
+      cudaMemcpyAsync(targets, host_targets.data(), bytes, cudaMemcpyHostToDevice, stream));
+}
+
+float CudaModel::Impl::read_loss() {
+  float value = 0;
+  MEGACPP_CUDA_CHECK(cudaMemcpyAsync(&value, loss, sizeof(float), cudaMemcpyDeviceToHost, stream));
+  // The copy lands in pageable memory: the host must wait for it before reading.
+  MEGACPP_CUDA_CHECK(cudaStreamSynchronize(stream));
+  harvest();
+  return value;
+}
+
+double CudaModel::forward(const int32_t* tokens) {
+  Impl& m = *impl_;
+  m.upload_tokens(tokens);
+  m.lap(nullptr);
+  m.run_forward();
+  m.lm_head_op->forward(m.normed.back(), m.bf16(m.lm_head), m.targets, m.loss, nullptr, m.s());
+  m.lap("lm_head+loss forward");
+  return m.read_loss();
+}
+
+void CudaModel::Impl::mamba_forward(MambaLayer& l, const uint16_t* x) {
+  Impl& m = *this;
+  l.in_linear->forward(x, m.bf16(l.in_proj), nullptr, cuda::RowsOut{l.proj, nullptr}, m.s());
+  m.lap("mamba in_proj forward");
+  const cuda::PreprocessDeviceOutputs in =
+      carve_scan_inputs(l.scan_in, l.shape, static_cast<size_t>(m.rows));
+  l.preprocess->forward(l.proj, {m.value(l.dt_bias), m.value(l.b_norm), m.value(l.c_norm)}, in,
+                        m.s());
+  m.lap("mamba preprocess forward");
+  cuda::ScanDeviceInputs s;
+  s.q = in.q;
+  s.k = in.k;
+  s.v = in.x;
+  s.z = in.z;
+  s.adt = in.adt;
+  s.dt = in.dt;
+  s.trap = in.trap;
+  s.angles = in.angles;
+  s.q_bias = m.bf16(l.c_bias);
+  s.k_bias = m.bf16(l.b_bias);
+  s.mimo_x = m.bf16(l.mimo_x);
+  s.mimo_z = m.bf16(l.mimo_z);
+  s.mimo_o = m.bf16(l.mimo_o);
+  s.d = m.bf16(l.d);
+  l.scan->forward(s, l.y, m.s());
+  m.lap("mamba scan forward");
+  l.out_linear->forward(l.y, m.bf16(l.out_proj), nullptr, cuda::RowsOut{m.delta, nullptr}, m.s());
+  m.lap("mamba out_proj forward");
+}
+
+void CudaModel::Impl::attention_forward(AttentionLayer& l, const uint16_t* x) {
+  Impl& m = *this;
+  const ModelConfig& c = m.config;
+  l.in_linear->forward(x, m.bf16(l.in_proj), m.value(l.in_bias), cuda::RowsOut{l.qkv, nullptr},
+                       m.s());
+  m.lap("attention qkv forward");
+  if (c.attn.rotary_emb_dim > 0) {
+    // q and k heads are adjacent in the packed row: one rotation covers both.
+    cuda::rotary_forward({m.batch, m.seqlen, l.width, 0, l.q_heads + l.kv_heads, l.head_dim,
+                          c.attn.rotary_emb_dim, c.attn.rotary_emb_base},
+                         l.qkv, m.s());
+    m.lap("attention rotary forward");
+  }
+  const uint16_t* q = l.qkv;
+  l.attention->forward(q, q + l.q_heads * l.head_dim, q + (l.q_heads + l.kv_heads) * l.head_dim,
+                       l.width, l.width, l.ctx, l.lse, m.s());
+  m.lap("attention core forward");
+  l.out_linear->forward(l.ctx, m.bf16(l.out_proj), m.value(l.out_bias),
+                        cuda::RowsOut{m.delta, nullptr}, m.s());
+  m.lap("attention out_proj forward");
+}
+
+// The forward of every sublayer and norm site; the last site's output is left in normed.back().
+void CudaModel::Impl::run_forward() {
+  Impl& m = *this;
+  m.embedding_op->forward(m.inputs, m.value(m.embedding), m.residual[0], m.s());
+  m.lap("embedding forward");
+  size_t site = 0;
+  const auto norm_site = [&](bool with_delta) {
+    const float* in = site == 0 ? m.residual[0] : m.residual[site - 1];
+    m.norm_op->forward(in, cuda::RowsRef{with_delta ? m.delta : nullptr, nullptr},
+                       m.value(m.site_weight[site]), m.residual[site], m.normed[site], m.rstd[site],
+                       m.s());
+    m.lap("add+rmsnorm forward");
+  };
+  norm_site(false);
+  for (Block& b : m.blocks) {
+    if (b.mamba) mamba_forward(*b.mamba, m.normed[site]);
+    if (b.attention) attention_forward(*b.attention, m.normed[site]);
+    ++site;
+    norm_site(true);
+    if (b.mlp) {
+      b.mlp->mlp->forward(m.normed[site], m.bf16(b.mlp->fc1), m.bf16(b.mlp->fc2), b.mlp->fc1_out,
+                          b.mlp->act, cuda::RowsOut{m.delta, nullptr}, m.s());
+      m.lap("mlp forward");
+      ++site;
+      norm_site(true);
+    }
+  }
+}
+
+// Backward of a Mamba-3 mixer fed x, its output gradient in m.ddelta; dx into m.dnormed.
+void CudaModel::Impl::mamba_backward(MambaLayer& l, const uint16_t* x) {
+  Impl& m = *this;
+  const size_t row_count = static_cast<size_t>(m.rows);
+  uint16_t* dy = m.scratch_a;
+  uint16_t* dproj = m.scratch_b;
+  l.out_linear->backward(l.y, m.bf16(l.out_proj), m.ddelta, cuda::RowsOut{dy, nullptr},
+                         m.grad(l.out_proj), nullptr, true, m.s());
+  m.lap("mamba out_proj backward");
+  const cuda::PreprocessDeviceOutputs in = carve_scan_inputs(l.scan_in, l.shape, row_count);
+  const cuda::PreprocessDeviceOutputs gin = carve_scan_inputs(m.scratch_c, l.shape, row_count);
+  cuda::ScanDeviceInputs s;
+  s.q = in.q;
+  s.k = in.k;
+  s.v = in.x;
+  s.z = in.z;
+  s.adt = in.adt;
+  s.dt = in.dt;
+  s.trap = in.trap;
+  s.angles = in.angles;
+  s.q_bias = m.bf16(l.c_bias);
+  s.k_bias = m.bf16(l.b_bias);
+  s.mimo_x = m.bf16(l.mimo_x);
+  s.mimo_z = m.bf16(l.mimo_z);
+  s.mimo_o = m.bf16(l.mimo_o);
+  s.d = m.bf16(l.d);
+  const ops::Mamba3PreprocessShape& sh = l.shape;
+  const size_t h = static_cast<size_t>(sh.heads);
+  const size_t rn = static_cast<size_t>(sh.rank) * sh.state;
+  const size_t rp = static_cast<size_t>(sh.rank) * sh.headdim;
+  float* pg = m.param_scratch;
+  cuda::ScanDeviceGrads g;
+  g.q = gin.q;
+  g.k = gin.k;
+  g.v = gin.x;
+  g.z = gin.z;
+  g.adt = gin.adt;
+  g.dt = gin.dt;
+  g.trap = gin.trap;
+  g.angles = gin.angles;
+  g.q_bias = pg;
+  g.k_bias = pg + h * rn;
+  g.mimo_x = pg + 2 * h * rn;
+  g.mimo_z = g.mimo_x + h * rp;
+  g.mimo_o = g.mimo_z + h * rp;
+  g.d = g.mimo_o + h * rp;
+  l.scan->backward(s, dy, g, m.s());
+  m.lap("mamba scan backward");
+  const auto add = [&](const float* src, const Param& p) {
+    cuda::add_f32(src, m.grad(p), p.size, m.s());
+  };
+  add(g.q_bias, l.c_bias);
+  add(g.k_bias, l.b_bias);
+  add(g.mimo_x, l.mimo_x);
+  add(g.mimo_z, l.mimo_z);
+  add(g.mimo_o, l.mimo_o);
+  add(g.d, l.d);
+  m.lap("mamba parameter-gradient adds");
+  float* pre = g.d + h;
+  cuda::PreprocessDeviceParamGrads pre_grads{pre, pre + h, pre + h + sh.state};
+  l.preprocess->backward(l.proj, {m.value(l.dt_bias), m.value(l.b_norm), m.value(l.c_norm)},
+                         {gin.z, gin.x, gin.k, gin.q, gin.adt, gin.dt, gin.trap, gin.angles}, dproj,
+                         pre_grads, m.s());
+  m.lap("mamba preprocess backward");
+  add(pre_grads.dt_bias, l.dt_bias);
+  add(pre_grads.b_norm_weight, l.b_norm);
+  add(pre_grads.c_norm_weight, l.c_norm);
+  m.lap("mamba parameter-gradient adds");
+  l.in_linear->backward(x, m.bf16(l.in_proj), dproj, cuda::RowsOut{nullptr, m.dnormed},
+                        m.grad(l.in_proj), nullptr, true, m.s());
+  m.lap("mamba in_proj backward");
+}
+
+void CudaModel::Impl::attention_backward(AttentionLayer& l, const uint16_t* x) {
+  Impl& m = *this;
+  const ModelConfig& c = m.config;
+  uint16_t* dctx = m.scratch_a;
+  uint16_t* dqkv = m.scratch_b;
+  l.out_linear->backward(l.ctx, m.bf16(l.out_proj), m.ddelta, cuda::RowsOut{dctx, nullptr},
+                         m.grad(l.out_proj), m.grad(l.out_bias), true, m.s());
+  m.lap("attention out_proj backward");
+  const uint16_t* q = l.qkv;
+  const int k_offset = l.q_heads * l.head_dim, v_offset = (l.q_heads + l.kv_heads) * l.head_dim;
+  l.attention->backward(q, q + k_offset, q + v_offset, l.width, l.width, l.ctx, dctx, l.lse, dqkv,
+                        dqkv + k_offset, dqkv + v_offset, m.s());
+  m.lap("attention core backward");
+  if (c.attn.rotary_emb_dim > 0) {
+    cuda::rotary_backward({m.batch, m.seqlen, l.width, 0, l.q_heads + l.kv_heads, l.head_dim,
+                           c.attn.rotary_emb_dim, c.attn.rotary_emb_base},
+                          dqkv, m.s());
+    m.lap("attention rotary backward");
+  }
+  l.in_linear->backward(x, m.bf16(l.in_proj), dqkv, cuda::RowsOut{nullptr, m.dnormed},
+                        m.grad(l.in_proj), m.grad(l.in_bias), true, m.s());
+  m.lap("attention qkv backward");
+}
+
+double CudaModel::forward_backward(const int32_t* tokens, double grad_scale) {
+  Impl& m = *impl_;
+  m.upload_tokens(tokens);
+  m.lap(nullptr);
+  m.run_forward();
+  size_t site = m.site_weight.size() - 1;
+  m.lm_head_op->forward_backward(m.normed[site], m.bf16(m.lm_head), m.targets,
+                                 static_cast<float>(grad_scale), m.loss, nullptr, m.ddelta,
+                                 m.grad(m.lm_head), m.s());
+  m.lap("lm_head+loss forward+backward");
+  m.norm_op->backward(m.residual[site], m.value(m.site_weight[site]), m.rstd[site],
+                      cuda::RowsRef{m.ddelta, nullptr}, nullptr, m.dresidual,
+                      m.grad(m.site_weight[site]), true, m.s());
+  m.lap("add+rmsnorm backward");
+  const size_t elements = static_cast<size_t>(m.rows) * m.config.d_model;
+  // Site k's residual is site k-1's plus the sublayer's output, so the sublayer's output gradient
+  // is the gradient of site k's residual, which also flows on into site k-1.
+  const auto back_through_site = [&](auto&& sublayer_backward) {
+    cuda::cast_f32_to_bf16(m.dresidual, m.ddelta, static_cast<int64_t>(elements), m.s());
+    m.lap("residual gradient to bf16");
+    --site;
+    sublayer_backward(m.normed[site]);
+    m.norm_op->backward(m.residual[site], m.value(m.site_weight[site]), m.rstd[site],
+                        cuda::RowsRef{nullptr, m.dnormed}, m.dresidual, m.dresidual,
+                        m.grad(m.site_weight[site]), true, m.s());
+    m.lap("add+rmsnorm backward");
+  };
+  for (auto it = m.blocks.rbegin(); it != m.blocks.rend(); ++it) {
+    Impl::Block& b = *it;
+    if (b.mlp) {
+      back_through_site([&](const uint16_t* x) {
+        Impl::MlpLayer& l = *b.mlp;
+        l.mlp->backward(x, m.bf16(l.fc1), m.bf16(l.fc2), l.fc1_out, l.act, m.ddelta,
+                        cuda::RowsOut{nullptr, m.dnormed}, m.grad(l.fc1), m.grad(l.fc2), true,
+                        m.scratch_a, m.scratch_b, m.s());
+        m.lap("mlp backward");
+      });
+    }
+    if (b.mamba) back_through_site([&](const uint16_t* x) { m.mamba_backward(*b.mamba, x); });
+    if (b.attention) {
+      back_through_site([&](const uint16_t* x) { m.attention_backward(*b.attention, x); });
+    }
+  }
+  m.embedding_op->backward(m.inputs, m.dresidual, m.grad(m.embedding), true, m.s());
+  m.lap("embedding backward");
+  return m.read_loss();
+}
+
+double CudaModel::optimizer_step(double lr) {
+  Impl& m = *impl_;
+  ++m.steps_taken;
+  m.lap(nullptr);
+  m.grad_norm_op->compute(m.optimizer.grad_clip, m.grad_norm, m.clip_scale, m.s());
+  m.lap("gradient norm");
+  const ops::AdamWHyper hyper{lr, m.optimizer.beta1, m.optimizer.beta2, m.optimizer.eps,
+                              m.optimizer.weight_decay};
+  m.adamw_op->step(hyper, m.steps_taken, m.clip_scale, m.s());
+  m.lap("AdamW");
+  float norm = 0;
+  MEGACPP_CUDA_CHECK(
+      cudaMemcpyAsync(&norm, m.grad_norm, sizeof(float), cudaMemcpyDeviceToHost, m.stream));
+  MEGACPP_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+  m.harvest();
+  return norm;
+}
+
+void CudaModel::set_profiling(bool on) {
+  Impl& m = *impl_;
+  if (on && m.events.empty()) {
+    m.events.resize(Impl::kMaxLaps);
+    m.lap_labels.assign(Impl::kMaxLaps, nullptr);
+    for (cudaEvent_t& e : m.events) MEGACPP_CUDA_CHECK(cudaEventCreate(&e));
+  }
+  m.profiling = on;
+  m.laps = 0;
+}
+
+std::vector<OpTime> CudaModel::op_times() const {
+  std::vector<OpTime> out;
+  for (const auto& [name, samples] : impl_->op_samples) {
+    std::vector<float> sorted = samples;
+    std::sort(sorted.begin(), sorted.end());
+    OpTime t;
+    t.op = name;
+    t.calls = static_cast<int64_t>(sorted.size());
+    for (float ms : sorted) t.total_ms += ms;
+    t.min_ms = sorted.front();
+    t.median_ms = sorted[sorted.size() / 2];
+    t.max_ms = sorted.back();
+    out.push_back(t);
+  }
+  std::sort(out.begin(), out.end(),
+            [](const OpTime& a, const OpTime& b) { return a.total_ms > b.total_ms; });
+  return out;
+}
+
+std::vector<cuda::KernelAttributes> CudaModel::scan_kernel_attributes() const {
+  for (const Impl::Block& b : impl_->blocks) {
+    if (b.mamba) return cuda::kernel_attributes(b.mamba->scan->shape());
+  }
+  return {};
+}
+
+void CudaModel::reset_op_times() {
+  impl_->op_samples.clear();
+}
+
+}  // namespace megacpp

@@ -1,0 +1,97 @@
+#pragma once
+// The model of shared/spec/model.md trained on one CUDA GPU: the forward and backward of
+// runtime/model/model.h over the kernels of kernels/cuda, and the optimizer step (global gradient
+// norm, clipping and AdamW) on the device.
+//
+// Mixed precision as the official model trains under bf16 autocast with residual_in_fp32: fp32
+// master weights, gradients and AdamW moments; bf16 copies of the weights as matmul operands
+// (the optimizer rewrites them after every update); bf16 activations between matmuls; an fp32
+// residual stream; an fp32 loss.
+//
+// Memory: every buffer the step touches (parameters, gradients, moments, the activations kept for
+// the backward, the scratch of the backward and the ops' workspaces) is planned from (config,
+// batch, seqlen) in the constructor and taken from one device allocation; nothing is allocated
+// while a step runs. (The scan and the preprocessing own their workspaces, also allocated once,
+// in the constructor.)
+//
+// The host model is the mirror this one is loaded from and saved to: it holds the parameter
+// names, shapes and values, so initialization and checkpoints stay the CPU runtime's code.
+//
+// Plain C++ (no CUDA types in this header).
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda/mamba3_scan.h"
+#include "runtime/model/model.h"
+#include "runtime/optimizer/adamw.h"
+
+namespace megacpp {
+
+// The device time of one op of the step (e.g. "mamba scan backward"), summed over its calls in
+// the profiled steps (every layer's call is one call).
+struct OpTime {
+  std::string op;
+  int64_t calls = 0;
+  double total_ms = 0;
+  double min_ms = 0;  // of one call
+  double median_ms = 0;
+  double max_ms = 0;
+};
+
+class CudaModel {
+ public:
+  // Plans and allocates the device memory for micro-batches of [batch, seqlen] tokens of
+  // `host`'s model on CUDA device `device`. Throws megacpp::Error: kInvalidArgument for a shape
+  // a kernel does not cover (naming it), kFailedPrecondition when the device lacks memory.
+  CudaModel(const Model<float>& host, int batch, int seqlen, const OptimizerConfig& optimizer,
+            int device = 0);
+  ~CudaModel();
+  CudaModel(const CudaModel&) = delete;
+  CudaModel& operator=(const CudaModel&) = delete;
+
+  // Copies the host's parameter values (and, when given, the optimizer's moments and step
+  // count) to the device and rebuilds the bf16 weight copies. Synchronous.
+  void upload(const ParameterSet<float>& params, const AdamW<float>* optimizer);
+  // Copies the device's parameter values (and moments and step count) into the host. Synchronous.
+  void download(ParameterSet<float>& params, AdamW<float>* optimizer) const;
+  // The accumulated gradients, in the host ParameterSet's flat layout. Synchronous.
+  std::vector<float> download_gradients() const;
+
+  void zero_grad();
+  // As Model::forward / forward_backward: tokens [batch, seqlen + 1] on the host (validated
+  // there); returns the mean cross entropy; forward_backward accumulates grad_scale · dloss/dθ.
+  double forward(const int32_t* tokens);
+  double forward_backward(const int32_t* tokens, double grad_scale);
+  // Global gradient norm, clipping at the optimizer config's grad_clip and one AdamW update
+  // with learning rate `lr` (the step counter advances first). Returns the norm before clipping.
+  double optimizer_step(double lr);
+
+  // Profiling times every op of the step with CUDA events between its neighbours on the stream
+  // (so the times add up to the step's device time); off, no event is recorded. The events are
+  // created when profiling is first turned on, never inside a step.
+  void set_profiling(bool on);
+  // The ops' times since the last reset, the most expensive first.
+  std::vector<OpTime> op_times() const;
+  void reset_op_times();
+  // What the runtime says about each kernel the Mamba-3 scan launches at this model's shape
+  // (registers, shared memory, occupancy); empty for a model without Mamba-3 layers.
+  std::vector<cuda::KernelAttributes> scan_kernel_attributes() const;
+
+  int batch() const;
+  int seqlen() const;
+  // Bytes of the one planned allocation.
+  size_t planned_bytes() const;
+  // Device memory this model holds now (the planned allocation, the scan's and preprocessing's
+  // workspaces, the libraries' handles), measured as the drop in the device's free memory since
+  // just before construction.
+  size_t device_bytes_in_use() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace megacpp

@@ -1,0 +1,272 @@
+// The whole training step on the GPU (runtime/model/cuda_model.h) against the CPU model in
+// double: the loss and every parameter's gradient of one forward+backward, on small configs that
+// cover both layer kinds, the MLP, GQA, tied and untied embeddings, MIMO rank 4 and 1; bitwise
+// reproducibility of the step; the optimizer step's gradient norm; and a round trip of the
+// parameters and optimizer state through the host.
+//
+// Both models start from the same values, rounded to bf16 first: the GPU multiplies bf16 copies
+// of the weights, so the oracle sees exactly the weights the GPU sees, and what remains is the
+// step's own mixed-precision error (bf16 activations and bf16 per-token gradients between the
+// ops, as under the official model's autocast).
+//
+// Tolerances, max-abs normalised per tensor: the loss within shared/bench/anchors.md's forward
+// bound (0.01; measured 1e-5 to 7e-5). The gradients do NOT meet the per-op bound (0.012) after a
+// whole backward: measured on an H100 (2026-11-23) the worst tensors are the ones summed over
+// every token with heavy cancellation (dt_bias 5.4e-2, B/C biases and norm weights, D,
+// mimo_* 1.4e-2 to 3.6e-2) and the first layers' weights (fc1 1.8e-2), while every op alone meets
+// 0.012 in the oracle harness. The bound here, 0.08, is what the composition gives with margin; a
+// wrong op or wiring shows up as errors of order 1.
+#include <gtest/gtest.h>
+
+#ifdef MEGACPP_HAVE_CUDA
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "runtime/model/cuda_model.h"
+#include "runtime/model/model.h"
+#include "tests/support/bf16.h"
+
+namespace megacpp {
+namespace {
+
+constexpr double kForwardTolerance = 0.01;
+constexpr double kGradientTolerance = 0.08;
+// The global gradient norm sums every gradient: its error is the per-op one.
+constexpr double kNormTolerance = 0.012;
+
+bool gpu_present() {
+  int count = 0;
+  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+}
+
+#define REQUIRE_GPU()                                     \
+  do {                                                    \
+    if (!gpu_present()) GTEST_SKIP() << "no CUDA device"; \
+  } while (0)
+
+struct StepCase {
+  std::string name;
+  nlohmann::json config;
+  int batch;
+  int seqlen;
+};
+
+std::vector<StepCase> step_cases() {
+  return {
+      // Both layer kinds with the MLP, GQA (4 q heads over 2 kv heads), tied embeddings, R = 4.
+      {"hybrid_gqa_tied_r4",
+       {{"d_model", 256},
+        {"pattern", "M*M"},
+        {"d_intermediate", 384},
+        {"vocab_size", 300},
+        {"tie_embeddings", true},
+        {"ssm_cfg", {{"d_state", 32}, {"headdim", 32}, {"mimo_rank", 4}, {"chunk_size", 16}}},
+        {"attn_cfg", {{"num_heads", 4}, {"num_heads_kv", 2}, {"rotary_emb_dim", 32}}}},
+       2,
+       48},
+      // Untied lm_head, MHA, no MLP, SISO (R = 1) with two B/C groups, a length that is not a
+      // multiple of the chunk.
+      {"untied_mha_r1_nomlp",
+       {{"d_model", 128},
+        {"pattern", "*MM"},
+        {"d_intermediate", 0},
+        {"vocab_size", 200},
+        {"tie_embeddings", false},
+        {"ssm_cfg",
+         {{"d_state", 16}, {"headdim", 16}, {"ngroups", 2}, {"mimo_rank", 1}, {"chunk_size", 16}}},
+        {"attn_cfg", {{"num_heads", 2}, {"num_heads_kv", 2}, {"rotary_emb_dim", 64}}}},
+       3,
+       37},
+      // The tiny preset's shapes (head_dim 48) over a short window.
+      {"tiny_preset", model_config_to_json(model_preset("tiny")), 2, 64},
+  };
+}
+
+std::vector<int32_t> random_tokens(int batch, int seqlen, int vocab, std::mt19937_64& rng) {
+  std::vector<int32_t> t(static_cast<size_t>(batch) * (seqlen + 1));
+  for (auto& v : t) v = static_cast<int32_t>(rng() % static_cast<uint64_t>(vocab));
+  return t;
+}
+
+// The host float model (the GPU's mirror) and the double oracle with the same bf16-exact values.
+struct Pair {
+  ModelConfig config;
+  Model<float> host;
+  Model<double> oracle;
+  explicit Pair(const ModelConfig& c) : config(c), host(c), oracle(c) {
+    host.init_parameters(5);
+    // Perturb the structured inits (ones, 1/R) so that no gradient vanishes by symmetry.
+    std::mt19937_64 rng(17);
+    std::uniform_real_distribution<float> jitter(-0.2f, 0.2f);
+    for (float& v : host.parameters().values()) {
+      const float jittered = v + jitter(rng) * (std::abs(v) > 0.5f ? 1.0f : 0.1f);
+      v = static_cast<float>(testing::from_bf16(testing::to_bf16(jittered)));
+    }
+    const auto& src = host.parameters().values();
+    auto& dst = oracle.parameters().values();
+    for (size_t i = 0; i < src.size(); ++i) dst[i] = src[i];
+  }
+};
+
+class CudaModelStep : public ::testing::TestWithParam<StepCase> {};
+
+TEST_P(CudaModelStep, LossAndEveryGradientMatchTheCpuDoubleModel) {
+  REQUIRE_GPU();
+  const StepCase& c = GetParam();
+  Pair pair(parse_model_config(c.config, c.name));
+  std::mt19937_64 rng(23);
+  std::vector<int32_t> tokens = random_tokens(c.batch, c.seqlen, pair.config.vocab_size, rng);
+  tokens[static_cast<size_t>(c.seqlen)] = -1;  // an ignored target
+
+  pair.oracle.plan(c.batch, c.seqlen);
+  pair.oracle.parameters().zero_grad();
+  const double want_loss = pair.oracle.forward_backward(tokens.data(), 1.0);
+
+  CudaModel gpu(pair.host, c.batch, c.seqlen, OptimizerConfig{});
+  gpu.upload(pair.host.parameters(), nullptr);
+  gpu.zero_grad();
+  const double got_loss = gpu.forward_backward(tokens.data(), 1.0);
+  const std::vector<float> grads = gpu.download_gradients();
+  EXPECT_LE(std::abs(got_loss - want_loss) / std::abs(want_loss), kForwardTolerance)
+      << "loss: gpu " << got_loss << ", cpu double " << want_loss;
+  EXPECT_NEAR(gpu.forward(tokens.data()), got_loss, 1e-6 * std::abs(want_loss));
+
+  const auto& want = pair.oracle.parameters().grads();
+  std::vector<std::pair<double, std::string>> errors;
+  for (const ParameterInfo& p : pair.host.parameters().entries()) {
+    double max_ref = 0, max_err = 0;
+    bool finite = true;
+    for (int64_t i = p.offset; i < p.offset + p.size; ++i) {
+      const double g = grads[static_cast<size_t>(i)], w = want[static_cast<size_t>(i)];
+      finite = finite && std::isfinite(g);
+      max_ref = std::max(max_ref, std::abs(w));
+      max_err = std::max(max_err, std::abs(g - w));
+    }
+    ASSERT_TRUE(finite) << p.name << ": non-finite gradient on the GPU";
+    const double rel = max_ref > 0 ? max_err / max_ref : max_err;
+    EXPECT_LE(rel, kGradientTolerance)
+        << p.name << ": max|gpu - cpu| = " << max_err << ", max|cpu| = " << max_ref;
+    errors.emplace_back(rel, p.name);
+  }
+  std::sort(errors.rbegin(), errors.rend());
+  std::printf(
+      "[ %s ] loss gpu %.7f cpu %.7f (rel %.2e); device %zu bytes planned, %zu in use; "
+      "worst gradients:",
+      c.name.c_str(), got_loss, want_loss, std::abs(got_loss - want_loss) / want_loss,
+      gpu.planned_bytes(), gpu.device_bytes_in_use());
+  for (size_t i = 0; i < std::min<size_t>(errors.size(), 6); ++i) {
+    std::printf(" %s %.2e;", errors[i].second.c_str(), errors[i].first);
+  }
+  std::printf("\n");
+}
+
+TEST_P(CudaModelStep, TwoStepsOfTheSameJobAreBitwiseEqual) {
+  REQUIRE_GPU();
+  const StepCase& c = GetParam();
+  Pair pair(parse_model_config(c.config, c.name));
+  std::mt19937_64 rng(29);
+  const std::vector<int32_t> tokens = random_tokens(c.batch, c.seqlen, pair.config.vocab_size, rng);
+  CudaModel gpu(pair.host, c.batch, c.seqlen, OptimizerConfig{});
+  std::vector<std::vector<float>> runs;
+  std::vector<double> losses;
+  for (int run = 0; run < 2; ++run) {
+    AdamW<float> fresh(pair.host.parameters(), OptimizerConfig{});  // zero moments, step 0
+    gpu.upload(pair.host.parameters(), &fresh);
+    gpu.zero_grad();
+    losses.push_back(gpu.forward_backward(tokens.data(), 0.5));
+    losses.push_back(gpu.forward_backward(tokens.data(), 0.5));  // accumulation
+    losses.push_back(gpu.optimizer_step(1e-3));
+    runs.push_back(gpu.download_gradients());
+    ParameterSet<float> after = pair.host.parameters();
+    gpu.download(after, nullptr);
+    runs.push_back(after.values());
+  }
+  EXPECT_EQ(losses[0], losses[3]);
+  EXPECT_EQ(losses[1], losses[4]);
+  EXPECT_EQ(losses[2], losses[5]);
+  EXPECT_EQ(0, std::memcmp(runs[0].data(), runs[2].data(), runs[0].size() * sizeof(float)))
+      << "gradients differ between two identical steps";
+  EXPECT_EQ(0, std::memcmp(runs[1].data(), runs[3].data(), runs[1].size() * sizeof(float)))
+      << "updated parameters differ between two identical steps";
+}
+
+TEST_P(CudaModelStep, OptimizerStepReportsTheCpuGradientNormAndRoundTripsThroughTheHost) {
+  REQUIRE_GPU();
+  const StepCase& c = GetParam();
+  Pair pair(parse_model_config(c.config, c.name));
+  std::mt19937_64 rng(31);
+  const std::vector<int32_t> tokens = random_tokens(c.batch, c.seqlen, pair.config.vocab_size, rng);
+  pair.oracle.plan(c.batch, c.seqlen);
+  pair.oracle.parameters().zero_grad();
+  pair.oracle.forward_backward(tokens.data(), 1.0);
+  double want_sq = 0;
+  for (double g : pair.oracle.parameters().grads()) want_sq += g * g;
+
+  OptimizerConfig opt;
+  opt.grad_clip = 0.5;
+  AdamW<float> host_optimizer(pair.host.parameters(), opt);
+  CudaModel gpu(pair.host, c.batch, c.seqlen, opt);
+  gpu.upload(pair.host.parameters(), &host_optimizer);
+  gpu.zero_grad();
+  gpu.forward_backward(tokens.data(), 1.0);
+  const double norm = gpu.optimizer_step(1e-3);
+  EXPECT_LE(std::abs(norm - std::sqrt(want_sq)) / std::sqrt(want_sq), kNormTolerance);
+
+  // Download, upload into a fresh device model, download again: the same bits and step count.
+  ParameterSet<float> params = pair.host.parameters();
+  AdamW<float> moments(params, opt);
+  gpu.download(params, &moments);
+  EXPECT_EQ(moments.steps_taken(), 1);
+  bool changed = false;
+  for (size_t i = 0; i < params.values().size(); ++i) {
+    changed = changed || params.values()[i] != pair.host.parameters().values()[i];
+  }
+  EXPECT_TRUE(changed) << "the optimizer step left every parameter as it was";
+  CudaModel again(pair.host, c.batch, c.seqlen, opt);
+  again.upload(params, &moments);
+  ParameterSet<float> back = pair.host.parameters();
+  AdamW<float> back_moments(back, opt);
+  again.download(back, &back_moments);
+  EXPECT_EQ(back.values(), params.values());
+  EXPECT_EQ(back_moments.exp_avg(), moments.exp_avg());
+  EXPECT_EQ(back_moments.exp_avg_sq(), moments.exp_avg_sq());
+  EXPECT_EQ(back_moments.steps_taken(), 1);
+}
+
+INSTANTIATE_TEST_SUITE_P(Configs, CudaModelStep, ::testing::ValuesIn(step_cases()),
+                         [](const auto& test) { return test.param.name; });
+
+TEST(CudaModelInput, RefusesTokensOutsideTheVocabularyNamingThePosition) {
+  REQUIRE_GPU();
+  const StepCase c = step_cases()[0];
+  Pair pair(parse_model_config(c.config, c.name));
+  CudaModel gpu(pair.host, 1, 8, OptimizerConfig{});
+  std::vector<int32_t> tokens(9, 1);
+  tokens[3] = pair.config.vocab_size;
+  try {
+    gpu.forward(tokens.data());
+    FAIL() << "expected a refusal";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("position 3"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace megacpp
+
+#else
+
+TEST(CudaModelStep, SkippedWithoutCuda) {
+  GTEST_SKIP() << "built without CUDA";
+}
+
+#endif
