@@ -1,9 +1,10 @@
 """One of our checkpoints in the official PyTorch MambaLMHeadModel: the same tokens, both losses.
 
 Runs on a GPU machine with torch and the official package (../shared/peer, carried as .peer).
-The official SISO path (is_mimo false) has no mimo_x/z/o: it equals ours with them fixed at 1,
-so the checkpoint must be R = 1; --fix-mimo writes a copy of it with mimo_x/z/o set to 1 (our
-loss must then be measured on that copy, e.g. `megacpp eval --checkpoint OUT_DIR ...`).
+The official SISO path (is_mimo false) has no mimo_x/z/o: it computes ours with them fixed at 1
+once the B/C state dims are reordered (siso_state_order: it pairs rotated dims differently), so
+the checkpoint must be R = 1; --fix-mimo writes a copy of it with mimo_x/z/o set to 1 (our loss
+must then be measured on that copy, e.g. `megacpp eval --checkpoint OUT_DIR ...`).
 
   python3 bench/official_parity.py --peer .peer --checkpoint DIR --data PREFIX --seqlen S \
       [--fix-mimo OUT_DIR [--fix-only]] [--max-windows N] [--ours LOSS]
@@ -77,6 +78,40 @@ def token_stream(prefix):
     return np.concatenate(parts).astype(np.int64)
 
 
+def siso_state_order(tensors, config):
+    """Our checkpoint with the B/C state dims reordered for the official SISO path.
+
+    Both rotate A_n pairs of state dims by the same angles, but pair them differently: ours (the
+    spec, and the official MIMO path) rotates dim j with dim j + N/2; the official SISO Triton
+    kernels rotate dims 2j and 2j + 1 (mamba3.py: rotate_pairwise = not is_mimo). Official dim i
+    takes our dim perm[i]. The RMSNorm over the N dims and the q·k products do not depend on the
+    order, so the reordered model computes exactly our function.
+    """
+    ssm = config["ssm_cfg"]
+    N, G, R = ssm["d_state"], ssm.get("ngroups", 1), ssm["mimo_rank"]
+    d_inner = ssm.get("expand", 2) * config["d_model"]
+    angles = int(ssm.get("rope_fraction", 0.5) * N)
+    angles = (angles - angles % 2) // 2
+    paired = [x for j in range(angles) for x in (j, j + N // 2)]
+    perm = np.array(paired + [d for d in range(N) if d not in set(paired)])
+    attention_layers = set(config.get("attn_layer_idx") or [])
+    out = dict(tensors)
+    for layer in range(config["n_layer"]):
+        if layer in attention_layers:
+            continue
+        p = f"backbone.layers.{layer}.mixer."
+        w = tensors[p + "in_proj.weight"].copy()
+        for block in range(2 * G * R):  # B (G·R vectors of N rows), then C
+            base = 2 * d_inner + block * N
+            w[base:base + N] = tensors[p + "in_proj.weight"][base + perm]
+        out[p + "in_proj.weight"] = w
+        for bias in ("B_bias", "C_bias"):
+            out[p + bias] = tensors[p + bias][..., perm]
+        for norm in ("B_norm.weight", "C_norm.weight"):
+            out[p + norm] = tensors[p + norm][perm]
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--peer", required=True)
@@ -108,6 +143,10 @@ def main():
     for name, t in tensors.items():
         if name.rsplit(".", 1)[-1] in ("mimo_x", "mimo_z", "mimo_o") and not np.all(t == 1):
             raise SystemExit(f"{name} is not all ones: pass --fix-mimo DIR")
+
+    if abs(config.get("norm_epsilon", 1e-5) - 1e-5) > 0:
+        raise SystemExit(f"norm_epsilon={config['norm_epsilon']}: the official model fixes 1e-5")
+    tensors = siso_state_order(tensors, config)
 
     sys.path.insert(0, os.path.abspath(a.peer))
     import torch

@@ -20,14 +20,34 @@ namespace megacpp {
 
 namespace fs = std::filesystem;
 
+namespace {
+
+constexpr const char* kEmbedding = "backbone.embedding.weight";
+constexpr const char* kLmHead = "lm_head.weight";
+// The official model's RMSNorm epsilon: MambaConfig has no field for it.
+constexpr double kOfficialNormEpsilon = 1e-5;
+
+}  // namespace
+
+// config.json holds MambaConfig's keys, so that MambaConfig(**json) accepts it (the spec's
+// checkpoint contract); norm_epsilon stays only when it differs from the official model's fixed
+// value, where the official loader then refuses the checkpoint instead of computing another model.
+// A tied model's lm_head.weight is written as a copy of the embedding, as the official model's
+// state_dict() has it, so that load_state_dict(strict=True) takes the file.
 void save_model_checkpoint(const fs::path& dir, const Model<float>& model) {
   fs::create_directories(dir);
-  save_json_atomically(dir / "config.json", model_config_to_json(model.config()));
+  nlohmann::json config = model_config_to_json(model.config());
+  if (model.config().norm_epsilon == kOfficialNormEpsilon) config.erase("norm_epsilon");
+  save_json_atomically(dir / "config.json", config);
   const auto& params = model.parameters();
   std::vector<TensorRef> tensors;
   for (size_t i = 0; i < params.entries().size(); ++i) {
     const auto& info = params.entries()[i];
     tensors.push_back({info.name, info.shape, params.value(static_cast<int>(i))});
+  }
+  if (model.config().tie_embeddings) {
+    const int embedding = params.find(kEmbedding);
+    tensors.push_back({kLmHead, params.info(embedding).shape, params.value(embedding)});
   }
   save_safetensors(dir / "model.safetensors", tensors,
                    {{"format", "pt"}, {"writer", version_string()}});
@@ -41,6 +61,22 @@ void load_model_weights(const fs::path& dir, Model<float>& model) {
   const fs::path file = dir / "model.safetensors";
   auto tensors = load_safetensors(file);
   auto& params = model.parameters();
+  // A tied model's lm_head.weight is the embedding's copy (checkpoints before it was written
+  // have none): it must be exactly that copy, or the file holds two different models.
+  if (model.config().tie_embeddings) {
+    if (auto it = tensors.find(kLmHead); it != tensors.end()) {
+      const auto embedding = tensors.find(kEmbedding);
+      const bool same = embedding != tensors.end() && embedding->second.shape == it->second.shape &&
+                        std::memcmp(embedding->second.data.data(), it->second.data.data(),
+                                    sizeof(float) * it->second.data.size()) == 0;
+      if (!same) {
+        fail(ErrorKind::kInvalidArgument,
+             "{}: the model ties its embeddings, but lm_head.weight is not an exact copy of {}",
+             file.string(), kEmbedding);
+      }
+      tensors.erase(it);
+    }
+  }
   std::vector<std::pair<std::string, std::vector<int64_t>>> expected;
   for (const auto& info : params.entries()) expected.emplace_back(info.name, info.shape);
   check_tensor_set(tensors, expected, file.string());
@@ -118,8 +154,12 @@ uint64_t training_checkpoint_bytes(const ParameterSet<float>& params) {
   // most) plus dtype, shape and offsets: 160 bytes beyond the name covers any shape.
   uint64_t headers = 0;
   for (const auto& info : params.entries()) headers += 3 * (info.name.size() + 11 + 160);
+  // A tied lm_head's copy of the embedding is at most the largest tensor again.
+  int64_t largest = 0;
+  for (const auto& info : params.entries()) largest = std::max(largest, info.size);
   constexpr uint64_t kJsonFiles = 64 << 10;  // config.json, trainer_state.json, latest
-  return 3 * sizeof(float) * static_cast<uint64_t>(params.total()) + headers + kJsonFiles;
+  return 3 * sizeof(float) * static_cast<uint64_t>(params.total()) +
+         sizeof(float) * static_cast<uint64_t>(largest) + headers + kJsonFiles;
 }
 
 void require_free_space_for_checkpoint(const fs::path& run_dir, uint64_t bytes,

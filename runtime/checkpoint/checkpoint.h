@@ -1,11 +1,12 @@
 #pragma once
-// Checkpoints. A model checkpoint is a directory holding config.json and
-// model.safetensors (fp32, the PyTorch module names): the format mamba_ssm's
-// MambaLMHeadModel reads. A training checkpoint adds optimizer.safetensors
-// (AdamW moments, named exp_avg.<param> / exp_avg_sq.<param>) and
-// trainer_state.json (step, data position, RNG, schedule). Every file is written
-// atomically; the `latest` pointer of a run directory is written last, so a crash
-// mid-save leaves the previous checkpoint as the latest complete one.
+// Checkpoints. A model checkpoint is a directory holding config.json (MambaConfig's keys)
+// and model.safetensors (fp32, the PyTorch module names; a tied model's lm_head.weight as
+// a copy of the embedding): the format mamba_ssm's MambaLMHeadModel reads
+// (MambaLMHeadModel(MambaConfig(**config)).load_state_dict(tensors, strict=True)). A training
+// checkpoint adds optimizer.safetensors (AdamW moments, named exp_avg.<param> / exp_avg_sq.<param>)
+// and trainer_state.json (step, data position, RNG, schedule). Every file is written atomically;
+// the `latest` pointer of a run directory is written last, so a crash mid-save leaves the previous
+// checkpoint as the latest complete one.
 #include <cstdint>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -23,7 +24,8 @@ void save_model_checkpoint(const std::filesystem::path& dir, const Model<float>&
 // Reads dir/config.json.
 ModelConfig load_checkpoint_config(const std::filesystem::path& dir);
 // Loads dir/model.safetensors into `model`, refusing a missing, extra or
-// mis-shaped tensor with its name and both shapes.
+// mis-shaped tensor with its name and both shapes, and a tied model's lm_head.weight
+// that is not an exact copy of the embedding (a file without one loads).
 void load_model_weights(const std::filesystem::path& dir, Model<float>& model);
 
 void save_optimizer_state(const std::filesystem::path& file, const ParameterSet<float>& params,

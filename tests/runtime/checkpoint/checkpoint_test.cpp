@@ -8,6 +8,7 @@
 #include <limits>
 
 #include "base/error.h"
+#include "base/json_file.h"
 #include "runtime/checkpoint/safetensors.h"
 #include "tests/support/temp_dir.h"
 
@@ -81,6 +82,51 @@ TEST(Checkpoint, RefusesMissingExtraAndMisshapedTensorsByName) {
   e = load_error(dir.path());
   EXPECT_NE(e.find("backbone.layers.0.mixer.D has shape [3], expected [4]"), std::string::npos)
       << e;
+}
+
+// The official loader's contract (shared/spec/model.md): config.json holds MambaConfig's keys
+// (norm_epsilon only when it is not the official model's fixed 1e-5), and a tied model's file
+// has lm_head.weight as an exact copy of the embedding; a copy that differs is refused, and a
+// file without one (written before) still loads.
+TEST(Checkpoint, FollowsTheOfficialLoadersContract) {
+  testing::TempDir dir;
+  Model<float> model(config());
+  model.init_parameters(5);
+  save_model_checkpoint(dir.path(), model);
+  const nlohmann::json written = load_json_file(dir / "config.json");
+  EXPECT_FALSE(written.contains("norm_epsilon")) << written.dump();
+  for (const char* key : {"d_model", "d_intermediate", "n_layer", "vocab_size", "ssm_cfg",
+                          "attn_layer_idx", "attn_cfg", "rms_norm", "residual_in_fp32",
+                          "fused_add_norm", "pad_vocab_size_multiple", "tie_embeddings"}) {
+    EXPECT_TRUE(written.contains(key)) << key;
+  }
+  EXPECT_EQ(written.size(), 12u) << written.dump();
+  auto tensors = load_safetensors(dir / "model.safetensors");
+  ASSERT_TRUE(tensors.count("lm_head.weight"));
+  EXPECT_EQ(tensors.at("lm_head.weight").data, tensors.at("backbone.embedding.weight").data);
+
+  auto rewrite = [&](const std::map<std::string, TensorF32>& set) {
+    std::vector<TensorRef> refs;
+    for (const auto& [name, t] : set) refs.push_back({name, t.shape, t.data.data()});
+    save_safetensors(dir / "model.safetensors", refs);
+  };
+  auto differs = tensors;
+  differs.at("lm_head.weight").data[3] += 1.0f;
+  rewrite(differs);
+  const std::string e = load_error(dir.path());
+  EXPECT_NE(e.find("lm_head.weight is not an exact copy"), std::string::npos) << e;
+
+  auto older = tensors;
+  older.erase("lm_head.weight");
+  rewrite(older);
+  EXPECT_EQ(load_error(dir.path()), "");
+
+  // Another epsilon is kept, so that it survives the round trip (and the official loader refuses).
+  ModelConfig other = config();
+  other.norm_epsilon = 1e-6;
+  Model<float> eps_model(other);
+  save_model_checkpoint(dir / "eps", eps_model);
+  EXPECT_EQ(load_checkpoint_config(dir / "eps").norm_epsilon, 1e-6);
 }
 
 TEST(Checkpoint, LatestPointerNamesACompleteCheckpoint) {
