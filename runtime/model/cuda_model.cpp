@@ -156,6 +156,28 @@ struct CudaModel::Impl {
   void lap(const char* label);
   void harvest();
 
+  // The scan's inputs: the preprocessing's outputs and the bf16 copies of the per-head parameters
+  // (C_bias is the scan's q bias, B_bias its k bias).
+  cuda::ScanDeviceInputs scan_inputs(const MambaLayer& l,
+                                     const cuda::PreprocessDeviceOutputs& in) const {
+    cuda::ScanDeviceInputs s;
+    s.q = in.q;
+    s.k = in.k;
+    s.v = in.x;
+    s.z = in.z;
+    s.adt = in.adt;
+    s.dt = in.dt;
+    s.trap = in.trap;
+    s.angles = in.angles;
+    s.q_bias = bf16(l.c_bias);
+    s.k_bias = bf16(l.b_bias);
+    s.mimo_x = bf16(l.mimo_x);
+    s.mimo_z = bf16(l.mimo_z);
+    s.mimo_o = bf16(l.mimo_o);
+    s.d = bf16(l.d);
+    return s;
+  }
+
   void upload_tokens(const int32_t* tokens);
   void run_forward();
   void mamba_forward(MambaLayer& l, const uint16_t* x);
@@ -601,21 +623,7 @@ void CudaModel::Impl::mamba_forward(MambaLayer& l, const uint16_t* x) {
   l.preprocess->forward(l.proj, {m.value(l.dt_bias), m.value(l.b_norm), m.value(l.c_norm)}, in,
                         m.s());
   m.lap("mamba preprocess forward");
-  cuda::ScanDeviceInputs s;
-  s.q = in.q;
-  s.k = in.k;
-  s.v = in.x;
-  s.z = in.z;
-  s.adt = in.adt;
-  s.dt = in.dt;
-  s.trap = in.trap;
-  s.angles = in.angles;
-  s.q_bias = m.bf16(l.c_bias);
-  s.k_bias = m.bf16(l.b_bias);
-  s.mimo_x = m.bf16(l.mimo_x);
-  s.mimo_z = m.bf16(l.mimo_z);
-  s.mimo_o = m.bf16(l.mimo_o);
-  s.d = m.bf16(l.d);
+  const cuda::ScanDeviceInputs s = m.scan_inputs(l, in);
   l.scan->forward(s, l.y, m.s());
   m.lap("mamba scan forward");
   l.out_linear->forward(l.y, m.bf16(l.out_proj), nullptr, cuda::RowsOut{m.delta, nullptr}, m.s());
@@ -684,21 +692,7 @@ void CudaModel::Impl::mamba_backward(MambaLayer& l, const uint16_t* x) {
   m.lap("mamba out_proj backward");
   const cuda::PreprocessDeviceOutputs in = carve_scan_inputs(l.scan_in, l.shape, row_count);
   const cuda::PreprocessDeviceOutputs gin = carve_scan_inputs(m.scratch_c, l.shape, row_count);
-  cuda::ScanDeviceInputs s;
-  s.q = in.q;
-  s.k = in.k;
-  s.v = in.x;
-  s.z = in.z;
-  s.adt = in.adt;
-  s.dt = in.dt;
-  s.trap = in.trap;
-  s.angles = in.angles;
-  s.q_bias = m.bf16(l.c_bias);
-  s.k_bias = m.bf16(l.b_bias);
-  s.mimo_x = m.bf16(l.mimo_x);
-  s.mimo_z = m.bf16(l.mimo_z);
-  s.mimo_o = m.bf16(l.mimo_o);
-  s.d = m.bf16(l.d);
+  const cuda::ScanDeviceInputs s = m.scan_inputs(l, in);
   const ops::Mamba3PreprocessShape& sh = l.shape;
   const size_t h = static_cast<size_t>(sh.heads);
   const size_t rn = static_cast<size_t>(sh.rank) * sh.state;
