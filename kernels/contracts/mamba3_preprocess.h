@@ -4,6 +4,8 @@
 // (kernels/contracts/mamba3_scan.h). Implemented by kernels/cpu/mamba3_preprocess.h and
 // kernels/cuda/mamba3_preprocess.h. No OpenMP, no CUDA.
 
+#include "kernels/contracts/mamba3_scan.h"
+
 namespace megacpp::ops {
 
 struct Mamba3PreprocessShape {
@@ -28,6 +30,22 @@ struct Mamba3PreprocessShape {
   int col_dd_a() const { return col_dd_dt() + heads; }
   int col_trap() const { return col_dd_a() + heads; }
   int col_angles() const { return col_trap() + heads; }
+
+  // The shape of the scan this preprocessing feeds: rows = batch · seqlen tokens in chunks of
+  // `chunk`.
+  ScanShape scan_shape(int batch, int seqlen, int chunk) const {
+    ScanShape s;
+    s.batch = batch;
+    s.seqlen = seqlen;
+    s.heads = heads;
+    s.groups = groups;
+    s.state = state;
+    s.headdim = headdim;
+    s.rank = rank;
+    s.chunk = chunk;
+    s.angles = angles;
+    return s;
+  }
 };
 
 template <typename T>

@@ -39,20 +39,28 @@ class ScanRunnerOf final : public ScanRunner<T> {
 };
 }  // namespace detail
 
+// The preprocessing shape of the config's Mamba-3 mixers over `rows` tokens (0 until planned).
+inline ops::Mamba3PreprocessShape mamba3_preprocess_shape(const ModelConfig& config, int rows) {
+  ops::Mamba3PreprocessShape s;
+  s.rows = rows;
+  s.heads = config.ssm_heads();
+  s.headdim = config.ssm.headdim;
+  s.state = config.ssm.d_state;
+  s.groups = config.ssm.ngroups;
+  s.rank = config.ssm.mimo_rank;
+  s.angles = config.rope_angles();
+  s.a_floor = config.ssm.A_floor;
+  s.norm_eps = config.norm_epsilon;
+  return s;
+}
+
 template <typename T>
 class Mamba3Mixer {
  public:
   Mamba3Mixer(const ModelConfig& config, int layer, ParameterSet<T>& params, ScanForm form)
       : config_(config), params_(params), form_(form) {
     const std::string p = "backbone.layers." + std::to_string(layer) + ".mixer.";
-    shape_.heads = config.ssm_heads();
-    shape_.headdim = config.ssm.headdim;
-    shape_.state = config.ssm.d_state;
-    shape_.groups = config.ssm.ngroups;
-    shape_.rank = config.ssm.mimo_rank;
-    shape_.angles = config.rope_angles();
-    shape_.a_floor = config.ssm.A_floor;
-    shape_.norm_eps = config.norm_epsilon;
+    shape_ = mamba3_preprocess_shape(config, 0);
     const int64_t h = shape_.heads, r = shape_.rank, n = shape_.state, pd = shape_.headdim;
     in_proj_ = params.add(p + "in_proj.weight", {shape_.columns(), config.d_model}, true);
     dt_bias_ = params.add(p + "dt_bias", {h}, false);
@@ -111,16 +119,7 @@ class Mamba3Mixer {
     dy_.assign(rows * di, T(0));
     const size_t per_head = static_cast<size_t>(shape_.rank) * shape_.state;
     param_grad_.assign(2 * h * per_head + 3 * h * shape_.rank * shape_.headdim + h, T(0));
-    ops::ScanShape s;
-    s.batch = batch;
-    s.seqlen = seqlen;
-    s.heads = shape_.heads;
-    s.groups = shape_.groups;
-    s.state = shape_.state;
-    s.headdim = shape_.headdim;
-    s.rank = shape_.rank;
-    s.chunk = config_.ssm.chunk_size;
-    s.angles = shape_.angles;
+    const ops::ScanShape s = shape_.scan_shape(batch, seqlen, config_.ssm.chunk_size);
     if (form_ == ScanForm::kChunked) {
       scan_ = std::make_unique<detail::ScanRunnerOf<T, cpu::Mamba3ScanChunked<T>>>(s);
     } else {

@@ -251,20 +251,6 @@ CudaModel::CudaModel(const Model<float>& host, int batch, int seqlen,
   // Sizes of the shared backward scratch: the largest need of any sublayer.
   size_t scratch_a = rows * dm, scratch_b = rows * dm, scratch_c = 0, param_scratch = 0;
   size_t workspace = 0, scan_backward = 0;
-  // The scan's shape for a mixer's preprocessing shape: [batch, seqlen] and the config's chunk.
-  const auto scan_shape_of = [&](const ops::Mamba3PreprocessShape& p) {
-    ops::ScanShape s;
-    s.batch = batch;
-    s.seqlen = seqlen;
-    s.heads = p.heads;
-    s.groups = p.groups;
-    s.state = p.state;
-    s.headdim = p.headdim;
-    s.rank = p.rank;
-    s.chunk = c.ssm.chunk_size;
-    s.angles = p.angles;
-    return s;
-  };
   const auto need_workspace = [&](size_t bytes) {
     workspace = std::max(workspace, bytes);
   };
@@ -312,16 +298,8 @@ CudaModel::CudaModel(const Model<float>& host, int batch, int seqlen,
       layer->mimo_o = m.param(set, q + "mimo_o");
       layer->d = m.param(set, q + "D");
       layer->out_proj = m.param(set, q + "out_proj.weight");
-      ops::Mamba3PreprocessShape& s = layer->shape;
-      s.rows = m.rows;
-      s.heads = c.ssm_heads();
-      s.headdim = c.ssm.headdim;
-      s.state = c.ssm.d_state;
-      s.groups = c.ssm.ngroups;
-      s.rank = c.ssm.mimo_rank;
-      s.angles = c.rope_angles();
-      s.a_floor = c.ssm.A_floor;
-      s.norm_eps = c.norm_epsilon;
+      layer->shape = mamba3_preprocess_shape(c, m.rows);
+      const ops::Mamba3PreprocessShape& s = layer->shape;
       const size_t cols = static_cast<size_t>(s.columns());
       const size_t di = static_cast<size_t>(s.d_inner());
       a.reserve(&layer->proj, rows * cols, q + "proj");
@@ -335,8 +313,8 @@ CudaModel::CudaModel(const Model<float>& host, int batch, int seqlen,
       const size_t rp = static_cast<size_t>(s.rank) * s.headdim;
       // The scan's 6 parameter gradients, then the preprocessing's 3.
       param_scratch = std::max(param_scratch, 2 * h * rn + 3 * h * rp + h + h + 2 * s.state);
-      scan_backward =
-          std::max(scan_backward, cuda::Mamba3ScanCuda::backward_workspace_bytes(scan_shape_of(s)));
+      scan_backward = std::max(scan_backward, cuda::Mamba3ScanCuda::backward_workspace_bytes(
+                                                  s.scan_shape(batch, seqlen, c.ssm.chunk_size)));
       need_workspace(cuda::LinearCuda::workspace_bytes({m.rows, c.d_model, s.columns()}));
       need_workspace(cuda::LinearCuda::workspace_bytes({m.rows, s.d_inner(), c.d_model}));
       b.mamba = std::move(layer);
@@ -437,7 +415,8 @@ CudaModel::CudaModel(const Model<float>& host, int batch, int seqlen,
       l.preprocess = std::make_unique<cuda::Mamba3PreprocessCuda>(l.shape);
       // The layers' backwards run one after another: they share the scan's temporaries.
       l.scan = std::make_unique<cuda::Mamba3ScanCuda>(
-          scan_shape_of(l.shape), false, true, m.scan_backward_workspace, m.scan_backward_bytes);
+          l.shape.scan_shape(batch, seqlen, c.ssm.chunk_size), false, true,
+          m.scan_backward_workspace, m.scan_backward_bytes);
     }
     if (b.mlp) {
       b.mlp->mlp = std::make_unique<cuda::GatedMlpCuda>(
@@ -463,8 +442,6 @@ CudaModel::~CudaModel() {
   if (impl_ && impl_->stream != nullptr) {
     cudaStreamSynchronize(impl_->stream);
     for (cudaEvent_t e : impl_->events) cudaEventDestroy(e);
-    impl_->embedding_op.reset();
-    impl_->blocks.clear();
     cudaStreamDestroy(impl_->stream);
   }
 }

@@ -7,6 +7,7 @@
 // vectorized kernels' loads want). The slots must stay where they are until allocate().
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -32,7 +33,7 @@ class DeviceArena {
     if (base_ != nullptr)
       fail(ErrorKind::kInternal, "DeviceArena: {} reserved after allocate", what);
     const size_t bytes = (count * sizeof(T) + kAlignment - 1) / kAlignment * kAlignment;
-    requests_.push_back({reinterpret_cast<void**>(slot), total_, std::move(what)});
+    requests_.push_back({reinterpret_cast<void**>(slot), total_, bytes, std::move(what)});
     total_ += bytes;
   }
 
@@ -42,9 +43,9 @@ class DeviceArena {
     if (status != cudaSuccess) {
       (void)cudaGetLastError();
       fail(cuda::detail::error_kind(status),
-           "cannot allocate the job's {} bytes of device memory ({}): lower batch or seqlen, or "
-           "use a smaller model",
-           total_, cudaGetErrorString(status));
+           "cannot allocate the job's {} bytes of device memory ({}; the largest buffers: {}): "
+           "lower batch or seqlen, or use a smaller model",
+           total_, cudaGetErrorString(status), largest(3));
     }
     for (const Request& r : requests_) *r.slot = static_cast<char*>(base_) + r.offset;
   }
@@ -55,8 +56,22 @@ class DeviceArena {
   struct Request {
     void** slot;
     size_t offset;
+    size_t bytes;
     std::string what;
   };
+
+  // "name N bytes, ..." for the `count` largest reservations: what a refusal should name.
+  std::string largest(size_t count) const {
+    std::vector<const Request*> sorted;
+    for (const Request& r : requests_) sorted.push_back(&r);
+    std::sort(sorted.begin(), sorted.end(),
+              [](const Request* a, const Request* b) { return a->bytes > b->bytes; });
+    std::string out;
+    for (size_t i = 0; i < std::min(count, sorted.size()); ++i) {
+      out += (i ? ", " : "") + sorted[i]->what + " " + std::to_string(sorted[i]->bytes) + " bytes";
+    }
+    return out;
+  }
   std::vector<Request> requests_;
   size_t total_ = 0;
   void* base_ = nullptr;

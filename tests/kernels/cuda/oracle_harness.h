@@ -87,6 +87,7 @@
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/device_query.h"
 #include "tests/support/bf16.h"
+#include "tests/support/gpu.h"
 
 namespace megacpp::testing::oracle {
 
@@ -325,12 +326,6 @@ struct Gpu {
   std::vector<Pass> passes;
   std::function<void()> collect;
 };
-
-inline bool gpu_present(std::string& why) {
-  const auto info = cuda::query_devices();
-  if (info.devices.empty()) why = info.error;
-  return !info.devices.empty();
-}
 
 // Runs fn(), which must throw megacpp::Error of `kind` whose message contains `needle`.
 template <class Fn>
@@ -712,15 +707,6 @@ bool register_entry(const char* file, int line) {
 #define MEGACPP_ORACLE_ENTRY(Entry)                                    \
   [[maybe_unused]] static const bool megacpp_oracle_entry_##Entry##_ = \
       ::megacpp::testing::oracle::detail::register_entry<Entry>(__FILE__, __LINE__)
-
-// For entries' own tests: skips where no GPU is present.
-#define MEGACPP_REQUIRE_GPU()                                              \
-  do {                                                                     \
-    std::string megacpp_why_;                                              \
-    if (!::megacpp::testing::oracle::gpu_present(megacpp_why_)) {          \
-      GTEST_SKIP() << "GPU test: no CUDA device (" << megacpp_why_ << ")"; \
-    }                                                                      \
-  } while (0)
 
 #endif  // MEGACPP_HAVE_CUDA
 

@@ -20,8 +20,6 @@
 
 #ifdef MEGACPP_HAVE_CUDA
 
-#include <cuda_runtime.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -33,6 +31,7 @@
 #include "runtime/model/cuda_model.h"
 #include "runtime/model/model.h"
 #include "tests/support/bf16.h"
+#include "tests/support/gpu.h"
 
 namespace megacpp {
 namespace {
@@ -41,16 +40,6 @@ constexpr double kForwardTolerance = 0.01;
 constexpr double kGradientTolerance = 0.08;
 // The global gradient norm sums every gradient: its error is the per-op one.
 constexpr double kNormTolerance = 0.012;
-
-bool gpu_present() {
-  int count = 0;
-  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
-}
-
-#define REQUIRE_GPU()                                     \
-  do {                                                    \
-    if (!gpu_present()) GTEST_SKIP() << "no CUDA device"; \
-  } while (0)
 
 struct StepCase {
   std::string name;
@@ -119,7 +108,7 @@ struct Pair {
 class CudaModelStep : public ::testing::TestWithParam<StepCase> {};
 
 TEST_P(CudaModelStep, LossAndEveryGradientMatchTheCpuDoubleModel) {
-  REQUIRE_GPU();
+  MEGACPP_REQUIRE_GPU();
   const StepCase& c = GetParam();
   Pair pair(parse_model_config(c.config, c.name));
   std::mt19937_64 rng(23);
@@ -169,7 +158,7 @@ TEST_P(CudaModelStep, LossAndEveryGradientMatchTheCpuDoubleModel) {
 }
 
 TEST_P(CudaModelStep, TwoStepsOfTheSameJobAreBitwiseEqual) {
-  REQUIRE_GPU();
+  MEGACPP_REQUIRE_GPU();
   const StepCase& c = GetParam();
   Pair pair(parse_model_config(c.config, c.name));
   std::mt19937_64 rng(29);
@@ -199,7 +188,7 @@ TEST_P(CudaModelStep, TwoStepsOfTheSameJobAreBitwiseEqual) {
 }
 
 TEST_P(CudaModelStep, OptimizerStepReportsTheCpuGradientNormAndRoundTripsThroughTheHost) {
-  REQUIRE_GPU();
+  MEGACPP_REQUIRE_GPU();
   const StepCase& c = GetParam();
   Pair pair(parse_model_config(c.config, c.name));
   std::mt19937_64 rng(31);
@@ -245,7 +234,7 @@ INSTANTIATE_TEST_SUITE_P(Configs, CudaModelStep, ::testing::ValuesIn(step_cases(
                          [](const auto& test) { return test.param.name; });
 
 TEST(CudaModelInput, RefusesTokensOutsideTheVocabularyNamingThePosition) {
-  REQUIRE_GPU();
+  MEGACPP_REQUIRE_GPU();
   const StepCase c = step_cases()[0];
   Pair pair(parse_model_config(c.config, c.name));
   CudaModel gpu(pair.host, 1, 8, OptimizerConfig{});

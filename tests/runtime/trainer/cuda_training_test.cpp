@@ -6,25 +6,19 @@
 
 #ifdef MEGACPP_HAVE_CUDA
 
-#include <cuda_runtime.h>
-
 #include <cmath>
 #include <cstdlib>
 #include <vector>
 
 #include "runtime/data/prepare.h"
 #include "runtime/trainer/trainer.h"
+#include "tests/support/gpu.h"
 #include "tests/support/temp_dir.h"
 
 namespace megacpp {
 namespace {
 
 using nlohmann::json;
-
-bool gpu_present() {
-  int count = 0;
-  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
-}
 
 class RecordingObserver final : public TrainingObserver {
  public:
@@ -46,7 +40,7 @@ class RecordingObserver final : public TrainingObserver {
 class CudaTraining : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (!gpu_present()) GTEST_SKIP() << "no CUDA device";
+    MEGACPP_REQUIRE_GPU();
     for (int i = 0; i < 24; ++i) {
       testing::write_text(dir_ / ("corpus/file" + std::to_string(i) + ".txt"),
                           testing::pseudo_text(static_cast<uint64_t>(i), 2000));
