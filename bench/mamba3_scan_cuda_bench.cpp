@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -380,7 +381,10 @@ int main(int argc, char** argv) {
            "floor ms "
            "| bf16 floor ms | bytes floor ms | median / larger floor |\n"
         << "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
-  json << "{\n  \"device\": \"" << ceil.device << "\",\n  \"date\": \"2026-11-22\",\n"
+  char today[16] = {};
+  const std::time_t now = std::time(nullptr);
+  std::strftime(today, sizeof today, "%Y-%m-%d", std::gmtime(&now));
+  json << "{\n  \"device\": \"" << ceil.device << "\",\n  \"date\": \"" << today << "\",\n"
        << "  \"copy_tb_s\": " << ceil.copy_tb_s
        << ",\n  \"bf16_gemm_tflop_s\": " << ceil.bf16_tflop_s
        << ",\n  \"fp32_sgemm_tflop_s\": " << ceil.fp32_tflop_s << ",\n  \"runs\": [\n";

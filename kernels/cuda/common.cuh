@@ -37,15 +37,44 @@ static __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// Block-wide sum of one float per thread, added by thread 0 in thread order; `scratch` holds
-// blockDim.x floats of shared memory. Every thread gets the total. Holds three barriers: call it
-// from every thread of the block.
+// Division of non-negative ints below 2^31 by a divisor fixed per launch, as a multiply-high and
+// a shift (Granlund and Montgomery): index arithmetic by runtime shape values (rank, head
+// dimension, ...) sits inside the scan's innermost operand loads, where a hardware-less integer
+// division costs about twenty instructions (measured: integer work was the busiest pipe).
+struct FastDiv {
+  int divisor = 1;
+  unsigned multiplier = 0;  // ceil(2^(31 + L) / divisor), L = ceil(log2 divisor)
+  unsigned shift = 0;       // L − 1
+  FastDiv() = default;
+  explicit FastDiv(int value) : divisor(value < 1 ? 1 : value) {
+    if (divisor == 1) return;
+    unsigned log = 0;
+    while ((1u << log) < static_cast<unsigned>(divisor)) ++log;
+    multiplier = static_cast<unsigned>(((1ull << (31 + log)) + divisor - 1) / divisor);
+    shift = log - 1;
+  }
+#if defined(__CUDACC__)
+  __device__ __forceinline__ int div(int x) const {
+    return divisor == 1 ? x
+                        : static_cast<int>(__umulhi(static_cast<unsigned>(x), multiplier) >> shift);
+  }
+  __device__ __forceinline__ int mod(int x) const {
+    return x - div(x) * divisor;
+  }
+#endif
+};
+
+// Block-wide sum of one float per thread: a butterfly inside each warp, then thread 0 adds the
+// warps' sums in warp order (a fixed order: deterministic). `scratch` holds blockDim.x / 32
+// floats of shared memory; blockDim.x is a multiple of 32. Every thread gets the total. Holds
+// three barriers: call it from every thread of the block.
 static __device__ float block_sum(float value, float* scratch) {
-  scratch[threadIdx.x] = value;
+  value = warp_sum(value);
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = value;
   __syncthreads();
   float total = 0.f;
   if (threadIdx.x == 0) {
-    for (int i = 0; i < static_cast<int>(blockDim.x); ++i) total += scratch[i];
+    for (int i = 0; i < static_cast<int>(blockDim.x / 32); ++i) total += scratch[i];
     scratch[0] = total;
   }
   __syncthreads();
@@ -143,6 +172,174 @@ static __device__ void block_mma(int m, int n, int k, FA a, FB b, FOut out) {
 #else
   block_gemm(m, n, k, a, b, out);
 #endif
+}
+
+// A float as two bf16 numbers, hi = bf16(x) and lo = bf16(x − hi): hi + lo carries 16
+// significant bits. Returns the two packed mma operand registers for the pair (x0, x1).
+template <typename F = float>
+static __device__ __forceinline__ void split_bf16(F x0, F x1, uint32_t& hi, uint32_t& lo) {
+  const __nv_bfloat162 high = __floats2bfloat162_rn(x0, x1);
+  const __nv_bfloat162 low = __floats2bfloat162_rn(x0 - __low2float(high), x1 - __high2float(high));
+  hi = *reinterpret_cast<const uint32_t*>(&high);
+  lo = *reinterpret_cast<const uint32_t*>(&low);
+}
+
+// A template for the same reason as pack_bf16.
+template <typename F = float>
+static __device__ __forceinline__ void mma_bf16_16816(F* c, const uint32_t* a, uint32_t b0,
+                                                      uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  (void)c, (void)a, (void)b0, (void)b1;
+#endif
+}
+
+// block_mma with near-fp32 operands: an operand marked split (kSplitA, kSplitB) enters as
+// hi + lo bf16 parts and the product as hi·hi + hi·lo + lo·hi (the lo·lo term is below fp32's
+// last bits of the operands' 16). An operand that is exactly bf16 already (rotated q or k,
+// PsiV) is not split. Three tensor-core products cost far less than one fp32 product on the
+// CUDA cores; the state products need the precision (see chunk_backward_kernel's note).
+// Below sm_80 it is block_gemm.
+template <bool kSplitA, bool kSplitB, class FA, class FB, class FOut>
+static __device__ void block_mma_split(int m, int n, int k, FA a, FB b, FOut out) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warps = blockDim.x / 32;
+  const int g = lane / 4, t = lane % 4;
+  const int tiles_n = n / 16;
+  const int tiles = (m / 16) * tiles_n;
+  for (int tile = warp; tile < tiles; tile += warps) {
+    const int i0 = (tile / tiles_n) * 16, j0 = (tile % tiles_n) * 16;
+    float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    for (int k0 = 0; k0 < k; k0 += 16) {
+      const int ka = k0 + 2 * t;
+      uint32_t a_hi[4], a_lo[4];
+      split_bf16(a(i0 + g, ka), a(i0 + g, ka + 1), a_hi[0], a_lo[0]);
+      split_bf16(a(i0 + g + 8, ka), a(i0 + g + 8, ka + 1), a_hi[1], a_lo[1]);
+      split_bf16(a(i0 + g, ka + 8), a(i0 + g, ka + 9), a_hi[2], a_lo[2]);
+      split_bf16(a(i0 + g + 8, ka + 8), a(i0 + g + 8, ka + 9), a_hi[3], a_lo[3]);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int col = j0 + half * 8 + g;
+        uint32_t b0_hi, b0_lo, b1_hi, b1_lo;
+        split_bf16(b(ka, col), b(ka + 1, col), b0_hi, b0_lo);
+        split_bf16(b(ka + 8, col), b(ka + 9, col), b1_hi, b1_lo);
+        float* c = acc[half];
+        mma_bf16_16816(c, a_hi, b0_hi, b1_hi);
+        if constexpr (kSplitB) mma_bf16_16816(c, a_hi, b0_lo, b1_lo);
+        if constexpr (kSplitA) mma_bf16_16816(c, a_lo, b0_hi, b1_hi);
+      }
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int col = j0 + half * 8 + 2 * t;
+      out(i0 + g, col, acc[half][0]);
+      out(i0 + g, col + 1, acc[half][1]);
+      out(i0 + g + 8, col, acc[half][2]);
+      out(i0 + g + 8, col + 1, acc[half][3]);
+    }
+  }
+#else
+  block_gemm(m, n, k, a, b, out);
+#endif
+}
+
+// Four 8×8 bf16 matrices from shared memory into mma operand registers; lane l gives the
+// address of row l % 8 of matrix l / 8 (16-byte aligned). kTrans: each matrix transposed.
+template <bool kTrans>
+static __device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const bf16* row) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  if constexpr (kTrans) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address));
+  }
+#else
+  (void)r, (void)row;
+#endif
+}
+
+// C = A·B with both operands bf16 in shared memory, on the tensor cores (fp32 accumulation),
+// every operand fragment fetched by one ldmatrix: the same contract and the same tiles, k order
+// and results as block_mma fed the same bf16 values, at a tenth of its instructions.
+// A is m×k: stored [m][k] (row i at a + i·lda), or [k][m] when kATrans. B is k×n: stored [n][k]
+// (column j at b + j·ldb, k contiguous), or [k][n] when kBTrans. Strides are multiples of 8
+// elements and the buffers 16-byte aligned. M, N and K are multiples of 16.
+template <bool kATrans, bool kBTrans, class FOut>
+static __device__ void smem_mma(int m, int n, int k, const bf16* a, int lda, const bf16* b, int ldb,
+                                FOut out) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warps = blockDim.x / 32;
+  const int g = lane / 4, t = lane % 4;
+  // Lane l addresses row l % 8 of matrix l / 8. A's four matrices are (rows 0-7 | 8-15) ×
+  // (k 0-7 | 8-15) in the order a0..a3; B's are b0, b1 of columns 0-7, then of columns 8-15.
+  const int lo8 = lane % 8, second = (lane / 8) % 2, upper = lane / 16;
+  const int a_row = kATrans ? lo8 + 8 * upper : lo8 + 8 * second;  // k when kATrans, else m
+  const int a_col = kATrans ? 8 * second : 8 * upper;              // m when kATrans, else k
+  const int b_row = kBTrans ? lo8 + 8 * second : lo8 + 8 * upper;  // k when kBTrans, else n
+  const int b_col = kBTrans ? 8 * upper : 8 * second;              // n when kBTrans, else k
+  const int tiles_n = n / 16;
+  const int tiles = (m / 16) * tiles_n;
+  for (int tile = warp; tile < tiles; tile += warps) {
+    const int i0 = (tile / tiles_n) * 16, j0 = (tile % tiles_n) * 16;
+    float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    for (int k0 = 0; k0 < k; k0 += 16) {
+      uint32_t af[4], bf[4];
+      ldmatrix_x4<kATrans>(
+          af, kATrans ? a + (k0 + a_row) * lda + i0 + a_col : a + (i0 + a_row) * lda + k0 + a_col);
+      ldmatrix_x4<kBTrans>(
+          bf, kBTrans ? b + (k0 + b_row) * ldb + j0 + b_col : b + (j0 + b_row) * ldb + k0 + b_col);
+      mma_bf16_16816(acc[0], af, bf[0], bf[1]);
+      mma_bf16_16816(acc[1], af, bf[2], bf[3]);
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int col = j0 + half * 8 + 2 * t;
+      out(i0 + g, col, acc[half][0]);
+      out(i0 + g, col + 1, acc[half][1]);
+      out(i0 + g + 8, col, acc[half][2]);
+      out(i0 + g + 8, col + 1, acc[half][3]);
+    }
+  }
+#else
+  (void)m, (void)n, (void)k, (void)a, (void)lda, (void)b, (void)ldb, (void)out;
+#endif
+}
+
+// A product of two bf16 matrices in shared memory (layouts as smem_mma): smem_mma when kTensor,
+// else block_gemm on the CUDA cores in fp32 over the same bf16 values.
+template <bool kTensor, bool kATrans, bool kBTrans, class FOut>
+static __device__ __forceinline__ void bf16_gemm(int m, int n, int k, const bf16* a, int lda,
+                                                 const bf16* b, int ldb, FOut out) {
+  if constexpr (kTensor) {
+    smem_mma<kATrans, kBTrans>(m, n, k, a, lda, b, ldb, out);
+  } else {
+    block_gemm(
+        m, n, k, [&](int i, int kk) { return to_f(kATrans ? a[kk * lda + i] : a[i * lda + kk]); },
+        [&](int kk, int j) { return to_f(kBTrans ? b[kk * ldb + j] : b[j * ldb + kk]); }, out);
+  }
+}
+
+// The products with the SSM state: split-bf16 tensor-core products when kTensor, else fp32 on
+// the CUDA cores.
+template <bool kTensor, bool kSplitA, bool kSplitB, class FA, class FB, class FOut>
+static __device__ __forceinline__ void state_gemm(int m, int n, int k, FA a, FB b, FOut out) {
+  if constexpr (kTensor) {
+    block_mma_split<kSplitA, kSplitB>(m, n, k, a, b, out);
+  } else {
+    block_gemm(m, n, k, a, b, out);
+  }
 }
 
 // block_mma when kTensor, else block_gemm: one kernel template serves both math variants.

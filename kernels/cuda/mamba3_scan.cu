@@ -31,6 +31,13 @@ Dims dims_of(const ops::ScanShape& s) {
   d.rows = s.chunk * s.rank;
   d.heads_per_group = s.heads / s.groups;
   d.partial_width = 2 * s.rank * s.state + 3 * s.rank * s.headdim + 1;
+  d.by_rank = FastDiv(d.rank);
+  d.by_headdim = FastDiv(d.headdim);
+  d.by_state = FastDiv(d.state);
+  d.by_half = FastDiv(d.state / 2);
+  d.by_angles = FastDiv(d.angles);
+  d.by_chunk = FastDiv(d.chunk);
+  d.by_rows = FastDiv(d.rows);
   return d;
 }
 

@@ -84,7 +84,8 @@ class Mamba3ScanCuda {
   // kInvalidArgument naming the field and value otherwise), then allocates all device
   // workspace once. psiv_cache: forward stores PsiV = v ⊙ mimo_x ([B, L, H, R, P], bf16)
   // and backward reads it instead of recomputing it. tensor_cores: the chunk products run
-  // on the tensor cores (bf16 operands, fp32 accumulation); off, on CUDA cores in fp32
+  // on the tensor cores (bf16 operands, fp32 accumulation; the products with the fp32 state
+  // take their fp32 operands as split hi + lo bf16 pairs); off, on CUDA cores in fp32
   // (operands held in shared memory as bf16 either way).
   // backward_workspace: null, or backward_workspace_bytes(shape) bytes of device memory for
   // backward()'s temporaries, which scans whose backwards run one after another on one stream

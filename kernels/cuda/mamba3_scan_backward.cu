@@ -10,12 +10,12 @@ namespace {
 
 // d_o = dy ⊙ silu(z ⊙ mimo_z) ⊙ mimo_o, rows (i, r), fp32.
 __device__ void load_d_o(const Dims& d, const DevInputs& in, const bf16* dy, const ChunkPos& pos,
-                         float* dst) {
+                         float* dst, int ld) {
   const int P = d.headdim, R = d.rank;
   const int items = d.rows * P;
   for (int idx = threadIdx.x; idx < items; idx += blockDim.x) {
-    const int row = idx / P, p = idx % P;
-    const int i = row / R, r = row % R;
+    const int row = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
+    const int i = d.by_rank.div(row), r = d.by_rank.mod(row);
     float value = 0.f;
     if (i < pos.len) {
       const size_t th = token_head(d, pos.b, pos.t0 + i, pos.h);
@@ -23,7 +23,7 @@ __device__ void load_d_o(const Dims& d, const DevInputs& in, const bf16* dy, con
       const float gate = to_f(in.z[th * P + p]) * to_f(in.mimo_z[wr]);
       value = to_f(dy[th * P + p]) * gate * sigmoidf(gate) * to_f(in.mimo_o[wr]);
     }
-    dst[idx] = value;
+    dst[row * ld + p] = value;
   }
 }
 
@@ -38,17 +38,19 @@ __global__ void chunk_dstate_kernel(Dims d, SmemPlan plan, DevInputs in, Work w,
   bf16* q_rot = reinterpret_cast<bf16*>(smem + plan.q_rotated);
   float* d_o = reinterpret_cast<float*>(smem + plan.d_out);
   load_scalars(d, in, w, pos, sc, cosv, sinv);
-  load_rotated(d, in.q, in.q_bias, pos, cosv, sinv, q_rot);
-  load_d_o(d, in, dy, pos, d_o);
+  const int ld_qk = plan.ld_qk, ld_mp = plan.ld_mp;
+  load_rotated(d, in.q, in.q_bias, pos, cosv, sinv, q_rot, ld_qk);
+  load_d_o(d, in, dy, pos, d_o, ld_mp);
   __syncthreads();
-  const int N = d.state, P = d.headdim, R = d.rank, C = d.chunk;
+  const int N = d.state, P = d.headdim, C = d.chunk;
   const size_t bhc = (static_cast<size_t>(pos.b) * d.heads + pos.h) * d.chunks + pos.c;
   float* out = w.gstates + bhc * P * N;
-  (void)sizeof(kTensor);
-  block_gemm(
+  state_gemm<kTensor, true, false>(
       P, N, d.rows,
-      [&](int p, int row) { return d_o[row * P + p] * sc[kEntryDecay * C + row / R]; },
-      [&](int row, int n) { return to_f(q_rot[row * N + n]); },
+      [&](int p, int row) {
+        return d_o[row * ld_mp + p] * sc[kEntryDecay * C + d.by_rank.div(row)];
+      },
+      [&](int row, int n) { return to_f(q_rot[row * ld_qk + n]); },
       [&](int p, int n, float value) { out[p * N + n] = value; });
 }
 
@@ -86,19 +88,20 @@ __global__ void state_pass_backward_kernel(Dims d, Work w) {
 // group's accumulator (= for the group's first head, + after: a fixed order).
 __device__ void finish_qk_grad(const Dims& d, const ChunkPos& pos, bool first_head,
                                const float* cosv, const float* sinv, const bf16* rotated,
-                               float* d_qk, float* d_theta, float* bias_partial, float* acc) {
+                               int ld_rotated, float* d_qk, int ld_d_qk, float* d_theta,
+                               float* bias_partial, float* acc) {
   const int N = d.state, half = N / 2, R = d.rank, A = d.angles;
   // Thread per (token, pair): the θ gradient of pair j sums over ranks without races.
   for (int idx = threadIdx.x; idx < d.chunk * half; idx += blockDim.x) {
-    const int i = idx / half, n = idx % half;
+    const int i = d.by_half.div(idx), n = d.by_half.mod(idx);
     if (n >= A) continue;
     float dl_dtheta = 0.f;
     const float cs = cosv[i * A + n], sn = sinv[i * A + n];
     for (int r = 0; r < R; ++r) {
-      float* row = d_qk + (i * R + r) * N;
+      float* row = d_qk + (i * R + r) * ld_d_qk;
       const float da = row[n], db = row[n + half];
-      const float ra = to_f(rotated[(i * R + r) * N + n]);
-      const float rb = to_f(rotated[(i * R + r) * N + n + half]);
+      const float ra = to_f(rotated[(i * R + r) * ld_rotated + n]);
+      const float rb = to_f(rotated[(i * R + r) * ld_rotated + n + half]);
       dl_dtheta += db * ra - da * rb;
       row[n] = da * cs + db * sn;
       row[n + half] = db * cs - da * sn;
@@ -107,17 +110,18 @@ __device__ void finish_qk_grad(const Dims& d, const ChunkPos& pos, bool first_he
   }
   __syncthreads();
   for (int idx = threadIdx.x; idx < R * N; idx += blockDim.x) {
-    const int r = idx / N, n = idx % N;
+    const int r = d.by_state.div(idx), n = d.by_state.mod(idx);
     float sum = 0.f;
-    for (int i = 0; i < pos.len; ++i) sum += d_qk[(i * R + r) * N + n];
+    for (int i = 0; i < pos.len; ++i) sum += d_qk[(i * R + r) * ld_d_qk + n];
     bias_partial[idx] = sum;
   }
   for (int idx = threadIdx.x; idx < pos.len * R * N; idx += blockDim.x) {
-    const int row = idx / N, n = idx % N;
-    const int i = row / R, r = row % R;
+    const int row = d.by_state.div(idx), n = d.by_state.mod(idx);
+    const int i = d.by_rank.div(row), r = d.by_rank.mod(row);
     const size_t out =
         (((static_cast<size_t>(pos.b) * d.seqlen + pos.t0 + i) * R + r) * d.groups + pos.g) * N + n;
-    acc[out] = first_head ? d_qk[idx] : acc[out] + d_qk[idx];
+    const float value = d_qk[row * ld_d_qk + n];
+    acc[out] = first_head ? value : acc[out] + value;
   }
   __syncthreads();
 }
@@ -129,11 +133,13 @@ __device__ void finish_qk_grad(const Dims& d, const ChunkPos& pos, bool first_he
 // the rest of the sequence) is a small remainder of large terms that cancel. They cancel
 // only if the q-side and k-side terms see the same numbers: the rotated q and k are
 // rounded to bf16 once and used everywhere, the intra-chunk score gradient is rounded
-// once for both dQ and dK, and every product with the state (E, dS, F, G) runs in fp32
-// on CUDA cores in both variants. Rounding E or dS to bf16 measured 1.1-3.6% angle error.
+// once for both dQ and dK, and every product with the state (E, dS, F, G) keeps 16 or more
+// significant bits: fp32 on the CUDA cores, or split-bf16 (hi + lo) operands on the tensor
+// cores (state_gemm). Rounding E or dS to plain bf16 measured 1.1-3.6% angle error.
 template <bool kTensor>
-__global__ void chunk_backward_kernel(Dims d, SmemPlan plan, DevInputs in, Work w, bool read_psiv,
-                                      const bf16* dy, DevGrads grads) {
+__global__ void __launch_bounds__(kBackwardThreads)
+    chunk_backward_kernel(Dims d, SmemPlan plan, DevInputs in, Work w, bool read_psiv,
+                          const bf16* dy, DevGrads grads) {
   extern __shared__ __align__(16) unsigned char smem[];
   float* sc = reinterpret_cast<float*>(smem + plan.token_scalars);
   float* cosv = reinterpret_cast<float*>(smem + plan.rotation_cos);
@@ -152,7 +158,13 @@ __global__ void chunk_backward_kernel(Dims d, SmemPlan plan, DevInputs in, Work 
   float* d_qk = reinterpret_cast<float*>(smem + plan.d_qk);
   float* sum_scratch = reinterpret_cast<float*>(smem + plan.sum_scratch);
   float* d_theta = reinterpret_cast<float*>(smem + plan.d_theta);
+  // Sw = QKᵀ ⊙ W until dL/dV, then dSc ⊙ W: the bf16 operands of the tensor-core products.
+  bf16* weighted = reinterpret_cast<bf16*>(smem + plan.weighted_scores);
+  bf16* d_o_bf16 = reinterpret_cast<bf16*>(smem + plan.d_out_bf16);
   const int N = d.state, P = d.headdim, R = d.rank, C = d.chunk, M = d.rows, A = d.angles;
+  const int ld_qk = plan.ld_qk, ld_pv = plan.ld_pv, ld_state = plan.ld_state;
+  const int ld_mm = plan.ld_mm, ld_mp = plan.ld_mp, ld_mn = plan.ld_mn, ld_sw = plan.ld_sw;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   const ChunkPos group_pos = chunk_pos(d, blockIdx.y, true, blockIdx.x);
   const size_t slot = static_cast<size_t>(group_pos.b) * d.chunks + group_pos.c;
   const size_t slots = static_cast<size_t>(d.batch) * d.chunks;
@@ -173,11 +185,11 @@ __global__ void chunk_backward_kernel(Dims d, SmemPlan plan, DevInputs in, Work 
     const float skip = to_f(in.d[h]);
 
     load_scalars(d, in, w, pos, sc, cosv, sinv);
-    load_rotated(d, in.q, in.q_bias, pos, cosv, sinv, q_rot);
-    load_rotated(d, in.k, in.k_bias, pos, cosv, sinv, k_rot);
-    load_psiv(d, in, pos, w.psiv, read_psiv, false, psiv);
-    load_d_o(d, in, dy, pos, d_o);
-    load_state(w.states + bhc * matrix, P * N, state);
+    load_rotated(d, in.q, in.q_bias, pos, cosv, sinv, q_rot, ld_qk);
+    load_rotated(d, in.k, in.k_bias, pos, cosv, sinv, k_rot, ld_qk);
+    load_psiv(d, in, pos, w.psiv, read_psiv, false, psiv, ld_pv);
+    load_d_o(d, in, dy, pos, d_o, ld_mp);
+    load_state(d, w.states + bhc * matrix, state, ld_state);
     fill_weights(d, sc, weights);
     for (int idx = threadIdx.x; idx < C * A; idx += blockDim.x) d_theta[idx] = 0.f;
     for (int i = threadIdx.x; i < C; i += blockDim.x) {
@@ -188,44 +200,52 @@ __global__ void chunk_backward_kernel(Dims d, SmemPlan plan, DevInputs in, Work 
     __syncthreads();
 
     // Recompute the forward: scores, weighted scores and o.
-    gemm<kTensor>(
-        M, M, N, [&](int i, int n) { return to_f(q_rot[i * N + n]); },
-        [&](int n, int j) { return to_f(k_rot[j * N + n]); },
-        [&](int i, int j, float value) { scores[i * M + j] = value; });
-    block_gemm(
-        M, P, N, [&](int i, int n) { return to_f(q_rot[i * N + n]); },
-        [&](int n, int p) { return state[p * N + n]; },
-        [&](int i, int p, float value) { o[i * P + p] = value; });
+    bf16_gemm<kTensor, false, false>(
+        M, M, N, q_rot, ld_qk, k_rot, ld_qk, [&](int i, int j, float value) {
+          scores[i * ld_mm + j] = value;
+          weighted[i * ld_sw + j] =
+              __float2bfloat16(value * weights[d.by_rank.div(i) * C + d.by_rank.div(j)]);
+        });
+    state_gemm<kTensor, false, true>(
+        M, P, N, [&](int i, int n) { return to_f(q_rot[i * ld_qk + n]); },
+        [&](int n, int p) { return state[p * ld_state + n]; },
+        [&](int i, int p, float value) { o[i * ld_mp + p] = value; });
     __syncthreads();
-    // dL/dl_i from the entry term e^{l_i} (Q Eᵀ)_i.
-    for (int i = threadIdx.x; i < C; i += blockDim.x) {
+    // dL/dl_i from the entry term e^{l_i} (Q Eᵀ)_i: one warp per token.
+    for (int i = warp; i < C; i += warps) {
       float dot = 0.f;
-      for (int x = 0; x < R * P; ++x) dot += d_o[i * R * P + x] * o[i * R * P + x];
-      sc[kScratch * C + i] = sc[kEntryDecay * C + i] * dot;
+      for (int x = lane; x < R * P; x += 32) {
+        const int at = (i * R + d.by_headdim.div(x)) * ld_mp + d.by_headdim.mod(x);
+        dot += d_o[at] * o[at];
+      }
+      dot = warp_sum(dot);
+      if (lane == 0) sc[kScratch * C + i] = sc[kEntryDecay * C + i] * dot;
     }
     __syncthreads();
+    // E is dead until dO E reloads it: its space takes the bf16 dO.
     for (int idx = threadIdx.x; idx < M * P; idx += blockDim.x) {
-      o[idx] *= sc[kEntryDecay * C + (idx / P) / R];
+      const int row = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
+      o[row * ld_mp + p] *= sc[kEntryDecay * C + d.by_rank.div(row)];
+      d_o_bf16[row * ld_pv + p] = __float2bfloat16(d_o[row * ld_mp + p]);
     }
     __syncthreads();
-    gemm<kTensor>(
-        M, P, M, [&](int i, int j) { return scores[i * M + j] * weights[(i / R) * C + j / R]; },
-        [&](int j, int p) { return to_f(psiv[j * P + p]); },
-        [&](int i, int p, float value) { o[i * P + p] += value + skip * to_f(psiv[i * P + p]); });
+    bf16_gemm<kTensor, false, true>(M, P, M, weighted, ld_sw, psiv, ld_pv,
+                                    [&](int i, int p, float value) {
+                                      o[i * ld_mp + p] += value + skip * to_f(psiv[i * ld_pv + p]);
+                                    });
     // Inside the chunk: dSc = dO Vᵀ; dV = D dO + Swᵀ dO.
-    gemm<kTensor>(
-        M, M, P, [&](int i, int p) { return d_o[i * P + p]; },
-        [&](int p, int j) { return to_f(psiv[j * P + p]); },
-        [&](int i, int j, float value) { d_scores[i * M + j] = value; });
-    gemm<kTensor>(
-        M, P, M, [&](int i, int j) { return scores[j * M + i] * weights[(j / R) * C + i / R]; },
-        [&](int j, int p) { return d_o[j * P + p]; },
-        [&](int i, int p, float value) { d_psiv[i * P + p] = value + skip * d_o[i * P + p]; });
+    bf16_gemm<kTensor, false, false>(
+        M, M, P, d_o_bf16, ld_pv, psiv, ld_pv,
+        [&](int i, int j, float value) { d_scores[i * ld_mm + j] = value; });
+    bf16_gemm<kTensor, true, true>(M, P, M, weighted, ld_sw, d_o_bf16, ld_pv,
+                                   [&](int i, int p, float value) {
+                                     d_psiv[i * ld_mp + p] = value + skip * d_o[i * ld_mp + p];
+                                   });
     __syncthreads();
 
     // Epilogue backward (gating, mimo_o, mimo_z, D) now that o is complete.
     for (int idx = threadIdx.x; idx < pos.len * P; idx += blockDim.x) {
-      const int i = idx / P, p = idx % P;
+      const int i = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
       const size_t th = token_head(d, pos.b, pos.t0 + i, h);
       const float z = to_f(in.z[th * P + p]), g_out = to_f(dy[th * P + p]);
       float dz = 0.f;
@@ -233,20 +253,20 @@ __global__ void chunk_backward_kernel(Dims d, SmemPlan plan, DevInputs in, Work 
         const size_t wr = (static_cast<size_t>(h) * R + r) * P + p;
         const float mz = to_f(in.mimo_z[wr]);
         const float gate = z * mz, sg = sigmoidf(gate);
-        dz += g_out * o[(i * R + r) * P + p] * to_f(in.mimo_o[wr]) * sg *
+        dz += g_out * o[(i * R + r) * ld_mp + p] * to_f(in.mimo_o[wr]) * sg *
               (1.f + gate * (1.f - sg)) * mz;
       }
       grads.z[th * P + p] = __float2bfloat16(dz);
     }
     for (int idx = threadIdx.x; idx < R * P; idx += blockDim.x) {
-      const int r = idx / P, p = idx % P;
+      const int r = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
       const size_t wr = (static_cast<size_t>(h) * R + r) * P + p;
       const float mz = to_f(in.mimo_z[wr]), mo = to_f(in.mimo_o[wr]);
       float d_mo = 0.f, d_mz = 0.f;
       for (int i = 0; i < pos.len; ++i) {
         const size_t th = token_head(d, pos.b, pos.t0 + i, h);
         const float z = to_f(in.z[th * P + p]), g_out = to_f(dy[th * P + p]);
-        const float o_ir = o[(i * R + r) * P + p];
+        const float o_ir = o[(i * R + r) * ld_mp + p];
         const float gate = z * mz, sg = sigmoidf(gate);
         d_mo += g_out * o_ir * gate * sg;
         d_mz += g_out * o_ir * mo * sg * (1.f + gate * (1.f - sg)) * z;
@@ -256,20 +276,22 @@ __global__ void chunk_backward_kernel(Dims d, SmemPlan plan, DevInputs in, Work 
     }
     {
       float local = 0.f;
-      for (int idx = threadIdx.x; idx < M * P; idx += blockDim.x)
-        local += d_o[idx] * to_f(psiv[idx]);
+      for (int idx = threadIdx.x; idx < M * P; idx += blockDim.x) {
+        const int row = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
+        local += d_o[row * ld_mp + p] * to_f(psiv[row * ld_pv + p]);
+      }
       const float total = block_sum(local, sum_scratch);
       if (threadIdx.x == 0) d_partial[0] = total;
     }
 
-    // Score-weight gradients per token pair, then dSc ⊙= W.
+    // Score-weight gradients per token pair, then dSc ⊙ W (rounded once, for dQ and dK).
     for (int idx = threadIdx.x; idx < C * C; idx += blockDim.x) {
-      const int ti = idx / C, tj = idx % C;
+      const int ti = d.by_chunk.div(idx), tj = d.by_chunk.mod(idx);
       float d_weight = 0.f;
       if (tj <= ti) {
         for (int r = 0; r < R; ++r)
           for (int r2 = 0; r2 < R; ++r2) {
-            const int at = (ti * R + r) * M + tj * R + r2;
+            const int at = (ti * R + r) * ld_mm + tj * R + r2;
             d_weight += d_scores[at] * scores[at];
           }
       }
@@ -277,7 +299,9 @@ __global__ void chunk_backward_kernel(Dims d, SmemPlan plan, DevInputs in, Work 
     }
     __syncthreads();
     for (int idx = threadIdx.x; idx < M * M; idx += blockDim.x) {
-      d_scores[idx] *= weights[((idx / M) / R) * C + (idx % M) / R];
+      const int i = d.by_rows.div(idx), j = d.by_rows.mod(idx);
+      weighted[i * ld_sw + j] = __float2bfloat16(d_scores[i * ld_mm + j] *
+                                                 weights[d.by_rank.div(i) * C + d.by_rank.div(j)]);
     }
     for (int i = threadIdx.x; i < C; i += blockDim.x) {
       float d_log = sc[kScratch * C + i], d_kappa = 0.f;
@@ -293,18 +317,21 @@ __global__ void chunk_backward_kernel(Dims d, SmemPlan plan, DevInputs in, Work 
     }
     __syncthreads();
 
-    // dQ = dSc K + e^{l} dO E.
-    gemm<kTensor>(
-        M, N, M, [&](int i, int j) { return d_scores[i * M + j]; },
-        [&](int j, int n) { return to_f(k_rot[j * N + n]); },
-        [&](int i, int n, float value) { d_qk[i * N + n] = value; });
+    // dQ = dSc K + e^{l} dO E (E reloaded: its space held the bf16 dO).
+    load_state(d, w.states + bhc * matrix, state, ld_state);
+    bf16_gemm<kTensor, false, true>(
+        M, N, M, weighted, ld_sw, k_rot, ld_qk,
+        [&](int i, int n, float value) { d_qk[i * ld_mn + n] = value; });
     __syncthreads();
-    block_gemm(
-        M, N, P, [&](int i, int p) { return d_o[i * P + p]; },
-        [&](int p, int n) { return state[p * N + n]; },
-        [&](int i, int n, float value) { d_qk[i * N + n] += sc[kEntryDecay * C + i / R] * value; });
+    state_gemm<kTensor, true, true>(
+        M, N, P, [&](int i, int p) { return d_o[i * ld_mp + p]; },
+        [&](int p, int n) { return state[p * ld_state + n]; },
+        [&](int i, int n, float value) {
+          d_qk[i * ld_mn + n] += sc[kEntryDecay * C + d.by_rank.div(i)] * value;
+        });
     __syncthreads();
-    finish_qk_grad(d, pos, hg == 0, cosv, sinv, q_rot, d_qk, d_theta, qb_partial, w.dq_acc);
+    finish_qk_grad(d, pos, hg == 0, cosv, sinv, q_rot, ld_qk, d_qk, ld_mn, d_theta, qb_partial,
+                   w.dq_acc);
 
     // Exit state: dS = dL/d(exit state). dL/dl_last += e^{l_last} <dS, E>.
     {
@@ -313,7 +340,7 @@ __global__ void chunk_backward_kernel(Dims d, SmemPlan plan, DevInputs in, Work 
       float local = 0.f;
       for (int idx = threadIdx.x; idx < P * N; idx += blockDim.x) {
         local += g_exit[idx] * entry[idx];
-        state[idx] = g_exit[idx];
+        state[(d.by_state.div(idx)) * ld_state + d.by_state.mod(idx)] = g_exit[idx];
       }
       const float total = block_sum(local, sum_scratch);
       if (threadIdx.x == 0) {
@@ -322,32 +349,40 @@ __global__ void chunk_backward_kernel(Dims d, SmemPlan plan, DevInputs in, Work 
     }
     __syncthreads();
     // dK = dScᵀ Q + exit_scale · V dS.
-    gemm<kTensor>(
-        M, N, M, [&](int i, int j) { return d_scores[j * M + i]; },
-        [&](int j, int n) { return to_f(q_rot[j * N + n]); },
-        [&](int i, int n, float value) { d_qk[i * N + n] = value; });
+    bf16_gemm<kTensor, true, true>(M, N, M, weighted, ld_sw, q_rot, ld_qk,
+                                   [&](int i, int n, float value) { d_qk[i * ld_mn + n] = value; });
     __syncthreads();
-    block_gemm(
-        M, N, P, [&](int i, int p) { return to_f(psiv[i * P + p]); },
-        [&](int p, int n) { return state[p * N + n]; },
-        [&](int i, int n, float value) { d_qk[i * N + n] += sc[kExitScale * C + i / R] * value; });
+    state_gemm<kTensor, false, true>(
+        M, N, P, [&](int i, int p) { return to_f(psiv[i * ld_pv + p]); },
+        [&](int p, int n) { return state[p * ld_state + n]; },
+        [&](int i, int n, float value) {
+          d_qk[i * ld_mn + n] += sc[kExitScale * C + d.by_rank.div(i)] * value;
+        });
     // K dSᵀ into o (o is no longer needed): dV += exit_scale · K dSᵀ.
-    block_gemm(
-        M, P, N, [&](int i, int n) { return to_f(k_rot[i * N + n]); },
-        [&](int n, int p) { return state[p * N + n]; },
-        [&](int i, int p, float value) { o[i * P + p] = value; });
+    state_gemm<kTensor, false, true>(
+        M, P, N, [&](int i, int n) { return to_f(k_rot[i * ld_qk + n]); },
+        [&](int n, int p) { return state[p * ld_state + n]; },
+        [&](int i, int p, float value) { o[i * ld_mp + p] = value; });
     __syncthreads();
-    for (int j = threadIdx.x; j < C; j += blockDim.x) {
+    // One warp per token.
+    for (int j = warp; j < C; j += warps) {
       float d_scale = 0.f;
-      for (int x = 0; x < R * P; ++x) d_scale += o[j * R * P + x] * to_f(psiv[j * R * P + x]);
-      const float scale = sc[kExitScale * C + j];
-      const int last = pos.len - 1;
-      sc[kDKappa * C + j] += d_scale * expf(sc[kLog * C + last] - sc[kLog * C + j]);
-      sc[kScratch * C + j] = d_scale * scale;
-      sc[kDLog * C + j] -= d_scale * scale;
+      for (int x = lane; x < R * P; x += 32) {
+        const int row = j * R + d.by_headdim.div(x), p = d.by_headdim.mod(x);
+        d_scale += o[row * ld_mp + p] * to_f(psiv[row * ld_pv + p]);
+      }
+      d_scale = warp_sum(d_scale);
+      if (lane == 0) {
+        const float scale = sc[kExitScale * C + j];
+        const int last = pos.len - 1;
+        sc[kDKappa * C + j] += d_scale * expf(sc[kLog * C + last] - sc[kLog * C + j]);
+        sc[kScratch * C + j] = d_scale * scale;
+        sc[kDLog * C + j] -= d_scale * scale;
+      }
     }
     for (int idx = threadIdx.x; idx < M * P; idx += blockDim.x) {
-      d_psiv[idx] += sc[kExitScale * C + (idx / P) / R] * o[idx];
+      const int at = (d.by_headdim.div(idx)) * ld_mp + d.by_headdim.mod(idx);
+      d_psiv[at] += sc[kExitScale * C + d.by_rank.div(d.by_headdim.div(idx))] * o[at];
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -355,24 +390,25 @@ __global__ void chunk_backward_kernel(Dims d, SmemPlan plan, DevInputs in, Work 
       for (int j = 0; j < C; ++j) sum += sc[kScratch * C + j];
       sc[kDLog * C + pos.len - 1] += sum;
     }
-    finish_qk_grad(d, pos, hg == 0, cosv, sinv, k_rot, d_qk, d_theta, kb_partial, w.dk_acc);
+    finish_qk_grad(d, pos, hg == 0, cosv, sinv, k_rot, ld_qk, d_qk, ld_mn, d_theta, kb_partial,
+                   w.dk_acc);
 
     // v = x ⊙ mimo_x: dx (this head's own output) and mimo_x's partial.
     for (int idx = threadIdx.x; idx < pos.len * P; idx += blockDim.x) {
-      const int i = idx / P, p = idx % P;
+      const int i = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
       const size_t th = token_head(d, pos.b, pos.t0 + i, h);
       float dx = 0.f;
       for (int r = 0; r < R; ++r)
-        dx +=
-            d_psiv[(i * R + r) * P + p] * to_f(in.mimo_x[(static_cast<size_t>(h) * R + r) * P + p]);
+        dx += d_psiv[(i * R + r) * ld_mp + p] *
+              to_f(in.mimo_x[(static_cast<size_t>(h) * R + r) * P + p]);
       grads.v[th * P + p] = __float2bfloat16(dx);
     }
     for (int idx = threadIdx.x; idx < R * P; idx += blockDim.x) {
-      const int r = idx / P, p = idx % P;
+      const int r = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
       float sum = 0.f;
       for (int i = 0; i < pos.len; ++i) {
         const size_t th = token_head(d, pos.b, pos.t0 + i, h);
-        sum += d_psiv[(i * R + r) * P + p] * to_f(in.v[th * P + p]);
+        sum += d_psiv[(i * R + r) * ld_mp + p] * to_f(in.v[th * P + p]);
       }
       mx_partial[idx] = sum;
     }
@@ -423,7 +459,7 @@ __global__ void finish_tokens_kernel(Dims d, DevInputs in, Work w, DevGrads grad
   const int c = blockIdx.x, b = blockIdx.y, A = d.angles, H = d.heads;
   const int t0 = c * d.chunk, len = min(d.chunk, d.seqlen - t0);
   for (int item = threadIdx.x; item < H * A; item += blockDim.x) {
-    const int h = item / A, j = item % A;
+    const int h = d.by_angles.div(item), j = d.by_angles.mod(item);
     const size_t bh = static_cast<size_t>(b) * H + h;
     float suffix = w.dtheta_tot[(bh * d.chunks + c) * A + j];
     for (int i = len - 1; i >= 0; --i) {
@@ -434,7 +470,7 @@ __global__ void finish_tokens_kernel(Dims d, DevInputs in, Work w, DevGrads grad
   }
   __syncthreads();
   for (int item = threadIdx.x; item < len * A; item += blockDim.x) {
-    const int i = item / A, j = item % A, t = t0 + i;
+    const int i = d.by_angles.div(item), j = d.by_angles.mod(item), t = t0 + i;
     const size_t token = static_cast<size_t>(b) * d.seqlen + t;
     const float slope = tanhf(to_f(in.angles[token * A + j]));
     float sum = 0.f;
@@ -525,7 +561,7 @@ BackwardLaunches backward_launches(const Dims& d, bool tensor_cores) {
   l.chunk_backward = {"chunk_backward",
                       tensor_cores ? kernel_address(&chunk_backward_kernel<true>)
                                    : kernel_address(&chunk_backward_kernel<false>),
-                      dim3(chunks, bg), threads, plan_for(d, kBackwardKernel)};
+                      dim3(chunks, bg), dim3(kBackwardThreads), plan_for(d, kBackwardKernel)};
   l.dtheta_offsets = {
       "dtheta_offsets", kernel_address(&dtheta_offsets_kernel), dim3(bh), threads, {}};
   l.finish_tokens = {"finish_tokens",

@@ -20,6 +20,9 @@
 namespace megacpp::cuda::scan_detail {
 
 constexpr int kThreads = 256;
+// chunk_backward holds one block per SM (its shared memory): twice the warps of the other chunk
+// kernels hide more of its load and barrier latency.
+constexpr int kBackwardThreads = 512;
 constexpr float kPi = 3.14159265358979323846f;
 
 // Shape constants every kernel needs, passed by value.
@@ -29,6 +32,9 @@ struct Dims {
   int rows;             // chunk * rank: rows (token, rank) of a chunk
   int heads_per_group;  // heads / groups
   int partial_width;    // per-head parameter gradient floats of one (batch, chunk)
+  // The same shape values as divisors (see FastDiv): rank R, head dimension P, state N, N / 2,
+  // angles A (1 when there are none), chunk C, rows C·R.
+  FastDiv by_rank, by_headdim, by_state, by_half, by_angles, by_chunk, by_rows;
 };
 
 // Byte offsets of the blocks of a chunk kernel's dynamic shared memory; a block the kernel does
@@ -42,7 +48,7 @@ struct SmemPlan {
   size_t psiv = 0;             // bf16 [rows][P]: v ⊙ mimo_x
   size_t state = 0;            // fp32 [P][N]: the chunk's entry state E; in the backward later
                                //   dL/d(exit state)
-  size_t scores = 0;           // fp32 [rows][rows]: Q Kᵀ (the output kernel stores it ⊙ W)
+  size_t scores = 0;           // fp32 [rows][rows]: Q Kᵀ (backward)
   size_t d_scores = 0;         // fp32 [rows][rows]: dL/d(Q Kᵀ ⊙ W), then ⊙ W (= dL/d(Q Kᵀ))
   size_t token_weights = 0;    // fp32 [C][C]: W
   size_t d_token_weights = 0;  // fp32 [C][C]: dL/dW; shares `out` when it fits
@@ -50,9 +56,23 @@ struct SmemPlan {
   size_t d_out = 0;            // fp32 [rows][P]: dL/do = dy ⊙ silu(z ⊙ mimo_z) ⊙ mimo_o
   size_t d_psiv = 0;           // fp32 [rows][P]: dL/d(v ⊙ mimo_x)
   size_t d_qk = 0;             // fp32 [rows][N]: dL/d(rotated q), then dL/d(rotated k)
-  size_t sum_scratch = 0;      // fp32 [kThreads]: block_sum's; shares d_qk when it fits
+  size_t sum_scratch = 0;      // fp32 [kBackwardThreads / 32]: block_sum's
+  size_t weighted_scores = 0;  // bf16 [rows][rows]: QKᵀ ⊙ W, the tensor-core operand; in the
+                               //   backward later dL/d(QKᵀ) (= dSc ⊙ W)
+  size_t d_out_bf16 = 0;       // bf16 [rows][P]: d_out rounded, the tensor-core operand
   size_t d_theta = 0;          // fp32 [C][A]: dL/dθ of each token of this head
   size_t total = 0;
+  // Row strides (elements) of the matrices above. Rows are padded so that the access patterns
+  // of the products (mma fragments: eight rows × four column pairs per warp; the fp32 tiles:
+  // sixteen rows of one column) fall on distinct banks; unpadded rows of 64 elements put every
+  // row on the same bank (measured: shared-memory stalls were the largest in chunk_backward).
+  int ld_qk = 0;     // q_rotated, k_rotated (bf16): N + 8
+  int ld_pv = 0;     // psiv (bf16): P + 8
+  int ld_state = 0;  // state (fp32): N + 1
+  int ld_mm = 0;     // scores, d_scores (fp32): rows + 4
+  int ld_mp = 0;     // out, d_out, d_psiv (fp32): P + 4
+  int ld_mn = 0;     // d_qk (fp32): N + 4
+  int ld_sw = 0;     // weighted_scores (bf16): rows + 8
 };
 
 enum ScanKernel { kStateKernel, kOutputKernel, kDStateKernel, kBackwardKernel };
@@ -82,32 +102,52 @@ inline SmemPlan plan_for(const Dims& d, ScanKernel kernel) {
     cursor += (bytes + 15) / 16 * 16;
     return at;
   };
-  const size_t m = static_cast<size_t>(d.rows), n = static_cast<size_t>(d.state);
+  const size_t m = static_cast<size_t>(d.rows);
   const size_t hp = static_cast<size_t>(d.headdim), c = static_cast<size_t>(d.chunk);
   const size_t a = static_cast<size_t>(d.angles);
+  p.ld_qk = d.state + 8;
+  p.ld_pv = d.headdim + 8;
+  p.ld_state = d.state + 1;
+  p.ld_mm = d.rows + 4;
+  p.ld_mp = d.headdim + 4;
+  p.ld_mn = d.state + 4;
+  p.ld_sw = d.rows + 8;
+  const size_t ld_qk = static_cast<size_t>(p.ld_qk), ld_pv = static_cast<size_t>(p.ld_pv);
+  const size_t ld_state = static_cast<size_t>(p.ld_state), ld_mm = static_cast<size_t>(p.ld_mm);
+  const size_t ld_mp = static_cast<size_t>(p.ld_mp), ld_mn = static_cast<size_t>(p.ld_mn);
+  const size_t ld_sw = static_cast<size_t>(p.ld_sw);
   p.token_scalars = take(kScalarCount * c * sizeof(float));
   p.rotation_cos = take(c * a * sizeof(float));
   p.rotation_sin = take(c * a * sizeof(float));
   const bool backward = kernel == kBackwardKernel;
-  if (kernel != kStateKernel) p.q_rotated = take(m * n * sizeof(bf16));
-  if (kernel != kDStateKernel) p.k_rotated = take(m * n * sizeof(bf16));
-  if (kernel != kDStateKernel) p.psiv = take(m * hp * sizeof(bf16));
+  if (kernel != kStateKernel) p.q_rotated = take(m * ld_qk * sizeof(bf16));
+  if (kernel != kDStateKernel) p.k_rotated = take(m * ld_qk * sizeof(bf16));
+  if (kernel != kDStateKernel) p.psiv = take(m * ld_pv * sizeof(bf16));
   if (kernel == kOutputKernel || backward) {
-    p.state = take(hp * n * sizeof(float));
-    p.scores = take(m * m * sizeof(float));
+    p.state = take(hp * ld_state * sizeof(float));
+    if (backward) {
+      p.scores = take(m * ld_mm * sizeof(float));
+      // d_scores right after scores: d_qk takes both once they are dead.
+      p.d_scores = take(m * ld_mm * sizeof(float));
+    }
     p.token_weights = take(c * c * sizeof(float));
-    p.out = take(m * hp * sizeof(float));
+    p.out = take(m * ld_mp * sizeof(float));
+    p.weighted_scores = take(m * ld_sw * sizeof(bf16));
   }
-  if (kernel == kDStateKernel || backward) p.d_out = take(m * hp * sizeof(float));
+  if (kernel == kDStateKernel || backward) p.d_out = take(m * ld_mp * sizeof(float));
   if (backward) {
-    p.d_scores = take(m * m * sizeof(float));
     // d_token_weights lives in out's space (o is dead between the epilogue and K dSᵀ) when it
     // fits.
-    p.d_token_weights = c * c <= m * hp ? p.out : take(c * c * sizeof(float));
-    p.d_psiv = take(m * hp * sizeof(float));
-    p.d_qk = take(m * n * sizeof(float));
-    // sum_scratch lives in d_qk's space: the two block sums run while d_qk holds nothing.
-    p.sum_scratch = m * n >= kThreads ? p.d_qk : take(kThreads * sizeof(float));
+    p.d_token_weights = c * c <= m * ld_mp ? p.out : take(c * c * sizeof(float));
+    // The bf16 dO is an operand only while the state holds nothing (between o = Q Eᵀ and the
+    // reload of E for dO E).
+    p.d_out_bf16 = m * ld_pv * sizeof(bf16) <= hp * ld_state * sizeof(float)
+                       ? p.state
+                       : take(m * ld_pv * sizeof(bf16));
+    p.d_psiv = take(m * ld_mp * sizeof(float));
+    // d_qk is written only after the last use of the scores and their gradient.
+    p.d_qk = m * ld_mn <= 2 * m * ld_mm ? p.scores : take(m * ld_mn * sizeof(float));
+    p.sum_scratch = take(kBackwardThreads / 32 * sizeof(float));
     p.d_theta = take(c * a * sizeof(float));
   }
   p.total = cursor;
@@ -204,10 +244,12 @@ static __device__ __forceinline__ size_t token_head(const Dims& d, int b, int t,
 }
 
 // Per-token scalars and rotation cos/sin of head pos.h for the chunk. Padded tokens
-// (i ≥ len) get zero coefficients, so they contribute nothing anywhere.
+// (i ≥ len) get zero coefficients, so they contribute nothing anywhere. Only the two prefix
+// sums (l over tokens, θ over tokens per rotation pair) run serially; every load, exponential
+// and sincos runs on all threads.
 static __device__ void load_scalars(const Dims& d, const DevInputs& in, const Work& w,
                                     const ChunkPos& pos, float* sc, float* cosv, float* sinv) {
-  const int C = d.chunk;
+  const int C = d.chunk, A = d.angles;
   for (int i = threadIdx.x; i < C; i += blockDim.x) {
     float adt = 0.f, dt = 0.f, tau = 0.f, kappa = 0.f;
     if (i < pos.len) {
@@ -227,6 +269,17 @@ static __device__ void load_scalars(const Dims& d, const DevInputs& in, const Wo
     sc[kGamma * C + i] = tau * dt;
     sc[kKappa * C + i] = kappa;
   }
+  // θ increments tanh(angle)·DT·π, held in cosv until the prefix below.
+  for (int item = threadIdx.x; item < C * A; item += blockDim.x) {
+    const int i = d.by_angles.div(item), j = d.by_angles.mod(item);
+    float increment = 0.f;
+    if (i < pos.len) {
+      const int t = pos.t0 + i;
+      increment = tanhf(to_f(in.angles[(static_cast<size_t>(pos.b) * d.seqlen + t) * A + j])) *
+                  to_f(in.dt[token_head(d, pos.b, t, pos.h)]) * kPi;
+    }
+    cosv[item] = increment;
+  }
   __syncthreads();
   if (threadIdx.x == 0) {
     float running = 0.f;
@@ -234,28 +287,26 @@ static __device__ void load_scalars(const Dims& d, const DevInputs& in, const Wo
       running += sc[kAdt * C + i];
       sc[kLog * C + i] = running;
     }
-    const float last = sc[kLog * C + (pos.len - 1)];
-    for (int i = 0; i < C; ++i) {
-      sc[kEntryDecay * C + i] = expf(sc[kLog * C + i]);
-      sc[kExitScale * C + i] = expf(last - sc[kLog * C + i]) * sc[kKappa * C + i];
-    }
   }
-  const int A = d.angles;
   for (int j = threadIdx.x; j < A; j += blockDim.x) {
     const size_t bh = static_cast<size_t>(pos.b) * d.heads + pos.h;
     float theta = w.theta0[(bh * d.chunks + pos.c) * A + j];
     for (int i = 0; i < C; ++i) {
-      float cs = 1.f, sn = 0.f;
-      if (i < pos.len) {
-        const int t = pos.t0 + i;
-        const float slope =
-            tanhf(to_f(in.angles[(static_cast<size_t>(pos.b) * d.seqlen + t) * A + j]));
-        theta += slope * to_f(in.dt[token_head(d, pos.b, t, pos.h)]) * kPi;
-        sincosf(theta, &sn, &cs);
-      }
-      cosv[i * A + j] = cs;
-      sinv[i * A + j] = sn;
+      theta += cosv[i * A + j];
+      cosv[i * A + j] = theta;
     }
+  }
+  __syncthreads();
+  const float last = sc[kLog * C + (pos.len - 1)];
+  for (int i = threadIdx.x; i < C; i += blockDim.x) {
+    sc[kEntryDecay * C + i] = expf(sc[kLog * C + i]);
+    sc[kExitScale * C + i] = expf(last - sc[kLog * C + i]) * sc[kKappa * C + i];
+  }
+  for (int item = threadIdx.x; item < C * A; item += blockDim.x) {
+    float cs = 1.f, sn = 0.f;
+    if (d.by_angles.div(item) < pos.len) sincosf(cosv[item], &sn, &cs);
+    cosv[item] = cs;
+    sinv[item] = sn;
   }
   __syncthreads();
 }
@@ -263,12 +314,12 @@ static __device__ void load_scalars(const Dims& d, const DevInputs& in, const Wo
 // q or k of head pos.h for the chunk: + bias, rotated, rounded to bf16. Rows (i, r).
 static __device__ void load_rotated(const Dims& d, const bf16* src, const bf16* bias,
                                     const ChunkPos& pos, const float* cosv, const float* sinv,
-                                    bf16* dst) {
+                                    bf16* dst, int ld) {
   const int N = d.state, half = N / 2, R = d.rank, A = d.angles;
   const int items = d.rows * half;
   for (int idx = threadIdx.x; idx < items; idx += blockDim.x) {
-    const int row = idx / half, n = idx % half;
-    const int i = row / R, r = row % R;
+    const int row = d.by_half.div(idx), n = d.by_half.mod(idx);
+    const int i = d.by_rank.div(row), r = d.by_rank.mod(row);
     float first = 0.f, second = 0.f;
     if (i < pos.len) {
       const int t = pos.t0 + i;
@@ -286,8 +337,8 @@ static __device__ void load_rotated(const Dims& d, const bf16* src, const bf16* 
         second = b;
       }
     }
-    dst[row * N + n] = __float2bfloat16(first);
-    dst[row * N + n + half] = __float2bfloat16(second);
+    dst[row * ld + n] = __float2bfloat16(first);
+    dst[row * ld + n + half] = __float2bfloat16(second);
   }
 }
 
@@ -295,12 +346,13 @@ static __device__ void load_rotated(const Dims& d, const bf16* src, const bf16* 
 // read_cache, else computed (and stored to the cache when write_cache). Both ways give
 // the same bits, so the cache never changes results.
 static __device__ void load_psiv(const Dims& d, const DevInputs& in, const ChunkPos& pos,
-                                 bf16* cache, bool read_cache, bool write_cache, bf16* dst) {
+                                 bf16* cache, bool read_cache, bool write_cache, bf16* dst,
+                                 int ld) {
   const int P = d.headdim, R = d.rank;
   const int items = d.rows * P;
   for (int idx = threadIdx.x; idx < items; idx += blockDim.x) {
-    const int row = idx / P, p = idx % P;
-    const int i = row / R, r = row % R;
+    const int row = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
+    const int i = d.by_rank.div(row), r = d.by_rank.mod(row);
     bf16 value = __float2bfloat16(0.f);
     if (i < pos.len) {
       const size_t th = token_head(d, pos.b, pos.t0 + i, pos.h);
@@ -313,7 +365,7 @@ static __device__ void load_psiv(const Dims& d, const DevInputs& in, const Chunk
         if (write_cache) cache[cached] = value;
       }
     }
-    dst[row * P + p] = value;
+    dst[row * ld + p] = value;
   }
 }
 
@@ -321,7 +373,7 @@ static __device__ void load_psiv(const Dims& d, const DevInputs& in, const Chunk
 static __device__ void fill_weights(const Dims& d, const float* sc, float* weights) {
   const int C = d.chunk;
   for (int idx = threadIdx.x; idx < C * C; idx += blockDim.x) {
-    const int i = idx / C, j = idx % C;
+    const int i = d.by_chunk.div(idx), j = d.by_chunk.mod(idx);
     float weight = 0.f;
     if (j < i) {
       weight = expf(sc[kLog * C + i] - sc[kLog * C + j]) * sc[kKappa * C + j];
@@ -332,8 +384,11 @@ static __device__ void fill_weights(const Dims& d, const float* sc, float* weigh
   }
 }
 
-static __device__ void load_state(const float* src, int count, float* dst) {
-  for (int idx = threadIdx.x; idx < count; idx += blockDim.x) dst[idx] = src[idx];
+// A [P][N] fp32 state from global memory into rows of stride ld.
+static __device__ void load_state(const Dims& d, const float* src, float* dst, int ld) {
+  for (int idx = threadIdx.x; idx < d.headdim * d.state; idx += blockDim.x) {
+    dst[d.by_state.div(idx) * ld + d.by_state.mod(idx)] = src[idx];
+  }
 }
 
 }  // namespace megacpp::cuda::scan_detail

@@ -11,7 +11,7 @@ __global__ void angle_prefix_kernel(Dims d, DevInputs in, Work w) {
   const int bh = blockIdx.x, b = bh / d.heads, h = bh % d.heads, A = d.angles;
   float* theta0 = w.theta0 + static_cast<size_t>(bh) * d.chunks * A;
   for (int item = threadIdx.x; item < d.chunks * A; item += blockDim.x) {
-    const int c = item / A, j = item % A;
+    const int c = d.by_angles.div(item), j = d.by_angles.mod(item);
     const int t0 = c * d.chunk, t1 = min(d.seqlen, t0 + d.chunk);
     float sum = 0.f;
     for (int t = t0; t < t1; ++t) {
@@ -43,20 +43,22 @@ __global__ void chunk_state_kernel(Dims d, SmemPlan plan, DevInputs in, Work w, 
   bf16* k_rot = reinterpret_cast<bf16*>(smem + plan.k_rotated);
   bf16* psiv = reinterpret_cast<bf16*>(smem + plan.psiv);
   load_scalars(d, in, w, pos, sc, cosv, sinv);
-  load_rotated(d, in.k, in.k_bias, pos, cosv, sinv, k_rot);
-  load_psiv(d, in, pos, w.psiv, false, write_psiv, psiv);
+  load_rotated(d, in.k, in.k_bias, pos, cosv, sinv, k_rot, plan.ld_qk);
+  load_psiv(d, in, pos, w.psiv, false, write_psiv, psiv, plan.ld_pv);
   __syncthreads();
-  const int N = d.state, P = d.headdim, R = d.rank, C = d.chunk;
+  const int ld_qk = plan.ld_qk, ld_pv = plan.ld_pv;
+  const int N = d.state, P = d.headdim, C = d.chunk;
   const size_t bhc = (static_cast<size_t>(pos.b) * d.heads + pos.h) * d.chunks + pos.c;
   float* out = w.states + bhc * P * N;
-  // The state products stay in fp32 in both variants: the angle gradient is a long suffix
-  // sum of terms that cancel exactly only when the state is formed and used without
+  // The state products keep (near) fp32 precision in both variants: the angle gradient is a
+  // long suffix sum of terms that cancel only when the state is formed and used without bf16
   // rounding (see the note at chunk_backward_kernel).
-  (void)sizeof(kTensor);
-  block_gemm(
+  state_gemm<kTensor, true, false>(
       P, N, d.rows,
-      [&](int p, int row) { return to_f(psiv[row * P + p]) * sc[kExitScale * C + row / R]; },
-      [&](int row, int n) { return to_f(k_rot[row * N + n]); },
+      [&](int p, int row) {
+        return to_f(psiv[row * ld_pv + p]) * sc[kExitScale * C + d.by_rank.div(row)];
+      },
+      [&](int row, int n) { return to_f(k_rot[row * ld_qk + n]); },
       [&](int p, int n, float value) { out[p * N + n] = value; });
   if (threadIdx.x == 0) w.decay[bhc] = sc[kEntryDecay * C + (pos.len - 1)];
 }
@@ -104,42 +106,48 @@ __global__ void chunk_output_kernel(Dims d, SmemPlan plan, DevInputs in, Work w,
   bf16* k_rot = reinterpret_cast<bf16*>(smem + plan.k_rotated);
   bf16* psiv = reinterpret_cast<bf16*>(smem + plan.psiv);
   float* entry = reinterpret_cast<float*>(smem + plan.state);
-  float* scores = reinterpret_cast<float*>(smem + plan.scores);
   float* weights = reinterpret_cast<float*>(smem + plan.token_weights);
   float* o = reinterpret_cast<float*>(smem + plan.out);
+  bf16* weighted = reinterpret_cast<bf16*>(smem + plan.weighted_scores);
   const int N = d.state, P = d.headdim, R = d.rank, C = d.chunk, M = d.rows;
   const size_t bhc = (static_cast<size_t>(pos.b) * d.heads + pos.h) * d.chunks + pos.c;
   load_scalars(d, in, w, pos, sc, cosv, sinv);
-  load_rotated(d, in.q, in.q_bias, pos, cosv, sinv, q_rot);
-  load_rotated(d, in.k, in.k_bias, pos, cosv, sinv, k_rot);
-  load_psiv(d, in, pos, w.psiv, read_psiv, false, psiv);
-  load_state(w.states + bhc * P * N, P * N, entry);
+  const int ld_qk = plan.ld_qk, ld_pv = plan.ld_pv, ld_state = plan.ld_state;
+  const int ld_mp = plan.ld_mp;
+  load_rotated(d, in.q, in.q_bias, pos, cosv, sinv, q_rot, ld_qk);
+  load_rotated(d, in.k, in.k_bias, pos, cosv, sinv, k_rot, ld_qk);
+  load_psiv(d, in, pos, w.psiv, read_psiv, false, psiv, ld_pv);
+  load_state(d, w.states + bhc * P * N, entry, ld_state);
   fill_weights(d, sc, weights);
   __syncthreads();
-  gemm<kTensor>(
-      M, M, N, [&](int i, int n) { return to_f(q_rot[i * N + n]); },
-      [&](int n, int j) { return to_f(k_rot[j * N + n]); },
-      [&](int i, int j, float value) { scores[i * M + j] = value * weights[(i / R) * C + j / R]; });
-  block_gemm(
-      M, P, N, [&](int i, int n) { return to_f(q_rot[i * N + n]); },
-      [&](int n, int p) { return entry[p * N + n]; },
-      [&](int i, int p, float value) { o[i * P + p] = value * sc[kEntryDecay * C + i / R]; });
+  const int ld_sw = plan.ld_sw;
+  bf16_gemm<kTensor, false, false>(
+      M, M, N, q_rot, ld_qk, k_rot, ld_qk, [&](int i, int j, float value) {
+        weighted[i * ld_sw + j] =
+            __float2bfloat16(value * weights[d.by_rank.div(i) * C + d.by_rank.div(j)]);
+      });
+  state_gemm<kTensor, false, true>(
+      M, P, N, [&](int i, int n) { return to_f(q_rot[i * ld_qk + n]); },
+      [&](int n, int p) { return entry[p * ld_state + n]; },
+      [&](int i, int p, float value) {
+        o[i * ld_mp + p] = value * sc[kEntryDecay * C + d.by_rank.div(i)];
+      });
   __syncthreads();
   const float skip = to_f(in.d[pos.h]);
-  gemm<kTensor>(
-      M, P, M, [&](int i, int j) { return scores[i * M + j]; },
-      [&](int j, int p) { return to_f(psiv[j * P + p]); },
-      [&](int i, int p, float value) { o[i * P + p] += value + skip * to_f(psiv[i * P + p]); });
+  bf16_gemm<kTensor, false, true>(M, P, M, weighted, ld_sw, psiv, ld_pv,
+                                  [&](int i, int p, float value) {
+                                    o[i * ld_mp + p] += value + skip * to_f(psiv[i * ld_pv + p]);
+                                  });
   __syncthreads();
   for (int idx = threadIdx.x; idx < pos.len * P; idx += blockDim.x) {
-    const int i = idx / P, p = idx % P;
+    const int i = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
     const size_t th = token_head(d, pos.b, pos.t0 + i, pos.h);
     const float z = to_f(in.z[th * P + p]);
     float sum = 0.f;
     for (int r = 0; r < R; ++r) {
       const size_t wr = (static_cast<size_t>(pos.h) * R + r) * P + p;
       const float gate = z * to_f(in.mimo_z[wr]);
-      sum += o[(i * R + r) * P + p] * gate * sigmoidf(gate) * to_f(in.mimo_o[wr]);
+      sum += o[(i * R + r) * ld_mp + p] * gate * sigmoidf(gate) * to_f(in.mimo_o[wr]);
     }
     y[th * P + p] = __float2bfloat16(sum);
   }
