@@ -5,8 +5,10 @@
 // share of the step (CUDA events between neighbouring ops, over the profiled steps).
 //
 //   cuda_step_bench [--preset bench-350m] [--rank 4] [--batch 4] [--seqlen 8192] [--steps 8]
-//                   [--json FILE]
+//                   [--cuda-graphs] [--json FILE]
 // --rank 1 is the SISO variant of the preset (chunk 64, as the official R = 1 path runs).
+// --cuda-graphs: the timed steps replay the step captured as a CUDA graph (the profiled steps
+// after them run eagerly); compare with a run without it for the cuda_graphs gate's receipt.
 #include <cstdio>
 
 #ifdef MEGACPP_HAVE_CUDA
@@ -41,6 +43,7 @@ struct Options {
   int batch = 4;
   int seqlen = 8192;
   int steps = 8;
+  bool cuda_graphs = false;  // replay the step as a captured CUDA graph (CudaModel::set_step_graph)
   std::string json;
 };
 
@@ -62,6 +65,8 @@ Options parse(int argc, char** argv) {
       o.seqlen = std::stoi(value());
     } else if (a == "--steps") {
       o.steps = std::stoi(value());
+    } else if (a == "--cuda-graphs") {
+      o.cuda_graphs = true;
     } else if (a == "--json") {
       o.json = value();
     } else {
@@ -129,6 +134,7 @@ int run(const Options& o) {
   megacpp::AdamW<float> moments(host.parameters(), optimizer);
   CudaModel model(host, o.batch, o.seqlen, optimizer);
   model.upload(host.parameters(), &moments);
+  model.set_step_graph(o.cuda_graphs);
   std::mt19937_64 rng(3);
   std::vector<int32_t> tokens(static_cast<size_t>(o.batch) * (o.seqlen + 1));
   for (auto& t : tokens) t = static_cast<int32_t>(rng() % static_cast<uint64_t>(config.vocab_size));
@@ -171,6 +177,7 @@ int run(const Options& o) {
       {"chunk", config.ssm.chunk_size},
       {"batch", o.batch},
       {"seqlen", o.seqlen},
+      {"cuda_graphs", o.cuda_graphs},
       {"parameters", host.parameters().total()},
       {"first_loss", first_loss},
       {"seconds_to_first_step", to_first_step},
@@ -183,11 +190,12 @@ int run(const Options& o) {
       {"device_bytes_in_use", in_use},
       {"planned_bytes", model.planned_bytes()}};
   std::printf(
-      "%s R=%d chunk %d, batch %d x seqlen %d: step min/median/max %.1f/%.1f/%.1f ms, "
+      "%s R=%d chunk %d, batch %d x seqlen %d%s: step min/median/max %.1f/%.1f/%.1f ms, "
       "%.0f tokens/s, %.1f model TFLOP/s, MFU %.1f%% of the %.0f TFLOP/s GEMM ceiling, "
       "%.1f GiB in use, first step after %.1f s\n",
-      o.preset.c_str(), o.rank, config.ssm.chunk_size, o.batch, o.seqlen, sorted.front(), median,
-      sorted.back(), tokens_per_step / (median / 1e3), flops / (median / 1e3) / 1e12,
+      o.preset.c_str(), o.rank, config.ssm.chunk_size, o.batch, o.seqlen,
+      o.cuda_graphs ? " (step graph)" : "", sorted.front(), median, sorted.back(),
+      tokens_per_step / (median / 1e3), flops / (median / 1e3) / 1e12,
       100 * flops / (median / 1e3) / ceiling, ceiling / 1e12,
       static_cast<double>(in_use) / (1 << 30), to_first_step);
   std::printf("%-36s %6s %10s %7s\n", "op (3 profiled steps)", "calls", "ms/step", "share");

@@ -156,6 +156,18 @@ struct CudaModel::Impl {
   void lap(const char* label);
   void harvest();
 
+  // The step graph (set_step_graph): forward, loss and backward captured once from the stream and
+  // replayed. Re-captured when grad_scale changes (it is a kernel argument). Profiled steps run
+  // eagerly: the op timings need events between the ops.
+  bool graph_wanted = false;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t graph_exec = nullptr;
+  float graph_scale = 0.f;
+  int64_t graph_captures = 0;
+  void forward_backward_body(float grad_scale);
+  void capture_step(float grad_scale);
+  void drop_graph();
+
   // The scan's inputs: the preprocessing's outputs and the bf16 copies of the per-head parameters
   // (C_bias is the scan's q bias, B_bias its k bias).
   cuda::ScanDeviceInputs scan_inputs(const MambaLayer& l,
@@ -441,6 +453,7 @@ CudaModel::CudaModel(const Model<float>& host, int batch, int seqlen,
 CudaModel::~CudaModel() {
   if (impl_ && impl_->stream != nullptr) {
     cudaStreamSynchronize(impl_->stream);
+    impl_->drop_graph();
     for (cudaEvent_t e : impl_->events) cudaEventDestroy(e);
     cudaStreamDestroy(impl_->stream);
   }
@@ -741,15 +754,65 @@ void CudaModel::Impl::attention_backward(AttentionLayer& l, const uint16_t* x) {
   m.lap("attention qkv backward");
 }
 
+void CudaModel::Impl::drop_graph() {
+  if (graph_exec != nullptr) cudaGraphExecDestroy(graph_exec);
+  if (graph != nullptr) cudaGraphDestroy(graph);
+  graph_exec = nullptr;
+  graph = nullptr;
+}
+
+void CudaModel::Impl::capture_step(float grad_scale) {
+  drop_graph();
+  // Thread-local mode: another thread's CUDA calls (a second job in the process, a test) are
+  // not captured and do not invalidate this capture.
+  MEGACPP_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  try {
+    forward_backward_body(grad_scale);
+  } catch (...) {
+    cudaGraph_t partial = nullptr;
+    cudaStreamEndCapture(stream, &partial);
+    if (partial != nullptr) cudaGraphDestroy(partial);
+    throw;
+  }
+  MEGACPP_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  MEGACPP_CUDA_CHECK(cudaGraphInstantiate(&graph_exec, graph, 0));
+  graph_scale = grad_scale;
+  ++graph_captures;
+}
+
 double CudaModel::forward_backward(const int32_t* tokens, double grad_scale) {
   Impl& m = *impl_;
   m.upload_tokens(tokens);
-  m.lap(nullptr);
+  const float scale = static_cast<float>(grad_scale);
+  if (m.graph_wanted && !m.profiling) {
+    if (m.graph_exec == nullptr || scale != m.graph_scale) m.capture_step(scale);
+    MEGACPP_CUDA_CHECK(cudaGraphLaunch(m.graph_exec, m.stream));
+  } else {
+    m.lap(nullptr);
+    m.forward_backward_body(scale);
+  }
+  return m.read_loss();
+}
+
+void CudaModel::set_step_graph(bool on) {
+  impl_->graph_wanted = on;
+  if (!on) impl_->drop_graph();
+}
+
+bool CudaModel::step_graph() const {
+  return impl_->graph_wanted;
+}
+
+int64_t CudaModel::step_graph_captures() const {
+  return impl_->graph_captures;
+}
+
+void CudaModel::Impl::forward_backward_body(float grad_scale) {
+  Impl& m = *this;
   m.run_forward();
   size_t site = m.site_weight.size() - 1;
-  m.lm_head_op->forward_backward(m.normed[site], m.bf16(m.lm_head), m.targets,
-                                 static_cast<float>(grad_scale), m.loss, nullptr, m.ddelta,
-                                 m.grad(m.lm_head), m.s());
+  m.lm_head_op->forward_backward(m.normed[site], m.bf16(m.lm_head), m.targets, grad_scale, m.loss,
+                                 nullptr, m.ddelta, m.grad(m.lm_head), m.s());
   m.lap("lm_head+loss forward+backward");
   m.norm_op->backward(m.residual[site], m.value(m.site_weight[site]), m.rstd[site],
                       cuda::RowsRef{m.ddelta, nullptr}, nullptr, m.dresidual,
@@ -786,7 +849,6 @@ double CudaModel::forward_backward(const int32_t* tokens, double grad_scale) {
   }
   m.embedding_op->backward(m.inputs, m.dresidual, m.grad(m.embedding), true, m.s());
   m.lap("embedding backward");
-  return m.read_loss();
 }
 
 double CudaModel::optimizer_step(double lr) {

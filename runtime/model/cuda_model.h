@@ -69,6 +69,16 @@ class CudaModel {
   // with learning rate `lr` (the step counter advances first). Returns the norm before clipping.
   double optimizer_step(double lr);
 
+  // The step graph: forward_backward's device work (everything after the token upload and
+  // before the loss read) is captured as one CUDA graph on its first call and replayed by the
+  // calls after it, in place of launching its ~1,000 kernels one by one. Results are bitwise
+  // those of the eager step. A change of grad_scale captures again; steps while profiling run
+  // eagerly. Off by default (the cuda_graphs feature gate).
+  void set_step_graph(bool on);
+  bool step_graph() const;
+  // How many times the step was captured (for tests and receipts).
+  int64_t step_graph_captures() const;
+
   // Profiling times every op of the step with CUDA events between its neighbours on the stream
   // (so the times add up to the step's device time); off, no event is recorded. The events are
   // created when profiling is first turned on, never inside a step.

@@ -130,10 +130,17 @@ const GateRegistry& GateRegistry::builtin() {
         {"TMA loads in the attention kernels", false}},
        {DeviceKind::kCuda}},
       {"cuda_graphs",
-       "captures one training step as a CUDA graph and replays it, removing per-kernel launch cost",
+       "captures the step's forward and backward as one CUDA graph and replays it "
+       "(CudaModel::set_step_graph; bitwise the eager step). Kept refused on measurement "
+       "(bench/RESULTS.md, H100, 2026-11-23): at bench-350m, micro-batch 4 x 8192, two eager and "
+       "two replaying runs of cuda_step_bench in one call gave R=4 medians of 1154.9 and 1155.3 "
+       "ms eager against 1155.6 and 1155.7 ms replayed (every step 1153.9-1158.0 ms), R=1 578.6 "
+       "against 575.7 ms with overlapping ranges: the ~1,000 launches of a step are hidden "
+       "behind a second of kernels",
        GateImplementation::kScaffold,
-       {{"static buffers for a step's activations and gradients", false},
-        {"capture and replay of forward, backward and optimizer", false}},
+       {{"static buffers for a step's activations and gradients", true},
+        {"capture and replay of forward and backward", true},
+        {"pays for itself in a measured receipt", false}},
        {DeviceKind::kCuda}},
       {"fused_out_norm",
        "fuses each mixer's residual add with the next RMSNorm: one pass over the residual stream",

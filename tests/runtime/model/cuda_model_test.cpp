@@ -187,6 +187,41 @@ TEST_P(CudaModelStep, TwoStepsOfTheSameJobAreBitwiseEqual) {
       << "updated parameters differ between two identical steps";
 }
 
+// The step graph replays what the eager step launches: three steps on three different batches
+// (the replay must read each new upload) give the same losses, norms and parameters, bit for bit,
+// from one capture.
+TEST_P(CudaModelStep, TheStepGraphReplaysTheEagerStepBitwise) {
+  MEGACPP_REQUIRE_GPU();
+  const StepCase& c = GetParam();
+  Pair pair(parse_model_config(c.config, c.name));
+  std::mt19937_64 rng(37);
+  std::vector<std::vector<int32_t>> batches;
+  for (int i = 0; i < 3; ++i) {
+    batches.push_back(random_tokens(c.batch, c.seqlen, pair.config.vocab_size, rng));
+  }
+  std::vector<std::vector<double>> losses(2);
+  std::vector<std::vector<float>> params_after;
+  for (int graph = 0; graph < 2; ++graph) {
+    CudaModel gpu(pair.host, c.batch, c.seqlen, OptimizerConfig{});
+    AdamW<float> fresh(pair.host.parameters(), OptimizerConfig{});
+    gpu.upload(pair.host.parameters(), &fresh);
+    gpu.set_step_graph(graph == 1);
+    for (const std::vector<int32_t>& tokens : batches) {
+      gpu.zero_grad();
+      losses[graph].push_back(gpu.forward_backward(tokens.data(), 1.0));
+      losses[graph].push_back(gpu.optimizer_step(1e-3));
+    }
+    EXPECT_EQ(gpu.step_graph_captures(), graph == 1 ? 1 : 0);
+    ParameterSet<float> after = pair.host.parameters();
+    gpu.download(after, nullptr);
+    params_after.push_back(after.values());
+  }
+  EXPECT_EQ(losses[0], losses[1]);
+  EXPECT_EQ(0, std::memcmp(params_after[0].data(), params_after[1].data(),
+                           params_after[0].size() * sizeof(float)))
+      << "the replayed steps updated the parameters differently from the eager ones";
+}
+
 TEST_P(CudaModelStep, OptimizerStepReportsTheCpuGradientNormAndRoundTripsThroughTheHost) {
   MEGACPP_REQUIRE_GPU();
   const StepCase& c = GetParam();

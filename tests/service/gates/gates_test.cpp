@@ -126,6 +126,17 @@ TEST(Builtin, RequestedScaffoldIsRefusedNamingItsStagesAndDevice) {
   }
 }
 
+TEST(Builtin, CudaGraphsIsBuiltButRefusedForItsReceipt) {
+  const auto decisions = GateRegistry::builtin().decide({"cuda_graphs"}, DeviceKind::kCuda);
+  const GateDecision& graphs = decision_for(decisions, "cuda_graphs");
+  EXPECT_EQ(graphs.decision, Decision::kRefused);
+  EXPECT_TRUE(contains(graphs.reason, "pays for itself in a measured receipt"));
+  ASSERT_EQ(graphs.stages.size(), 3u);
+  EXPECT_TRUE(graphs.stages[0].done);
+  EXPECT_TRUE(graphs.stages[1].done);
+  EXPECT_FALSE(graphs.stages[2].done);
+}
+
 TEST(Builtin, EveryScaffoldIsRefusedOnEveryDevice) {
   for (const GateInfo& gate : GateRegistry::builtin().gates()) {
     for (DeviceKind device : {DeviceKind::kCpu, DeviceKind::kCuda}) {
