@@ -4,6 +4,9 @@
 find_package(Protobuf REQUIRED)
 find_package(gRPC CONFIG REQUIRED)
 pkg_check_modules(HTTPLIB REQUIRED IMPORTED_TARGET cpp-httplib)
+# The metrics registry and its text format only (prometheus-cpp-core): /metrics is served by the
+# daemon's own HTTP endpoint, not by prometheus-cpp-pull's server.
+pkg_check_modules(PROMETHEUS_CPP REQUIRED IMPORTED_TARGET prometheus-cpp-core)
 
 add_subdirectory(${CMAKE_SOURCE_DIR}/proto ${CMAKE_BINARY_DIR}/proto)
 
@@ -19,7 +22,7 @@ list(FILTER MEGACPP_DAEMON_SOURCES EXCLUDE REGEX "_main\\.cpp$")
 add_library(megacpp_daemon STATIC ${MEGACPP_DAEMON_SOURCES})
 target_compile_options(megacpp_daemon PRIVATE ${MEGACPP_WARNINGS})
 target_link_libraries(megacpp_daemon PUBLIC megacpp_service gRPC::grpc++ gRPC::grpc++_reflection
-                      PkgConfig::HTTPLIB)
+                      PkgConfig::HTTPLIB PkgConfig::PROMETHEUS_CPP)
 target_link_libraries(megacpp_all INTERFACE megacpp_daemon)
 
 file(GLOB MEGACPP_CLI_SOURCES CONFIGURE_DEPENDS ${CMAKE_SOURCE_DIR}/cli/*.cpp

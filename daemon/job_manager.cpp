@@ -14,6 +14,7 @@
 #include <fstream>
 
 #include "base/error.h"
+#include "daemon/metrics.h"
 #include "runtime/checkpoint/checkpoint.h"
 #include "runtime/trainer/trainer.h"
 #include "service/executor/event_stream.h"
@@ -121,12 +122,13 @@ std::string describe_exit(int status) {
 
 JobManager::JobManager(const DaemonConfig& config, receipts::BatchedWriter& writer,
                        const fs::path& store_path, int64_t boot_id, std::vector<DeviceSlot> devices,
-                       fs::path executor_path)
+                       fs::path executor_path, DaemonMetrics& metrics)
     : config_(config),
       writer_(writer),
       store_path_(store_path),
       boot_id_(boot_id),
       executor_path_(std::move(executor_path)),
+      metrics_(metrics),
       devices_(std::move(devices)) {}
 
 JobManager::~JobManager() {
@@ -215,6 +217,7 @@ void JobManager::finish(Lock& lock, Entry& e, v1::JobState state, const std::str
   e.job.set_error(ended.error());
   e.job.set_finished_at(ended.finished_at());
   release_devices(e);
+  metrics_.job_ended(e.job.id());
   if (is_terminal(state)) {
     free_history(e);
   } else {
@@ -572,7 +575,6 @@ ManagerSnapshot JobManager::snapshot() const {
   std::lock_guard lock(mu_);
   ManagerSnapshot s;
   s.devices = devices_;
-  s.steps_total = steps_total_;
   for (const auto& [id, e] : jobs_) {
     s.jobs_by_state[job_state_name(e->job.state())]++;
     if (e->job.state() == v1::JOB_STATE_RUNNING) s.running.push_back(e->job);
@@ -862,7 +864,7 @@ void JobManager::handle_event(Entry& e, const ExecutorEventView& view) {
       r.flops_per_s = s.flops_per_s();
       r.recorded_at = now_iso8601();
       writer_.enqueue(r);
-      ++steps_total_;
+      metrics_.observe_step(e.job.id(), s.step_ms() / 1000.0);
       e.job.set_step(s.step());
       e.job.set_loss(s.loss());
       e.job.set_tokens_per_s(s.tokens_per_s());

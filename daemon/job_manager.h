@@ -35,6 +35,8 @@
 
 namespace megacpp::daemon {
 
+class DaemonMetrics;
+
 struct DeviceSlot {
   std::string id;    // "cpu:0"
   std::string kind;  // "cpu" | "cuda"
@@ -48,14 +50,15 @@ struct ManagerSnapshot {
   std::vector<megacpp::v1::Job> queued;
   std::vector<megacpp::v1::Job> running;
   std::map<std::string, int> jobs_by_state;
-  int64_t steps_total = 0;  // steps completed by jobs of this daemon's lifetime
 };
 
 class JobManager {
  public:
+  // `metrics` receives every step receipt and every job's end.
   JobManager(const DaemonConfig& config, receipts::BatchedWriter& writer,
              const std::filesystem::path& store_path, int64_t boot_id,
-             std::vector<DeviceSlot> devices, std::filesystem::path executor_path);
+             std::vector<DeviceSlot> devices, std::filesystem::path executor_path,
+             DaemonMetrics& metrics);
   ~JobManager();
 
   // Starts the scheduler; call once, after recover().
@@ -143,6 +146,7 @@ class JobManager {
   std::filesystem::path store_path_;
   int64_t boot_id_;
   std::filesystem::path executor_path_;
+  DaemonMetrics& metrics_;
   mutable std::mutex mu_;
   // Serialises submissions from validation to publication, so the queue limit and the job ids
   // hold across the unlocked wait for the commit.
@@ -154,7 +158,6 @@ class JobManager {
   bool accepting_ = true;
   bool stopping_ = false;
   int64_t id_counter_ = 0;
-  int64_t steps_total_ = 0;
   int watch_streams_ = 0;
   std::thread scheduler_;
   std::vector<std::thread> monitors_;

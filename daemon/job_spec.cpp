@@ -4,10 +4,12 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <initializer_list>
+#include <cmath>
 
 #include "base/error.h"
 #include "runtime/config/model_config.h"
+#include "runtime/data/dataset_tokenizer.h"
+#include "runtime/data/indexed_dataset.h"
 #include "runtime/model/memory_estimate.h"
 #include "runtime/parallel/shard_plan.h"
 #include "runtime/trainer/trainer.h"
@@ -30,21 +32,60 @@ V or_default(V value, D fallback) {
   return value == V{} ? static_cast<V>(fallback) : value;
 }
 
-std::string dataset_prefix(const std::string& value, const char* field,
+std::string dataset_prefix(const std::string& value, const std::string& field,
                            const DaemonConfig& config) {
   if (value.empty()) refuse("{} is required: a dataset prefix (PREFIX.bin and PREFIX.idx)", field);
   // Both files must be inside an allowed data root, symlinks resolved.
-  const auto idx = resolve_allowed_path(value + ".idx", config.data_roots,
-                                        std::string("spec.") + field, /*must_exist=*/true);
-  resolve_allowed_path(value + ".bin", config.data_roots, std::string("spec.") + field, true);
+  const auto idx = resolve_allowed_path(value + ".idx", config.data_roots, "spec." + field,
+                                        /*must_exist=*/true);
+  resolve_allowed_path(value + ".bin", config.data_roots, "spec." + field, true);
   std::string prefix = idx.string();
-  return prefix.substr(0, prefix.size() - 4);
+  prefix = prefix.substr(0, prefix.size() - 4);
+  // The tokenizer record is read too: it must not lead out of the roots either.
+  const std::string record = data::tokenizer_file_path(prefix).string();
+  if (std::filesystem::exists(record)) {
+    resolve_allowed_path(record, config.data_roots, "spec." + field, true);
+  }
+  return prefix;
+}
+
+// The datasets to train on: train_data, or every entry of train_blend. Returns the trainer's
+// data.train (a prefix or a blend) and adds each dataset, named by its field, to `named`.
+json train_datasets(const megacpp::v1::JobSpec& spec, const DaemonConfig& config,
+                    std::vector<data::NamedDataset>& named) {
+  if (spec.train_blend_size() == 0) {
+    const std::string train = dataset_prefix(spec.train_data(), "train_data", config);
+    named.push_back({"spec.train_data", train});
+    return train;
+  }
+  if (!spec.train_data().empty()) {
+    refuse(
+        "train_data and train_blend are exclusive: name one dataset in train_data or several, "
+        "with weights, in train_blend");
+  }
+  if (spec.train_blend_size() > TrainJobLimits::kMaxBlendDatasets) {
+    refuse("train_blend has {} datasets, more than the {} a blend may have",
+           spec.train_blend_size(), TrainJobLimits::kMaxBlendDatasets);
+  }
+  json blend = json::array();
+  for (int i = 0; i < spec.train_blend_size(); ++i) {
+    const auto& entry = spec.train_blend(i);
+    // NaN fails every comparison, so the test is written to let only positive finite values by.
+    if (!(std::isfinite(entry.weight()) && entry.weight() > 0)) {
+      refuse("train_blend[{}].weight={} must be positive and finite", i, entry.weight());
+    }
+    const std::string field = fmt::format("train_blend[{}].prefix", i);
+    const std::string prefix = dataset_prefix(entry.prefix(), field, config);
+    named.push_back({"spec." + field, prefix});
+    blend.push_back({{"prefix", prefix}, {"weight", entry.weight()}});
+  }
+  return blend;
 }
 
 // Refuses a job whose estimated memory exceeds what its device has, with the estimate.
 void check_memory(const megacpp::v1::JobSpec& spec, const ModelConfig& model,
                   const ValidatedJob& job, int cpu_slots,
-                  std::initializer_list<std::string> datasets, const MemoryBudget& budget) {
+                  const std::vector<data::NamedDataset>& datasets, const MemoryBudget& budget) {
   TrainingShape shape;
   shape.batch = spec.batch();
   shape.seqlen = spec.seqlen();
@@ -57,10 +98,9 @@ void check_memory(const megacpp::v1::JobSpec& spec, const ModelConfig& model,
                          : std::max<long>(1, cores / std::max(1, cpu_slots)) * job.device_count,
       1, TrainJobLimits::kMaxThreads);
   MemoryEstimate estimate = estimate_training_memory(model, shape);
-  for (const std::string& prefix : datasets) {
-    if (prefix.empty()) continue;
+  for (const data::NamedDataset& dataset : datasets) {
     std::error_code ec;
-    const auto bytes = std::filesystem::file_size(prefix + ".idx", ec);
+    const auto bytes = std::filesystem::file_size(data::index_file_path(dataset.prefix), ec);
     if (!ec) estimate.datasets += bytes;  // the index is read into memory
   }
   if (job.device_kind == gates::DeviceKind::kCpu) {
@@ -150,10 +190,16 @@ ValidatedJob validate_job_spec(const megacpp::v1::JobSpec& spec, const DaemonCon
            kind);
   }
 
-  const std::string train = dataset_prefix(spec.train_data(), "train_data", config);
+  std::vector<data::NamedDataset> datasets;
+  const json train = train_datasets(spec, config, datasets);
   const std::string valid = spec.valid_data().empty()
                                 ? std::string()
                                 : dataset_prefix(spec.valid_data(), "valid_data", config);
+  if (!valid.empty()) datasets.push_back({"spec.valid_data", valid});
+  data::check_dataset_tokenizers(datasets, model_config.vocab_size,
+                                 spec.model_case() == megacpp::v1::JobSpec::kPreset
+                                     ? "preset " + spec.preset()
+                                     : std::string("spec.config_json"));
   // proto3 enums are open: an unknown number would reach the restart logic as is.
   if (!megacpp::v1::RestartPolicy_IsValid(spec.restart_policy())) {
     refuse("restart_policy={} is not a RestartPolicy value",
@@ -168,7 +214,7 @@ ValidatedJob validate_job_spec(const megacpp::v1::JobSpec& spec, const DaemonCon
     refuse("checkpoint_keep_last={} must be in [0, {}] (0 keeps every checkpoint)",
            spec.checkpoint_keep_last(), TrainJobLimits::kMaxKeepLast);
   }
-  check_memory(spec, model_config, out, cpu_slots, {train, valid}, memory);
+  check_memory(spec, model_config, out, cpu_slots, datasets, memory);
 
   const TrainJob defaults;
   json job = {{"model", model},

@@ -20,6 +20,7 @@
 #include "daemon/boot.h"
 #include "daemon/http_endpoint.h"
 #include "daemon/job_manager.h"
+#include "daemon/metrics.h"
 #include "daemon/services.h"
 #include "receipts/batched_writer.h"
 #include "receipts/store.h"
@@ -131,7 +132,9 @@ int main(int argc, char** argv) {
     mc::receipts::BatchedWriter writer(*store);  // the daemon is the store's only writer
 
     const auto executor = config.executor_path_for(std::filesystem::canonical("/proc/self/exe"));
-    mc::daemon::JobManager jobs(config, writer, config.store_path, boot_id, devices, executor);
+    mc::daemon::DaemonMetrics metrics;
+    mc::daemon::JobManager jobs(config, writer, config.store_path, boot_id, devices, executor,
+                                metrics);
 
     std::string token;
     if (!config.security.token_file.empty())
@@ -144,7 +147,7 @@ int main(int argc, char** argv) {
           "crosses the network in the clear to listen_address {} / http_address {}",
           config.listen_address, config.http_address);
     }
-    mc::daemon::StatusSource status_source(jobs, config.store_path, boot_id);
+    mc::daemon::StatusSource status_source(jobs, metrics, config.store_path, boot_id);
     mc::daemon::JobServiceImpl job_service(jobs, auth);
     mc::daemon::ReceiptServiceImpl receipt_service(config.store_path, auth);
     mc::daemon::StatusServiceImpl status_service(status_source, auth);

@@ -11,7 +11,6 @@
 #include "base/version.h"
 #include "receipts/compare.h"
 #include "receipts/store.h"
-#include "service/job_states.h"
 
 namespace megacpp::daemon {
 
@@ -436,68 +435,9 @@ v1::Status StatusSource::status() const {
 
 std::string StatusSource::prometheus_metrics() const {
   const ManagerSnapshot snap = jobs_.snapshot();
-  std::string out;
-  out += "# HELP megacpp_jobs Jobs known to the daemon, by state.\n# TYPE megacpp_jobs gauge\n";
-  for (const v1::JobState job_state : job_states()) {
-    const std::string& state = job_state_name(job_state);
-    auto it = snap.jobs_by_state.find(state);
-    out += fmt::format("megacpp_jobs{{state=\"{}\"}} {}\n", state,
-                       it == snap.jobs_by_state.end() ? 0 : it->second);
-  }
-  out += "# HELP megacpp_queue_depth Jobs waiting for devices.\n# TYPE megacpp_queue_depth gauge\n";
-  out += fmt::format("megacpp_queue_depth {}\n", snap.queued.size());
-  out +=
-      "# HELP megacpp_steps_total Training steps completed under this daemon.\n# TYPE "
-      "megacpp_steps_total counter\n";
-  out += fmt::format("megacpp_steps_total {}\n", snap.steps_total);
-  out +=
-      "# HELP megacpp_job_step Last completed step of a running job.\n# TYPE megacpp_job_step "
-      "gauge\n";
-  std::string tokens, loss;
-  for (const auto& j : snap.running) {
-    out += fmt::format("megacpp_job_step{{job=\"{}\"}} {}\n", j.id(), j.step());
-    tokens +=
-        fmt::format("megacpp_job_tokens_per_second{{job=\"{}\"}} {}\n", j.id(), j.tokens_per_s());
-    loss += fmt::format("megacpp_job_loss{{job=\"{}\"}} {}\n", j.id(), j.loss());
-  }
-  out +=
-      "# HELP megacpp_job_tokens_per_second Training throughput of a running job.\n"
-      "# TYPE megacpp_job_tokens_per_second gauge\n" +
-      tokens;
-  out +=
-      "# HELP megacpp_job_loss Last training loss of a running job.\n# TYPE megacpp_job_loss "
-      "gauge\n" +
-      loss;
-  out +=
-      "# HELP megacpp_job_step_seconds Step time of a running job.\n# TYPE "
-      "megacpp_job_step_seconds gauge\n";
-  for (const auto& j : snap.running) {
-    const double tokens_per_step = static_cast<double>(j.spec().batch()) * j.spec().seqlen() *
-                                   std::max(1, j.spec().grad_accum());
-    out += fmt::format("megacpp_job_step_seconds{{job=\"{}\"}} {}\n", j.id(),
-                       j.tokens_per_s() > 0 ? tokens_per_step / j.tokens_per_s() : 0.0);
-  }
-  out +=
-      "# HELP megacpp_devices_held Devices held by jobs, by kind.\n# TYPE megacpp_devices_held "
-      "gauge\n"
-      "# HELP megacpp_devices Devices in the inventory, by kind.\n";
-  std::map<std::string, std::pair<int, int>> by_kind;
-  for (const auto& d : snap.devices) {
-    by_kind[d.kind].first += d.held_by.empty() ? 0 : 1;
-    by_kind[d.kind].second += 1;
-  }
-  for (const auto& [kind, counts] : by_kind) {
-    out +=
-        fmt::format("megacpp_devices_held{{kind=\"{}\"}} {}\nmegacpp_devices{{kind=\"{}\"}} {}\n",
-                    kind, counts.first, kind, counts.second);
-  }
   std::error_code ec;
   const auto size = std::filesystem::file_size(store_path_, ec);
-  out +=
-      "# HELP megacpp_store_bytes Size of the receipt store's main file.\n# TYPE "
-      "megacpp_store_bytes gauge\n";
-  out += fmt::format("megacpp_store_bytes {}\n", ec ? 0 : size);
-  return out;
+  return metrics_.scrape(snap, ec ? 0 : size);
 }
 
 Status StatusServiceImpl::GetStatus(grpc::ServerContext* context, const v1::GetStatusRequest*,

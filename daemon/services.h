@@ -9,6 +9,7 @@
 #include <string_view>
 
 #include "daemon/job_manager.h"
+#include "daemon/metrics.h"
 #include "megacpp/v1/jobs.grpc.pb.h"
 #include "megacpp/v1/receipts.grpc.pb.h"
 #include "megacpp/v1/status.grpc.pb.h"
@@ -92,16 +93,20 @@ class ReceiptServiceImpl final : public megacpp::v1::ReceiptService::Service {
 // Assembles GetStatus: also the HTTP endpoint's /status and /metrics source.
 class StatusSource {
  public:
-  StatusSource(JobManager& jobs, std::filesystem::path store_path, int64_t boot_id)
+  StatusSource(JobManager& jobs, DaemonMetrics& metrics, std::filesystem::path store_path,
+               int64_t boot_id)
       : jobs_(jobs),
+        metrics_(metrics),
         store_path_(std::move(store_path)),
         boot_id_(boot_id),
         started_(std::chrono::steady_clock::now()) {}
   megacpp::v1::Status status() const;
+  // The /metrics body (Prometheus text format 0.0.4), rendered by prometheus-cpp.
   std::string prometheus_metrics() const;
 
  private:
   JobManager& jobs_;
+  DaemonMetrics& metrics_;
   std::filesystem::path store_path_;
   int64_t boot_id_;
   std::chrono::steady_clock::time_point started_;

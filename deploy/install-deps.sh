@@ -11,8 +11,16 @@ packages=(
   libsqlite3-dev sqlite3
   libspdlog-dev libfmt-dev
   nlohmann-json3-dev libcpp-httplib-dev libcli11-dev
+  prometheus-cpp-dev
+  # The metrics test starts its own Prometheus server (a temporary config, a free loopback port).
+  prometheus
   libgtest-dev libgmock-dev libbenchmark-dev
   clang-format python3
+  # The Python client (python/megacpp_client): its modules are generated from proto/ by protoc and
+  # grpc_python_plugin above (python3-grpc-tools bundles a protoc too old for proto3 `optional`).
+  python3-grpcio python3-protobuf
+  # megacpp data prepare --tokenizer MODEL; spm_train makes the tests' small model.
+  libsentencepiece-dev sentencepiece
   clang-14 libclang-rt-14-dev libomp-14-dev
   openssl
 )

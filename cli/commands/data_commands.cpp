@@ -30,17 +30,23 @@ int prepare(const PrepareArgs& args, const GlobalOptions& global) {
        {"train",
         {{"documents", r.train.documents}, {"tokens", r.train.tokens}, {"bin", r.train.bin_path}}},
        {"valid",
-        {{"documents", r.valid.documents}, {"tokens", r.valid.tokens}, {"bin", r.valid.bin_path}}}},
-      fmt::format("read {} files ({} bytes, {} skipped)\ntrain: {} documents, {} tokens -> {}\n"
-                  "valid: {} documents, {} tokens -> {}\n",
-                  r.files_read, r.bytes_read, r.files_skipped, r.train.documents, r.train.tokens,
-                  r.train.bin_path.string(), r.valid.documents, r.valid.tokens,
-                  r.valid.bin_path.string()));
+        {{"documents", r.valid.documents}, {"tokens", r.valid.tokens}, {"bin", r.valid.bin_path}}},
+       {"tokenizer",
+        {{"type", r.tokenizer.type},
+         {"model", r.tokenizer.model.string()},
+         {"vocab_size", r.tokenizer.vocab_size},
+         {"end_of_document", r.tokenizer.end_of_document}}}},
+      fmt::format("read {} files ({} bytes, {} skipped), tokenizer {}\n"
+                  "train: {} documents, {} tokens -> {}\nvalid: {} documents, {} tokens -> {}\n",
+                  r.files_read, r.bytes_read, r.files_skipped, r.tokenizer.describe(),
+                  r.train.documents, r.train.tokens, r.train.bin_path.string(), r.valid.documents,
+                  r.valid.tokens, r.valid.bin_path.string()));
   return kExitOk;
 }
 
 void add_prepare(CLI::App& data_command, CommandTable& commands) {
-  auto* command = data_command.add_subcommand("prepare", "text files -> Megatron indexed dataset");
+  auto* command = data_command.add_subcommand(
+      "prepare", "text files -> Megatron indexed dataset (bytes or SentencePiece)");
   auto& args = commands.add(command, prepare);
   command->add_option("--input", args.input, "a text file or a directory tree")->required();
   command->add_option("--output", args.output, "output prefix: writes PREFIX_train/_valid")
@@ -50,6 +56,9 @@ void add_prepare(CLI::App& data_command, CommandTable& commands) {
   command->add_option("--valid-fraction", args.options.valid_fraction)->capture_default_str();
   command->add_option("--seed", args.options.seed)->capture_default_str();
   command->add_option("--max-bytes", args.options.max_bytes, "0 = no limit")->capture_default_str();
+  // No CLI::ExistingFile check: a missing model is "not found" (exit 4), as elsewhere.
+  command->add_option("--tokenizer", args.options.tokenizer_model,
+                      "a SentencePiece model (spm_train's .model); default: bytes");
 }
 
 struct StatsArgs {

@@ -7,6 +7,7 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "base/atomic_file.h"
 #include "cli/commands/client.h"
@@ -108,7 +109,9 @@ int submit(const SubmitArgs& args, const GlobalOptions& global) {
   // The daemon cannot see our working directory: data paths go absolute, relative ones read
   // against the spec file's folder.
   const auto base = std::filesystem::absolute(args.file).parent_path();
-  for (auto* path : {spec.mutable_train_data(), spec.mutable_valid_data()}) {
+  std::vector<std::string*> paths = {spec.mutable_train_data(), spec.mutable_valid_data()};
+  for (auto& entry : *spec.mutable_train_blend()) paths.push_back(entry.mutable_prefix());
+  for (auto* path : paths) {
     if (!path->empty() && std::filesystem::path(*path).is_relative()) {
       *path = (base / *path).lexically_normal().string();
     }

@@ -10,15 +10,18 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <random>
 #include <set>
 #include <string>
 #include <system_error>
 #include <utility>
 
+#include "base/atomic_file.h"
 #include "base/error.h"
 #include "runtime/data/byte_tokenizer.h"
 #include "runtime/data/indexed_dataset.h"
+#include "runtime/data/sentencepiece_tokenizer.h"
 
 namespace megacpp::data {
 namespace {
@@ -162,9 +165,9 @@ std::uint64_t validation_documents(double valid_fraction, std::uint64_t document
   return std::clamp<std::uint64_t>(ceiling, 1, documents - 1);
 }
 
-void append_file(const InputFile& file, IndexedDatasetBuilder& builder,
-                 std::vector<unsigned char>& bytes, std::vector<std::int32_t>& tokens,
-                 PrepareReport& report) {
+void append_bytes(const InputFile& file, IndexedDatasetBuilder& builder,
+                  std::vector<unsigned char>& bytes, std::vector<std::int32_t>& tokens,
+                  PrepareReport& report) {
   const int fd = ::open(file.path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
     fail(ErrorKind::kIo, "{}: cannot open for reading: {}", file.path.string(),
@@ -192,7 +195,21 @@ void append_file(const InputFile& file, IndexedDatasetBuilder& builder,
     report.bytes_read += count;
   }
   ::close(fd);
-  const std::int32_t end_of_document = ByteTokenizer::kEndOfDocument;
+}
+
+void append_file(const InputFile& file, const SentencePieceTokenizer* pieces,
+                 IndexedDatasetBuilder& builder, std::vector<unsigned char>& bytes,
+                 std::vector<std::int32_t>& tokens, PrepareReport& report) {
+  if (pieces == nullptr) {
+    append_bytes(file, builder, bytes, tokens, report);
+  } else {
+    // SentencePiece encodes a whole text (its normalizer and pieces can span any chunk
+    // boundary); a file is at most kMaxFileBytes.
+    const std::string text = read_file(file.path);
+    builder.add_tokens(pieces->encode(text));
+    report.bytes_read += text.size();
+  }
+  const auto end_of_document = static_cast<std::int32_t>(report.tokenizer.end_of_document);
   builder.add_tokens(std::span<const std::int32_t>(&end_of_document, 1));
   builder.end_document();
 }
@@ -211,6 +228,15 @@ PrepareReport prepare_dataset(const PrepareOptions& options) {
          options.output_prefix.string());
   }
   PrepareReport report;
+  // Loaded before anything is read or written: a bad model is reported at once.
+  std::unique_ptr<SentencePieceTokenizer> pieces;
+  if (options.tokenizer_model.empty()) {
+    report.tokenizer = byte_dataset_tokenizer();
+  } else {
+    pieces = std::make_unique<SentencePieceTokenizer>(options.tokenizer_model);
+    report.tokenizer = {"sentencepiece", std::filesystem::absolute(options.tokenizer_model),
+                        pieces->fingerprint(), pieces->vocab_size(), pieces->end_of_document()};
+  }
   const std::string prefix = options.output_prefix.string();
   const std::filesystem::path train_prefix = prefix + "_train";
   const std::filesystem::path valid_prefix = prefix + "_valid";
@@ -226,8 +252,9 @@ PrepareReport prepare_dataset(const PrepareOptions& options) {
     }
     walk.suffixes.push_back(extension.front() == '.' ? extension : "." + extension);
   }
-  for (const auto& output : {report.train.bin_path, report.train.idx_path, report.valid.bin_path,
-                             report.valid.idx_path}) {
+  for (const auto& output :
+       {report.train.bin_path, report.train.idx_path, report.valid.bin_path, report.valid.idx_path,
+        tokenizer_file_path(train_prefix), tokenizer_file_path(valid_prefix)}) {
     struct stat info {};
     if (::stat(output.c_str(), &info) == 0) walk.outputs.insert({info.st_dev, info.st_ino});
   }
@@ -290,15 +317,21 @@ PrepareReport prepare_dataset(const PrepareOptions& options) {
     }
   }
 
-  IndexedDatasetBuilder valid_builder(valid_prefix, TokenDtype::kUint16);
-  IndexedDatasetBuilder train_builder(train_prefix, TokenDtype::kUint16);
+  // Megatron's rule (DType.optimal_dtype), so that both tools write the same files.
+  const TokenDtype dtype =
+      report.tokenizer.vocab_size < 65500 ? TokenDtype::kUint16 : TokenDtype::kInt32;
+  IndexedDatasetBuilder valid_builder(valid_prefix, dtype);
+  IndexedDatasetBuilder train_builder(train_prefix, dtype);
   std::vector<unsigned char> bytes;
   std::vector<std::int32_t> tokens;
   for (std::size_t i = 0; i < files.size(); ++i) {
-    append_file(files[i], i < valid_count ? valid_builder : train_builder, bytes, tokens, report);
+    append_file(files[i], pieces.get(), i < valid_count ? valid_builder : train_builder, bytes,
+                tokens, report);
   }
   valid_builder.finalize();
   train_builder.finalize();
+  write_dataset_tokenizer(valid_prefix, report.tokenizer);
+  write_dataset_tokenizer(train_prefix, report.tokenizer);
 
   report.files_read = files.size();
   report.valid.documents = valid_builder.num_documents();

@@ -15,6 +15,8 @@
 #include "base/version.h"
 #include "kernels/cpu/grad_clip.h"
 #include "runtime/checkpoint/checkpoint.h"
+#include "runtime/data/blended_loader.h"
+#include "runtime/data/dataset_tokenizer.h"
 #include "runtime/data/sequence_loader.h"
 #include "runtime/model/model.h"
 #ifdef MEGACPP_HAVE_CUDA
@@ -102,6 +104,39 @@ void refuse_unknown_keys(const json& object, std::initializer_list<const char*> 
   }
 }
 
+// [{"prefix": P, "weight": W}, ...]; `where` is "job.json: data.train".
+std::vector<TrainBlendEntry> parse_blend(const json& list, const std::string& where) {
+  if (list.empty()) {
+    fail(ErrorKind::kInvalidArgument,
+         "{}: a blend needs at least one {{\"prefix\": PREFIX, \"weight\": W}}", where);
+  }
+  if (list.size() > static_cast<size_t>(TrainJobLimits::kMaxBlendDatasets)) {
+    fail(ErrorKind::kInvalidArgument, "{}: {} datasets, more than the {} a blend may have", where,
+         list.size(), TrainJobLimits::kMaxBlendDatasets);
+  }
+  std::vector<TrainBlendEntry> out;
+  for (size_t i = 0; i < list.size(); ++i) {
+    const std::string entry = fmt::format("{}[{}]", where, i);
+    if (!list[i].is_object()) {
+      fail(ErrorKind::kInvalidArgument, "{} = {} must be {{\"prefix\": PREFIX, \"weight\": W}}",
+           entry, list[i].dump());
+    }
+    refuse_unknown_keys(list[i], {"prefix", "weight"}, entry);
+    TrainBlendEntry e;
+    e.prefix = read_field<std::string>(list[i], "prefix", entry, "", true);
+    if (e.prefix.empty()) fail(ErrorKind::kInvalidArgument, "{}.prefix must not be empty", entry);
+    if (!list[i].contains("weight")) {
+      fail(ErrorKind::kInvalidArgument, "{}: missing required field weight", entry);
+    }
+    e.weight = read_real(list[i], "weight", entry + ".weight", 0);
+    if (!(e.weight > 0)) {
+      fail(ErrorKind::kInvalidArgument, "{}.weight={} must be positive", entry, e.weight);
+    }
+    out.push_back(std::move(e));
+  }
+  return out;
+}
+
 }  // namespace
 
 TrainJob parse_train_job(const json& j, const std::string& source) {
@@ -139,7 +174,11 @@ TrainJob parse_train_job(const json& j, const std::string& source) {
          "{}: missing field data: {{\"train\": PREFIX, \"valid\": PREFIX}}", source);
   }
   refuse_unknown_keys(j["data"], {"train", "valid"}, source + ": data");
-  job.train_data = read_field<std::string>(j["data"], "train", source + ": data", "", true);
+  if (const auto train = j["data"].find("train"); train != j["data"].end() && train->is_array()) {
+    job.train_blend = parse_blend(*train, source + ": data.train");
+  } else {
+    job.train_data = read_field<std::string>(j["data"], "train", source + ": data", "", true);
+  }
   job.valid_data = read_field<std::string>(j["data"], "valid", source + ": data", "");
   using L = TrainJobLimits;
   const auto top = [&](const char* key, int64_t fallback, int64_t min, int64_t max,
@@ -429,16 +468,77 @@ double mean_eval_loss(StepBackend& model, const data::IndexedDataset& dataset, i
   return total / static_cast<double>(counted);
 }
 
+// A single dataset's checkpoints keep the one stream position they always had; a blend's hold
+// each dataset's cursor, with its prefix and weight for whoever reads them.
+const char* data_state_key(const TrainJob& job) {
+  return job.train_blend.empty() ? "data_position" : "data_blend";
+}
+
+json data_cursors(const TrainJob& job, const data::BlendedLoader& loader) {
+  const auto cursors = loader.cursors();
+  if (job.train_blend.empty()) return cursors.front().position;
+  json out = json::array();
+  for (size_t i = 0; i < cursors.size(); ++i) {
+    out.push_back({{"prefix", job.train_blend[i].prefix.string()},
+                   {"weight", job.train_blend[i].weight},
+                   {"position", cursors[i].position},
+                   {"windows", cursors[i].windows}});
+  }
+  return out;
+}
+
+void restore_data_cursors(const json& state, const TrainJob& job, const fs::path& checkpoint,
+                          data::BlendedLoader& loader) {
+  const char* key = data_state_key(job);
+  if (!state.contains(key)) {
+    fail(ErrorKind::kFailedPrecondition,
+         "{}: the checkpoint was written by a job {} a data blend, this one {}: refusing to resume",
+         checkpoint.string(), job.train_blend.empty() ? "with" : "without",
+         job.train_blend.empty() ? "has none" : "has one");
+  }
+  if (job.train_blend.empty()) {
+    const std::vector<data::BlendedLoader::Cursor> one = {{state.at(key).get<uint64_t>(), 0}};
+    loader.restore(one);
+    return;
+  }
+  const json& saved = state.at(key);
+  if (!saved.is_array() || saved.size() != job.train_blend.size()) {
+    fail(ErrorKind::kFailedPrecondition,
+         "{}: the checkpoint's data blend has {} datasets, the job's data.train {}: refusing to "
+         "resume",
+         checkpoint.string(), saved.is_array() ? saved.size() : 0, job.train_blend.size());
+  }
+  std::vector<data::BlendedLoader::Cursor> cursors;
+  for (const json& c : saved) {
+    cursors.push_back({c.at("position").get<uint64_t>(), c.at("windows").get<uint64_t>()});
+  }
+  loader.restore(cursors);
+}
+
 }  // namespace
 
 RunSummary train(const TrainJob& job, TrainingObserver& observer, const TrainOptions& options) {
   const auto train_start = Clock::now();
   if (job.threads > 0) omp_set_num_threads(job.threads);
-  auto train_set = std::make_shared<const data::IndexedDataset>(job.train_data);
+  // A single dataset is the blend of one: the same windows as before blends existed.
+  std::vector<data::NamedDataset> named;
+  std::vector<data::BlendComponent> components;
+  if (job.train_blend.empty()) {
+    named.push_back({"data.train", job.train_data});
+    components.push_back({std::make_shared<const data::IndexedDataset>(job.train_data), 1.0});
+  }
+  for (size_t i = 0; i < job.train_blend.size(); ++i) {
+    const TrainBlendEntry& e = job.train_blend[i];
+    named.push_back({fmt::format("data.train[{}].prefix", i), e.prefix});
+    components.push_back({std::make_shared<const data::IndexedDataset>(e.prefix), e.weight});
+  }
   std::shared_ptr<const data::IndexedDataset> valid_set;
-  if (!job.valid_data.empty())
+  if (!job.valid_data.empty()) {
+    named.push_back({"data.valid", job.valid_data});
     valid_set = std::make_shared<const data::IndexedDataset>(job.valid_data);
-  data::SequenceLoader loader(train_set, job.seqlen);
+  }
+  data::check_dataset_tokenizers(named, job.model.vocab_size, job.model_source);
+  data::BlendedLoader loader(std::move(components), job.seqlen);
 
   Model<float> model(job.model, ModelOptions{job.scan_form});
   AdamW<float> optimizer(model.parameters(), job.optimizer);
@@ -455,7 +555,7 @@ RunSummary train(const TrainJob& job, TrainingObserver& observer, const TrainOpt
       load_optimizer_state(*dir / "optimizer.safetensors", model.parameters(), optimizer);
       const json state = load_json_file(*dir / "trainer_state.json");
       step = state.at("step").get<int64_t>();
-      loader.seek(state.at("data_position").get<uint64_t>());
+      restore_data_cursors(state, job, *dir, loader);
       spdlog::info("resumed from {} at step {}", dir->string(), step);
     }
   }
@@ -487,7 +587,7 @@ RunSummary train(const TrainJob& job, TrainingObserver& observer, const TrainOpt
     save_optimizer_state(dir / "optimizer.safetensors", model.parameters(), optimizer);
     save_json_atomically(dir / "trainer_state.json",
                          {{"step", at_step},
-                          {"data_position", loader.position()},
+                          {data_state_key(job), data_cursors(job, loader)},
                           {"seed", job.seed},
                           {"total_steps", job.steps},
                           {"lr_schedule",

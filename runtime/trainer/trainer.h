@@ -6,6 +6,7 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "runtime/config/model_config.h"
 #include "runtime/optimizer/adamw.h"
@@ -16,6 +17,7 @@ namespace megacpp {
 // A training job, as a JSON file:
 // {"model": {"preset": "tiny"} | {"config": {...}} | {"config_file": "path"},
 //  "data": {"train": "PREFIX_train", "valid": "PREFIX_valid"},
+//     or a Megatron blend: "train": [{"prefix": "A_train", "weight": 0.7}, {"prefix": ..., ...}]
 //  "steps": 300, "batch": 8, "seqlen": 256, "grad_accum": 1,
 //  "optimizer": {"lr", "min_lr", "warmup_steps", "weight_decay", "beta1", "beta2", "eps",
 //                "grad_clip"},
@@ -27,11 +29,18 @@ namespace megacpp {
 // mixed precision) on GPU ordinal `gpu`.
 enum class TrainDevice { kCpu, kCuda };
 
+// One dataset of a blend (runtime/data/blended_loader.h).
+struct TrainBlendEntry {
+  std::filesystem::path prefix;
+  double weight = 1;  // positive, finite, relative to the others
+};
+
 struct TrainJob {
   ModelConfig model;
   std::string model_source;
-  std::filesystem::path train_data;
-  std::filesystem::path valid_data;  // empty: no validation
+  std::filesystem::path train_data;          // one dataset, or empty when train_blend is set
+  std::vector<TrainBlendEntry> train_blend;  // several, drawn from in proportion to weight
+  std::filesystem::path valid_data;          // empty: no validation
   int64_t steps = 0;
   int batch = 0;
   int seqlen = 0;
@@ -73,6 +82,7 @@ struct TrainJobLimits {
   static constexpr double kMaxWeightDecay = 100;
   static constexpr double kMaxGradClip = 1e9;
   static constexpr int kMaxGpu = 1023;
+  static constexpr int kMaxBlendDatasets = 1024;
 };
 
 // Validates every field; errors name the field (e.g. "job.json: batch=0 must be positive").
