@@ -21,8 +21,10 @@ namespace megacpp::cuda::scan_detail {
 
 constexpr int kThreads = 256;
 // chunk_backward holds one block per SM (its shared memory): twice the warps of the other chunk
-// kernels hide more of its load and barrier latency.
+// kernels hide more of its load and barrier latency. chunk_output fits two or three blocks per
+// SM; it gets the same count.
 constexpr int kBackwardThreads = 512;
+constexpr int kOutputThreads = 512;
 constexpr float kPi = 3.14159265358979323846f;
 
 // Shape constants every kernel needs, passed by value.

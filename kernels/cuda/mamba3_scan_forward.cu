@@ -95,8 +95,8 @@ __global__ void state_pass_kernel(Dims d, Work w) {
 
 // o = e^{l} Q Eᵀ + (QKᵀ ⊙ W) V + D v, y = Σ_r o_r ⊙ silu(z ⊙ mimo_z_r) ⊙ mimo_o_r.
 template <bool kTensor>
-__global__ void chunk_output_kernel(Dims d, SmemPlan plan, DevInputs in, Work w, bool read_psiv,
-                                    bf16* y) {
+__global__ void __launch_bounds__(kOutputThreads)
+    chunk_output_kernel(Dims d, SmemPlan plan, DevInputs in, Work w, bool read_psiv, bf16* y) {
   extern __shared__ __align__(16) unsigned char smem[];
   const ChunkPos pos = chunk_pos(d, blockIdx.y, false, blockIdx.x);
   float* sc = reinterpret_cast<float*>(smem + plan.token_scalars);
@@ -172,7 +172,7 @@ ForwardLaunches forward_launches(const Dims& d, bool tensor_cores) {
   l.chunk_output = {"chunk_output",
                     tensor_cores ? kernel_address(&chunk_output_kernel<true>)
                                  : kernel_address(&chunk_output_kernel<false>),
-                    dim3(chunks, bh), threads, plan_for(d, kOutputKernel)};
+                    dim3(chunks, bh), dim3(kOutputThreads), plan_for(d, kOutputKernel)};
   return l;
 }
 
