@@ -125,55 +125,6 @@ static __device__ __forceinline__ uint32_t pack_bf16(F lo, F hi) {
   return *reinterpret_cast<const uint32_t*>(&pair);
 }
 
-// The same contract as block_gemm on the tensor cores: operands are rounded to bf16,
-// products accumulate in fp32 (mma.sync m16n8k16). Every warp owns 16×16 output tiles
-// and walks k in a fixed order (deterministic). M, N and K are multiples of 16.
-// Below sm_80 (no bf16 mma) it is block_gemm.
-template <class FA, class FB, class FOut>
-static __device__ void block_mma(int m, int n, int k, FA a, FB b, FOut out) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int warps = blockDim.x / 32;
-  const int g = lane / 4, t = lane % 4;
-  const int tiles_n = n / 16;
-  const int tiles = (m / 16) * tiles_n;
-  for (int tile = warp; tile < tiles; tile += warps) {
-    const int i0 = (tile / tiles_n) * 16, j0 = (tile % tiles_n) * 16;
-    float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-    for (int k0 = 0; k0 < k; k0 += 16) {
-      const int ka = k0 + 2 * t;
-      uint32_t af[4];
-      af[0] = pack_bf16(a(i0 + g, ka), a(i0 + g, ka + 1));
-      af[1] = pack_bf16(a(i0 + g + 8, ka), a(i0 + g + 8, ka + 1));
-      af[2] = pack_bf16(a(i0 + g, ka + 8), a(i0 + g, ka + 9));
-      af[3] = pack_bf16(a(i0 + g + 8, ka + 8), a(i0 + g + 8, ka + 9));
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int col = j0 + half * 8 + g;
-        const uint32_t b0 = pack_bf16(b(ka, col), b(ka + 1, col));
-        const uint32_t b1 = pack_bf16(b(ka + 8, col), b(ka + 9, col));
-        float* c = acc[half];
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-            "{%8,%9}, {%0,%1,%2,%3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(af[0]), "r"(af[1]), "r"(af[2]), "r"(af[3]), "r"(b0), "r"(b1));
-      }
-    }
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int col = j0 + half * 8 + 2 * t;
-      out(i0 + g, col, acc[half][0]);
-      out(i0 + g, col + 1, acc[half][1]);
-      out(i0 + g + 8, col, acc[half][2]);
-      out(i0 + g + 8, col + 1, acc[half][3]);
-    }
-  }
-#else
-  block_gemm(m, n, k, a, b, out);
-#endif
-}
-
 // A float as two bf16 numbers, hi = bf16(x) and lo = bf16(x − hi): hi + lo carries 16
 // significant bits. Returns the two packed mma operand registers for the pair (x0, x1).
 template <typename F = float>
@@ -199,7 +150,9 @@ static __device__ __forceinline__ void mma_bf16_16816(F* c, const uint32_t* a, u
 #endif
 }
 
-// block_mma with near-fp32 operands: an operand marked split (kSplitA, kSplitB) enters as
+// A tensor-core product (mma.sync m16n8k16, fp32 accumulation; every warp owns 16×16 output
+// tiles and walks k in a fixed order: deterministic; M, N, K multiples of 16) with near-fp32
+// operands: an operand marked split (kSplitA, kSplitB) enters as
 // hi + lo bf16 parts and the product as hi·hi + hi·lo + lo·hi (the lo·lo term is below fp32's
 // last bits of the operands' 16). An operand that is exactly bf16 already (rotated q or k,
 // PsiV) is not split. Three tensor-core products cost far less than one fp32 product on the
@@ -270,8 +223,8 @@ static __device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const bf16* row)
 }
 
 // C = A·B with both operands bf16 in shared memory, on the tensor cores (fp32 accumulation),
-// every operand fragment fetched by one ldmatrix: the same contract and the same tiles, k order
-// and results as block_mma fed the same bf16 values, at a tenth of its instructions.
+// every operand fragment fetched by one ldmatrix: the same tiles and k order as
+// block_mma_split, at a tenth of the instructions of fetching fragments element by element.
 // A is m×k: stored [m][k] (row i at a + i·lda), or [k][m] when kATrans. B is k×n: stored [n][k]
 // (column j at b + j·ldb, k contiguous), or [k][n] when kBTrans. Strides are multiples of 8
 // elements and the buffers 16-byte aligned. M, N and K are multiples of 16.
@@ -337,16 +290,6 @@ template <bool kTensor, bool kSplitA, bool kSplitB, class FA, class FB, class FO
 static __device__ __forceinline__ void state_gemm(int m, int n, int k, FA a, FB b, FOut out) {
   if constexpr (kTensor) {
     block_mma_split<kSplitA, kSplitB>(m, n, k, a, b, out);
-  } else {
-    block_gemm(m, n, k, a, b, out);
-  }
-}
-
-// block_mma when kTensor, else block_gemm: one kernel template serves both math variants.
-template <bool kTensor, class FA, class FB, class FOut>
-static __device__ __forceinline__ void gemm(int m, int n, int k, FA a, FB b, FOut out) {
-  if constexpr (kTensor) {
-    block_mma(m, n, k, a, b, out);
   } else {
     block_gemm(m, n, k, a, b, out);
   }
