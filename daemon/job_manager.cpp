@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <climits>
 #include <cstring>
@@ -39,6 +40,11 @@ struct JobManager::Entry {
   v1::Job job;
   json train_job;
   pid_t pid = 0;  // 0 once the executor has exited (before it is reaped: never a reused pid)
+  // A several-GPU job's ranks 1..: each rank's executor, 0 once exited (as pid). Rank 0 is
+  // `pid`; its monitor ends the job, after every other rank has exited.
+  std::vector<pid_t> peer_pids;
+  // The daemon killed the job's other ranks after one failed: their deaths are not causes.
+  bool ranks_killed = false;
   bool cancel_requested = false;
   bool summary_received = false;
   // finish() is committing the job's end: its outcome is decided, nothing may change it.
@@ -415,7 +421,7 @@ v1::Job JobManager::cancel(const std::string& id) {
     // The executor checkpoints and exits; monitor() finishes the job. supervise() escalates to
     // SIGKILL if it has not exited within the grace period (stopped, or stuck in a kernel).
     if (!e.kill_at) {
-      ::kill(e.pid, SIGTERM);
+      signal_ranks(e, SIGTERM);
       e.kill_at = Clock::now() + std::chrono::seconds(config_.jobs.cancel_grace_seconds);
       changed_.notify_all();
     }
@@ -710,7 +716,7 @@ Clock::time_point JobManager::supervise(Clock::time_point now) {
       } else if (!e.killed) {
         spdlog::warn("job {}: the executor (pid {}) did not exit within {} s of SIGTERM: SIGKILL",
                      id, e.pid, limits.cancel_grace_seconds);
-        ::kill(e.pid, SIGKILL);  // also ends a stopped (SIGSTOP) process
+        signal_ranks(e, SIGKILL);  // also ends a stopped (SIGSTOP) process
         e.killed = true;
       }
       continue;
@@ -752,7 +758,7 @@ Clock::time_point JobManager::supervise(Clock::time_point now) {
 void JobManager::stop_executor(Entry& e, const std::string& reason) {
   spdlog::warn("job {}: {}: stopping its executor (pid {})", e.job.id(), reason, e.pid);
   e.abort_reason = reason;
-  ::kill(e.pid, SIGTERM);
+  signal_ranks(e, SIGTERM);
   e.kill_at = Clock::now() + std::chrono::seconds(config_.jobs.cancel_grace_seconds);
 }
 
@@ -776,23 +782,16 @@ bool JobManager::claim_devices(Entry& e) {
   return true;
 }
 
-void JobManager::spawn(Lock& lock, Entry& e) {
+pid_t JobManager::fork_executor(const Entry& e, int rank, int events_fd) {
   const fs::path dir = job_dir(e.job.id());
-  fs::create_directories(dir);
-  // A cuda job runs on the GPU it claimed: the slot "cuda:N" is device ordinal N.
-  if (e.job.devices_size() > 0 && e.job.devices(0).rfind("cuda:", 0) == 0) {
-    e.train_job["gpu"] = std::stoi(e.job.devices(0).substr(5));
-  }
-  save_json_atomically(dir / "job.json", e.train_job);
-  int fds[2];
-  if (::pipe2(fds, O_CLOEXEC) != 0) {
-    finish(lock, e, v1::JOB_STATE_FAILED,
-           fmt::format("cannot create the executor pipe: {}", std::strerror(errno)));
-    return;
-  }
   const std::string job_file = (dir / "job.json").string();
-  const std::string log_file = (dir / "executor.log").string();
+  const std::string log_file =
+      (dir / (rank == 0 ? std::string("executor.log") : fmt::format("executor.rank{}.log", rank)))
+          .string();
   const std::string executor = executor_path_.string();
+  const std::string rank_text = std::to_string(rank);
+  const std::string rendezvous = (dir / "nccl_id").string();
+  const bool several = !e.peer_pids.empty();
   const pid_t pid = ::fork();
   if (pid == 0) {
     // Child: only async-signal-safe calls until exec. The daemon blocks its stop
@@ -800,7 +799,7 @@ void JobManager::spawn(Lock& lock, Entry& e) {
     sigset_t none;
     sigemptyset(&none);
     ::sigprocmask(SIG_SETMASK, &none, nullptr);
-    ::dup2(fds[1], 3);
+    ::dup2(events_fd, 3);
     const int log = ::open(log_file.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
     if (log >= 0) {
       ::dup2(log, 1);
@@ -809,19 +808,75 @@ void JobManager::spawn(Lock& lock, Entry& e) {
     // The executor inherits stdin/out/err and its event pipe, nothing else: sockets the daemon
     // accepted (HTTP connections, gRPC streams) and its lock files must not outlive it there.
     ::close_range(4, ~0U, 0);
-    const char* argv[] = {executor.c_str(), "--job", job_file.c_str(), "--events-fd", "3", nullptr};
-    ::execv(executor.c_str(), const_cast<char* const*>(argv));
+    const char* single[] = {executor.c_str(), "--job", job_file.c_str(),
+                            "--events-fd",    "3",     nullptr};
+    const char* ranked[] = {
+        executor.c_str(), "--job",           job_file.c_str(), "--events-fd",      "3",
+        "--rank",         rank_text.c_str(), "--rendezvous",   rendezvous.c_str(), nullptr};
+    ::execv(executor.c_str(), const_cast<char* const*>(several ? ranked : single));
     ::_exit(127);
   }
-  ::close(fds[1]);
-  if (pid < 0) {
-    const int error = errno;
-    ::close(fds[0]);
+  return pid;
+}
+
+void JobManager::spawn(Lock& lock, Entry& e) {
+  const fs::path dir = job_dir(e.job.id());
+  fs::create_directories(dir);
+  // A cuda job runs on the GPUs it claimed: the slot "cuda:N" is device ordinal N; rank r of a
+  // several-GPU job on its r-th slot.
+  const int ranks = e.job.devices_size() > 1 && e.job.devices(0).rfind("cuda:", 0) == 0
+                        ? e.job.devices_size()
+                        : 1;
+  if (e.job.devices_size() > 0 && e.job.devices(0).rfind("cuda:", 0) == 0) {
+    e.train_job["gpu"] = std::stoi(e.job.devices(0).substr(5));
+    if (ranks > 1) {
+      json gpus = json::array();
+      for (const std::string& d : e.job.devices()) gpus.push_back(std::stoi(d.substr(5)));
+      e.train_job["gpus"] = gpus;
+    }
+  }
+  save_json_atomically(dir / "job.json", e.train_job);
+  // Rank 0 writes a fresh NCCL id there; an old attempt's must not be read by the others.
+  std::error_code ignored;
+  fs::remove(dir / "nccl_id", ignored);
+  std::vector<std::array<int, 2>> pipes(static_cast<size_t>(ranks));
+  for (size_t r = 0; r < pipes.size(); ++r) {
+    if (::pipe2(pipes[r].data(), O_CLOEXEC) != 0) {
+      const int error = errno;
+      for (size_t k = 0; k < r; ++k) {
+        ::close(pipes[k][0]);
+        ::close(pipes[k][1]);
+      }
+      finish(lock, e, v1::JOB_STATE_FAILED,
+             fmt::format("cannot create the executor pipe: {}", std::strerror(error)));
+      return;
+    }
+  }
+  e.peer_pids.assign(static_cast<size_t>(ranks - 1), 0);
+  e.ranks_killed = false;
+  std::vector<pid_t> pids;
+  int fork_error = 0;
+  for (int r = 0; r < ranks; ++r) {
+    const pid_t pid = fork_executor(e, r, pipes[static_cast<size_t>(r)][1]);
+    ::close(pipes[static_cast<size_t>(r)][1]);
+    if (pid < 0) {
+      fork_error = errno;
+      for (int k = r; k < ranks; ++k) {
+        ::close(pipes[static_cast<size_t>(k)][0]);
+        if (k > r) ::close(pipes[static_cast<size_t>(k)][1]);
+      }
+      break;
+    }
+    pids.push_back(pid);
+  }
+  if (pids.empty()) {
+    e.peer_pids.clear();
     finish(lock, e, v1::JOB_STATE_FAILED,
-           fmt::format("cannot start the executor: {}", std::strerror(error)));
+           fmt::format("cannot start the executor: {}", std::strerror(fork_error)));
     return;
   }
-  e.pid = pid;
+  e.pid = pids[0];
+  for (size_t r = 1; r < pids.size(); ++r) e.peer_pids[r - 1] = pids[r];
   e.summary_received = false;
   e.stop_reason.clear();
   e.failure_message.clear();
@@ -833,7 +888,25 @@ void JobManager::spawn(Lock& lock, Entry& e) {
   e.attempt_started = Clock::now();
   e.last_progress = e.attempt_started;
   set_state(e, v1::JOB_STATE_RUNNING);
-  monitors_.emplace_back([this, id = e.job.id(), pid, fd = fds[0]] { monitor(id, pid, fd); });
+  if (static_cast<int>(pids.size()) < ranks) {
+    // Without all its ranks the job cannot run: the started ones would wait for the others.
+    e.abort_reason = fmt::format("cannot start rank {} of {}: {}", pids.size(), ranks,
+                                 std::strerror(fork_error));
+    signal_ranks(e, SIGKILL);
+  }
+  monitors_.emplace_back(
+      [this, id = e.job.id(), pid = pids[0], fd = pipes[0][0]] { monitor(id, pid, fd); });
+  for (size_t r = 1; r < pids.size(); ++r) {
+    monitors_.emplace_back([this, id = e.job.id(), rank = static_cast<int>(r), pid = pids[r],
+                            fd = pipes[r][0]] { monitor_peer(id, rank, pid, fd); });
+  }
+}
+
+void JobManager::signal_ranks(Entry& e, int signal) {
+  if (e.pid > 0) ::kill(e.pid, signal);
+  for (pid_t peer : e.peer_pids) {
+    if (peer > 0) ::kill(peer, signal);
+  }
 }
 
 void JobManager::release_devices(Entry& e) {
@@ -960,8 +1033,31 @@ void JobManager::monitor(std::string id, pid_t pid, int events_fd) {
   while (::waitid(P_PID, static_cast<id_t>(pid), &info, WEXITED | WNOWAIT) < 0 && errno == EINTR) {
   }
   {
-    std::lock_guard lock(mu_);
-    jobs_.at(id)->pid = 0;
+    Lock lock(mu_);
+    Entry& e = *jobs_.at(id);
+    // The job ends (and its GPUs are free) only when every rank has exited. After rank 0 failed
+    // the others cannot finish a collective without it: killed at once; after a clean exit they
+    // get the cancel grace to finish theirs.
+    const bool rank0_clean = info.si_code == CLD_EXITED && info.si_status == 0;
+    auto deadline = Clock::now() + std::chrono::seconds(config_.jobs.cancel_grace_seconds);
+    if (!rank0_clean) {
+      deadline = Clock::now();
+      e.ranks_killed = true;
+    }
+    bool peers_killed = false;
+    const auto peers_running = [&] {
+      return std::any_of(e.peer_pids.begin(), e.peer_pids.end(), [](pid_t p) { return p > 0; });
+    };
+    while (peers_running()) {
+      if (!peers_killed && Clock::now() >= deadline) {
+        for (pid_t peer : e.peer_pids) {
+          if (peer > 0) ::kill(peer, SIGKILL);
+        }
+        peers_killed = true;
+      }
+      changed_.wait_for(lock, std::chrono::milliseconds(50));
+    }
+    e.pid = 0;
   }
   int status = 0;
   while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
@@ -989,9 +1085,54 @@ void JobManager::monitor(std::string id, pid_t pid, int events_fd) {
            "stopped with the daemon; resumes at its next start");
   } else {
     std::string cause = describe_exit(status);
+    if (!e.peer_pids.empty()) {
+      cause = fmt::format("rank 0 of {} (pid {}, {}) {}", e.peer_pids.size() + 1, pid,
+                          e.job.devices_size() > 0 ? e.job.devices(0) : "?", cause);
+    }
     if (!e.failure_message.empty()) cause += ": " + e.failure_message;
     cause += "\nlast executor log lines:\n" + tail_lines(job_dir(id) / "executor.log", 15);
     fail_attempt(lock, e, cause);
+  }
+  changed_.notify_all();
+}
+
+void JobManager::monitor_peer(std::string id, int rank, pid_t pid, int events_fd) {
+  executor::EventReader reader(events_fd);
+  while (auto event = reader.next()) {
+    std::lock_guard lock(mu_);
+    Entry& e = *jobs_.at(id);
+    // Rank 0 reports the job's steps, evals, checkpoints and summary; every rank its kernels.
+    if (event->event_case() == v1::ExecutorEvent::kKernel) {
+      handle_event(e, ExecutorEventView{*event});
+    } else if (event->event_case() == v1::ExecutorEvent::kFailed && e.failure_message.empty()) {
+      e.failure_message = fmt::format("rank {}: {}", rank, event->failed());
+    }
+  }
+  ::close(events_fd);
+  siginfo_t info{};
+  while (::waitid(P_PID, static_cast<id_t>(pid), &info, WEXITED | WNOWAIT) < 0 && errno == EINTR) {
+  }
+  {
+    std::lock_guard lock(mu_);
+    Entry& e = *jobs_.at(id);
+    e.peer_pids[static_cast<size_t>(rank - 1)] = 0;
+  }
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  std::lock_guard lock(mu_);
+  Entry& e = *jobs_.at(id);
+  const bool clean = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  if (!clean && !e.cancel_requested && !stopping_ && !e.finishing && !e.ranks_killed &&
+      e.abort_reason.empty()) {
+    e.abort_reason = fmt::format(
+        "rank {} of {} (pid {}, {}) {}{}\nlast log lines of rank {}:\n{}", rank,
+        e.peer_pids.size() + 1, pid, e.job.devices_size() > rank ? e.job.devices(rank) : "?",
+        describe_exit(status), e.failure_message.empty() ? "" : ": " + e.failure_message, rank,
+        tail_lines(job_dir(id) / fmt::format("executor.rank{}.log", rank), 15));
+    spdlog::warn("job {}: {}: stopping every rank", id, e.abort_reason.substr(0, 200));
+    e.ranks_killed = true;
+    signal_ranks(e, SIGKILL);
   }
   changed_.notify_all();
 }
@@ -1034,6 +1175,9 @@ void JobManager::shutdown() {
     stopping_ = true;
     for (auto& [id, e] : jobs_) {
       if (e->pid > 0) running.push_back(e->pid);
+      for (pid_t peer : e->peer_pids) {
+        if (peer > 0) running.push_back(peer);
+      }
     }
     changed_.notify_all();
   }
@@ -1054,9 +1198,7 @@ void JobManager::shutdown() {
   {
     // Only executors not yet reaped: a reaped pid may already belong to another process.
     std::lock_guard lock(mu_);
-    for (auto& [id, e] : jobs_) {
-      if (e->pid > 0) ::kill(e->pid, SIGKILL);
-    }
+    for (auto& [id, e] : jobs_) signal_ranks(*e, SIGKILL);
   }
   for (auto& t : monitors_) {
     if (t.joinable()) t.join();

@@ -116,7 +116,14 @@ class JobManager {
   void stop_executor(Entry& entry, const std::string& reason);  // with mu_ held
   bool claim_devices(Entry& entry);                             // with mu_ held
   void spawn(Lock& lock, Entry& entry);
+  // Forks one executor (rank 0 of a single-process job, or one rank of a several-GPU job);
+  // returns its pid, or -1 with errno set.
+  pid_t fork_executor(const Entry& entry, int rank, int events_fd);
   void monitor(std::string id, pid_t pid, int events_fd);
+  // Ranks 1.. of a several-GPU job: their kernel receipts and failures; a rank that fails fails
+  // the job at once (every other rank is killed: it would wait in a collective for ever).
+  void monitor_peer(std::string id, int rank, pid_t pid, int events_fd);
+  void signal_ranks(Entry& entry, int signal);  // with mu_ held
   void handle_event(Entry& entry, const struct ExecutorEventView& view);
   void set_state(Entry& entry, megacpp::v1::JobState state, const std::string& error = "");
   // Ends a job (a terminal state, or interrupted): records the final job row, releases `lock`

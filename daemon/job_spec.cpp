@@ -184,6 +184,12 @@ ValidatedJob validate_job_spec(const megacpp::v1::JobSpec& spec, const DaemonCon
     if (e.kind() != ErrorKind::kInvalidArgument) throw;
     refuse("{}", e.what());
   }
+  if (out.device_kind == gates::DeviceKind::kCpu && tp > 1) {
+    refuse(
+        "device_kind=\"cpu\" with tensor_parallel={}: the CPU runtime has no tensor "
+        "parallelism (it trains in one process); use device_kind=\"cuda\"",
+        tp);
+  }
   const int available = out.device_kind == gates::DeviceKind::kCpu ? cpu_slots : gpus;
   if (out.device_count > available) {
     refuse("device_count={} exceeds this machine's {} {} device(s)", out.device_count, available,
@@ -259,15 +265,24 @@ ValidatedJob validate_job_spec(const megacpp::v1::JobSpec& spec, const DaemonCon
   if (out.device_kind == gates::DeviceKind::kCuda) {
     // Checked after the gates so their decisions are recorded with the refusal.
 #ifdef MEGACPP_HAVE_CUDA
+    out.train_job["device"] = "cuda";
     if (tp > 1 || out.device_count > 1) {
+      out.train_job["device_count"] = out.device_count;
+      out.train_job["tensor_parallel"] = tp;
+      try {
+        parse_train_job(out.train_job, "spec");  // the batch's split over the replicas
+      } catch (const Error& e) {
+        if (e.kind() != ErrorKind::kInvalidArgument) throw;
+        refuse("{}", e.what());
+      }
       out.gate_decisions.push_back(
           {"cuda_backend",
-           gates::Decision::kRefused,
-           fmt::format("device_kind=cuda with tensor_parallel={} over device_count={}: the CUDA "
-                       "backend trains on one GPU; tensor parallelism across GPUs is not "
-                       "implemented yet",
-                       tp, out.device_count),
-           gates::GateImplementation::kScaffold,
+           gates::Decision::kOn,
+           fmt::format("device_kind=cuda over device_count={}: one executor process per GPU "
+                       "rank joined by NCCL, tensor_parallel={} ranks per replica, {} "
+                       "data-parallel replica(s) (runtime/model/cuda_model.h)",
+                       out.device_count, tp, out.device_count / tp),
+           gates::GateImplementation::kImplemented,
            {}});
     } else {
       out.gate_decisions.push_back({"cuda_backend",
@@ -276,7 +291,6 @@ ValidatedJob validate_job_spec(const megacpp::v1::JobSpec& spec, const DaemonCon
                                     "(runtime/model/cuda_model.h)",
                                     gates::GateImplementation::kImplemented,
                                     {}});
-      out.train_job["device"] = "cuda";
     }
 #else
     out.gate_decisions.push_back(

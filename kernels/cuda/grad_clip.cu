@@ -43,21 +43,36 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) partials[blockIdx.x] = sum;
 }
 
+__device__ void write_norm(double sum, double max_norm, float* norm, float* scale) {
+  const double total = sqrt(sum);
+  *norm = static_cast<float>(total);
+  if (scale != nullptr) {
+    *scale =
+        max_norm > 0.0 && total > max_norm ? static_cast<float>(max_norm / (total + 1e-6)) : 1.f;
+  }
+}
+
+// Writes the norm and scale, or (square_sum non-null) only the sum of squares.
 __global__ void __launch_bounds__(kThreads)
     finish_kernel(int chunks, const double* __restrict__ partials, double max_norm,
-                  float* __restrict__ norm, float* __restrict__ scale) {
+                  float* __restrict__ norm, float* __restrict__ scale,
+                  double* __restrict__ square_sum) {
   __shared__ double scratch[kThreads];
   double sum = 0.0;
   for (int i = threadIdx.x; i < chunks; i += blockDim.x) sum += partials[i];
   sum = block_sum_double(sum, scratch);
   if (threadIdx.x == 0) {
-    const double total = sqrt(sum);
-    *norm = static_cast<float>(total);
-    if (scale != nullptr) {
-      *scale =
-          max_norm > 0.0 && total > max_norm ? static_cast<float>(max_norm / (total + 1e-6)) : 1.f;
+    if (square_sum != nullptr) {
+      *square_sum = sum;
+    } else {
+      write_norm(sum, max_norm, norm, scale);
     }
   }
+}
+
+__global__ void norm_from_square_sum_kernel(const double* __restrict__ square_sum, double max_norm,
+                                            float* __restrict__ norm, float* __restrict__ scale) {
+  write_norm(*square_sum, max_norm, norm, scale);
 }
 
 std::vector<Chunk> chunk_table(const std::vector<GradTensorRef>& tensors) {
@@ -111,6 +126,28 @@ GradNormCuda::GradNormCuda(const std::vector<GradTensorRef>& tensors, void* work
 
 void GradNormCuda::compute(double max_norm, float* norm, float* scale, void* stream) const {
   if (norm == nullptr) refuse(ErrorKind::kInvalidArgument, "GradNormCuda: compute: norm is null");
+  reduce(max_norm, norm, scale, nullptr, stream);
+}
+
+void GradNormCuda::square_sum(double* square_sum, void* stream) const {
+  if (square_sum == nullptr) {
+    refuse(ErrorKind::kInvalidArgument, "GradNormCuda: square_sum: the output is null");
+  }
+  reduce(0.0, nullptr, nullptr, square_sum, stream);
+}
+
+void GradNormCuda::norm_from_square_sum(const double* square_sum, double max_norm, float* norm,
+                                        float* scale, void* stream) {
+  if (square_sum == nullptr || norm == nullptr) {
+    refuse(ErrorKind::kInvalidArgument, "GradNormCuda: norm_from_square_sum: a pointer is null");
+  }
+  norm_from_square_sum_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(square_sum, max_norm,
+                                                                              norm, scale);
+  MEGACPP_CUDA_CHECK_LAUNCH("norm_from_square_sum_kernel");
+}
+
+void GradNormCuda::reduce(double max_norm, float* norm, float* scale, double* square_sum,
+                          void* stream) const {
   MEGACPP_CUDA_CHECK(cudaSetDevice(device_));
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   const Chunk* table = static_cast<const Chunk*>(workspace_);
@@ -121,7 +158,7 @@ void GradNormCuda::compute(double max_norm, float* norm, float* scale, void* str
     partial_kernel<<<chunks_, kThreads, 0, s>>>(table, partials);
     MEGACPP_CUDA_CHECK_LAUNCH("partial_kernel");
   }
-  finish_kernel<<<1, kThreads, 0, s>>>(chunks_, partials, max_norm, norm, scale);
+  finish_kernel<<<1, kThreads, 0, s>>>(chunks_, partials, max_norm, norm, scale, square_sum);
   MEGACPP_CUDA_CHECK_LAUNCH("finish_kernel");
 }
 

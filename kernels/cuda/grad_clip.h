@@ -45,9 +45,18 @@ class GradNormCuda {
   // cpu::clip_grad_norm multiplies the gradients by. Device pointers. Asynchronous.
   void compute(double max_norm, float* norm, float* scale, void* stream = nullptr) const;
 
+  // A norm over tensors spread over several devices (tensor parallelism): each device writes
+  // its tensors' Σ g² to square_sum [1] (double, the same sum compute() takes the root of), the
+  // sums are added across devices, and norm_from_square_sum turns the total into the norm and
+  // clipping factor exactly as compute() does. Device pointers. Asynchronous.
+  void square_sum(double* square_sum, void* stream = nullptr) const;
+  static void norm_from_square_sum(const double* square_sum, double max_norm, float* norm,
+                                   float* scale, void* stream = nullptr);
+
   int chunks() const { return chunks_; }
 
  private:
+  void reduce(double max_norm, float* norm, float* scale, double* square_sum, void* stream) const;
   int device_ = 0;
   int chunks_ = 0;
   void* workspace_ = nullptr;

@@ -21,6 +21,8 @@
 #include "kernels/cuda/rotary.h"
 #include "kernels/cuda/tensor_ops.h"
 #include "runtime/model/device_arena.h"
+#include "runtime/parallel/cuda_communicator.h"
+#include "runtime/parallel/shard_plan.h"
 
 namespace megacpp {
 
@@ -82,8 +84,23 @@ struct CudaModel::Impl {
   OptimizerConfig optimizer;
   int device = 0;
   int batch = 0, seqlen = 0, rows = 0;
-  int64_t total = 0;
-  std::vector<ParameterInfo> entries;
+  // The device holds the rank's shards (the plan's local layout); the host mirror is global.
+  CudaModelParallel par;
+  std::unique_ptr<parallel::ShardPlan> plan;
+  std::vector<ParameterInfo> host_entries;  // global
+  int64_t host_total = 0;
+  int64_t total = 0;                   // local
+  std::vector<ParameterInfo> entries;  // local: offsets and sizes in the device buffers
+  bool sharded() const { return par.tensor_parallel > 1; }
+  // Contiguous gradient ranges every TP rank holds and computes part of: summed over TP.
+  struct Range {
+    int64_t offset = 0, count = 0;
+  };
+  std::vector<Range> tp_summed;
+  // The gradient ranges this rank counts in the global norm: its own pieces, and the pieces every
+  // rank holds only on TP rank 0.
+  std::vector<Range> owned;
+  bool grads_reduced = true;
   size_t free_before = 0;
   cudaStream_t stream = nullptr;
   DeviceArena arena;
@@ -111,14 +128,16 @@ struct CudaModel::Impl {
   // The gradient of a norm site's output, fp32 [rows, d_model]: written by the sublayer's input
   // GEMM in fp32 rather than bf16, because the norm weight's gradient sums it over every row.
   float* dnormed = nullptr;
-  uint16_t* scratch_a = nullptr;   // the largest per-token backward scratch of any sublayer
-  uint16_t* scratch_b = nullptr;   // a second one
-  uint16_t* scratch_c = nullptr;   // a third one (the scan's input gradients)
-  float* param_scratch = nullptr;  // per-mixer parameter gradients the ops overwrite
-  float* loss = nullptr;           // [1]
-  float* grad_norm = nullptr;      // [1]
-  float* clip_scale = nullptr;     // [1]
-  void* op_workspace = nullptr;    // shared by the ops that run one after another
+  uint16_t* scratch_a = nullptr;    // the largest per-token backward scratch of any sublayer
+  uint16_t* scratch_b = nullptr;    // a second one
+  uint16_t* scratch_c = nullptr;    // a third one (the scan's input gradients)
+  float* param_scratch = nullptr;   // per-mixer parameter gradients the ops overwrite
+  float* loss = nullptr;            // [1]
+  float* grad_norm = nullptr;       // [1]
+  float* clip_scale = nullptr;      // [1]
+  double* square_sum = nullptr;     // [1] this rank's Σ g², then the TP group's
+  float* gather_scratch = nullptr;  // a split parameter's shards from every TP rank
+  void* op_workspace = nullptr;     // shared by the ops that run one after another
   size_t op_workspace_bytes = 0;
   void* scan_backward_workspace = nullptr;  // every Mamba layer's scan backward temporaries
   size_t scan_backward_bytes = 0;
@@ -137,7 +156,8 @@ struct CudaModel::Impl {
       if (required) fail(ErrorKind::kInternal, "CudaModel: the host model has no {}", name);
       return {};
     }
-    return {id, set.info(id).offset, set.info(id).size};
+    const ParameterInfo& local = entries[static_cast<size_t>(id)];
+    return {id, local.offset, local.size};
   }
   float* value(const Param& p) const { return p.id < 0 ? nullptr : values + p.offset; }
   float* grad(const Param& p) const { return p.id < 0 ? nullptr : grads + p.offset; }
@@ -191,6 +211,14 @@ struct CudaModel::Impl {
   }
 
   void upload_tokens(const int32_t* tokens);
+  void plan_parallel(const CudaModelParallel& parallel);
+  void tp_all_reduce_output();
+  void tp_all_reduce_input_gradient();
+  void dp_average_loss();
+  // Every TP rank's shards of the device buffer `local` (this rank's layout) into the host's
+  // global layout: a collective over the TP group.
+  void gather_to_host(const float* local, float* global) const;
+  void scatter_from_host(const float* global, float* local) const;
   void run_forward();
   void mamba_forward(MambaLayer& l, const uint16_t* x);
   void attention_forward(AttentionLayer& l, const uint16_t* x);
@@ -225,8 +253,146 @@ size_t scan_input_elements(const ops::Mamba3PreprocessShape& s, size_t rows) {
 
 }  // namespace
 
+void CudaModel::Impl::plan_parallel(const CudaModelParallel& parallel) {
+  const int tp = parallel.tensor_parallel, dp = parallel.data_parallel;
+  if (tp < 1 || dp < 1 || parallel.tp_rank < 0 || parallel.tp_rank >= tp) {
+    fail(ErrorKind::kInvalidArgument,
+         "CudaModel: tensor_parallel={}, data_parallel={}, tp_rank={}: degrees must be >= 1 and "
+         "the rank in [0, tensor_parallel)",
+         tp, dp, parallel.tp_rank);
+  }
+  const auto check_group = [](const char* what, int degree, const parallel::CudaCommunicator* g) {
+    if ((degree > 1) != (g != nullptr) || (g != nullptr && g->size() != degree)) {
+      fail(ErrorKind::kInternal, "CudaModel: {} degree {} but its group has {} ranks", what, degree,
+           g == nullptr ? 0 : g->size());
+    }
+  };
+  check_group("tensor-parallel", tp, parallel.tensor_group);
+  check_group("data-parallel", dp, parallel.data_group);
+  if (parallel.tensor_group != nullptr && parallel.tensor_group->rank() != parallel.tp_rank) {
+    fail(ErrorKind::kInternal, "CudaModel: tp_rank {} but rank {} of its tensor-parallel group",
+         parallel.tp_rank, parallel.tensor_group->rank());
+  }
+  par = parallel;
+  // Validates the geometry against the model, naming the rule a split breaks.
+  plan = std::make_unique<parallel::ShardPlan>(config, parallel::ParallelConfig{tp, tp * dp});
+  const parallel::RankGeometry& geo = plan->geometry(parallel.tp_rank);
+  if (tp > 1 && geo.ssm_bc_replicated && config.ssm.ngroups != 1) {
+    // The local scan maps its heads onto groups from 0: a rank whose heads start inside a group
+    // would need the group offset passed down to the kernels.
+    fail(ErrorKind::kInvalidArgument,
+         "tensor_parallel={} with ssm_cfg.ngroups={}: the CUDA backend splits B/C groups only "
+         "when tensor_parallel divides ngroups, or ngroups is 1",
+         tp, config.ssm.ngroups);
+  }
+  entries = host_entries;
+  if (!sharded()) {
+    total = host_total;
+    owned = {{0, total}};
+    return;
+  }
+  int64_t offset = 0;
+  for (ParameterInfo& e : entries) {
+    const parallel::ParameterPlan& p = plan->at(e.name);
+    const parallel::ParameterShard& shard = p.shard(par.tp_rank);
+    e.shape = shard.shape;
+    e.offset = offset;
+    e.size = shard.numel();
+    offset += e.size;
+    const bool whole_replicated =
+        p.split == parallel::Split::kReplicated || p.split == parallel::Split::kReplicatedSummed;
+    bool any_replicated = false;
+    for (const parallel::ShardPiece& piece : shard.pieces) any_replicated |= piece.replicated;
+    if (!any_replicated) {
+      owned.push_back({e.offset, e.size});
+      continue;
+    }
+    if (!whole_replicated && p.outer() != 1) {
+      fail(ErrorKind::kInternal, "CudaModel: {} has a replicated piece along a strided dim",
+           e.name);
+    }
+    for (const parallel::ShardPiece& piece : shard.pieces) {
+      const Range r{e.offset + piece.local_begin * p.inner(), piece.length * p.inner()};
+      if (piece.gradient == parallel::TpGradient::kSumOverTp) tp_summed.push_back(r);
+      if (!piece.replicated || par.tp_rank == 0) owned.push_back(r);
+    }
+  }
+  total = offset;
+}
+
+void CudaModel::Impl::tp_all_reduce_output() {
+  if (!sharded()) return;
+  par.tensor_group->all_reduce(delta, static_cast<int64_t>(rows) * config.d_model,
+                               parallel::CollectiveType::kBf16, parallel::ReduceOp::kSum, stream);
+  lap("tensor-parallel all-reduce forward");
+}
+
+void CudaModel::Impl::tp_all_reduce_input_gradient() {
+  if (!sharded()) return;
+  par.tensor_group->all_reduce(dnormed, static_cast<int64_t>(rows) * config.d_model,
+                               parallel::CollectiveType::kFloat, parallel::ReduceOp::kSum, stream);
+  lap("tensor-parallel all-reduce backward");
+}
+
+void CudaModel::Impl::dp_average_loss() {
+  if (par.data_group == nullptr) return;
+  par.data_group->all_reduce(loss, 1, parallel::CollectiveType::kFloat,
+                             parallel::ReduceOp::kAverage, stream);
+}
+
+void CudaModel::Impl::scatter_from_host(const float* global, float* local) const {
+  if (!sharded()) {
+    MEGACPP_CUDA_CHECK(cudaMemcpyAsync(local, global, static_cast<size_t>(total) * sizeof(float),
+                                       cudaMemcpyHostToDevice, stream));
+    MEGACPP_CUDA_CHECK(cudaStreamSynchronize(stream));
+    return;
+  }
+  std::vector<float> staging(static_cast<size_t>(total));
+  for (size_t id = 0; id < entries.size(); ++id) {
+    parallel::extract_shard(plan->at(entries[id].name), par.tp_rank,
+                            global + host_entries[id].offset, staging.data() + entries[id].offset);
+  }
+  MEGACPP_CUDA_CHECK(cudaMemcpyAsync(local, staging.data(), staging.size() * sizeof(float),
+                                     cudaMemcpyHostToDevice, stream));
+  MEGACPP_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+void CudaModel::Impl::gather_to_host(const float* local, float* global) const {
+  if (!sharded()) {
+    MEGACPP_CUDA_CHECK(cudaMemcpyAsync(global, local, static_cast<size_t>(total) * sizeof(float),
+                                       cudaMemcpyDeviceToHost, stream));
+    MEGACPP_CUDA_CHECK(cudaStreamSynchronize(stream));
+    return;
+  }
+  const int tp = par.tensor_parallel;
+  std::vector<float> shards;
+  for (size_t id = 0; id < entries.size(); ++id) {
+    const ParameterInfo& e = entries[id];
+    const parallel::ParameterPlan& p = plan->at(e.name);
+    float* out = global + host_entries[id].offset;
+    if (p.split == parallel::Split::kReplicated || p.split == parallel::Split::kReplicatedSummed) {
+      MEGACPP_CUDA_CHECK(cudaMemcpyAsync(out, local + e.offset,
+                                         static_cast<size_t>(e.size) * sizeof(float),
+                                         cudaMemcpyDeviceToHost, stream));
+      continue;
+    }
+    // Every rank's shard of a parameter has the same size: the plan splits evenly.
+    par.tensor_group->all_gather(local + e.offset, gather_scratch, e.size,
+                                 parallel::CollectiveType::kFloat, stream);
+    shards.resize(static_cast<size_t>(e.size) * tp);
+    MEGACPP_CUDA_CHECK(cudaMemcpyAsync(shards.data(), gather_scratch, shards.size() * sizeof(float),
+                                       cudaMemcpyDeviceToHost, stream));
+    MEGACPP_CUDA_CHECK(cudaStreamSynchronize(stream));
+    for (int r = 0; r < tp; ++r) {
+      parallel::insert_shard(p, r, shards.data() + static_cast<size_t>(r) * e.size, out);
+    }
+  }
+  MEGACPP_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
 CudaModel::CudaModel(const Model<float>& host, int batch, int seqlen,
-                     const OptimizerConfig& optimizer, int device)
+                     const OptimizerConfig& optimizer, int device,
+                     const CudaModelParallel& parallel)
     : impl_(std::make_unique<Impl>()) {
   Impl& m = *impl_;
   if (batch <= 0 || seqlen <= 0) {
@@ -244,8 +410,10 @@ CudaModel::CudaModel(const Model<float>& host, int batch, int seqlen,
 
   const ModelConfig& c = m.config;
   const ParameterSet<float>& set = host.parameters();
-  m.total = set.total();
-  m.entries = set.entries();
+  m.host_total = set.total();
+  m.host_entries = set.entries();
+  m.plan_parallel(parallel);
+  const parallel::RankGeometry& geo = m.plan->geometry(parallel.tp_rank);
   const size_t rows = static_cast<size_t>(m.rows), dm = static_cast<size_t>(c.d_model);
   DeviceArena& a = m.arena;
 
@@ -279,8 +447,8 @@ CudaModel::CudaModel(const Model<float>& host, int batch, int seqlen,
       layer->in_bias = m.param(set, p + "mixer.in_proj.bias", false);
       layer->out_proj = m.param(set, p + "mixer.out_proj.weight");
       layer->out_bias = m.param(set, p + "mixer.out_proj.bias", false);
-      layer->q_heads = c.attn.num_heads;
-      layer->kv_heads = c.attn_kv_heads();
+      layer->q_heads = geo.attn_q_heads.count;
+      layer->kv_heads = geo.attn_kv_heads.count;
       layer->head_dim = c.attn_head_dim();
       layer->width = (layer->q_heads + 2 * layer->kv_heads) * layer->head_dim;
       const size_t width = static_cast<size_t>(layer->width);
@@ -311,6 +479,8 @@ CudaModel::CudaModel(const Model<float>& host, int batch, int seqlen,
       layer->d = m.param(set, q + "D");
       layer->out_proj = m.param(set, q + "out_proj.weight");
       layer->shape = mamba3_preprocess_shape(c, m.rows);
+      layer->shape.heads = geo.ssm_heads.count;
+      layer->shape.groups = geo.ssm_groups.count;
       const ops::Mamba3PreprocessShape& s = layer->shape;
       const size_t cols = static_cast<size_t>(s.columns());
       const size_t di = static_cast<size_t>(s.d_inner());
@@ -337,12 +507,13 @@ CudaModel::CudaModel(const Model<float>& host, int batch, int seqlen,
       auto layer = std::make_unique<Impl::MlpLayer>();
       layer->fc1 = m.param(set, p + "mlp.fc1.weight");
       layer->fc2 = m.param(set, p + "mlp.fc2.weight");
-      const size_t hidden = static_cast<size_t>(c.mlp_hidden());
+      const size_t hidden = static_cast<size_t>(geo.mlp_hidden.count);
       a.reserve(&layer->fc1_out, rows * 2 * hidden, p + "mlp fc1_out");
       a.reserve(&layer->act, rows * hidden, p + "mlp act");
       scratch_a = std::max(scratch_a, rows * hidden);      // dact
       scratch_b = std::max(scratch_b, rows * 2 * hidden);  // dfc1_out
-      need_workspace(cuda::GatedMlpCuda::workspace_bytes({m.rows, c.d_model, c.mlp_hidden()}));
+      need_workspace(
+          cuda::GatedMlpCuda::workspace_bytes({m.rows, c.d_model, geo.mlp_hidden.count}));
       b.mlp = std::move(layer);
     }
   }
@@ -370,6 +541,16 @@ CudaModel::CudaModel(const Model<float>& host, int batch, int seqlen,
   a.reserve(&m.loss, 1, "loss");
   a.reserve(&m.grad_norm, 1, "gradient norm");
   a.reserve(&m.clip_scale, 1, "clip scale");
+  a.reserve(&m.square_sum, 1, "gradient square sum");
+  if (m.sharded()) {
+    int64_t largest = 1;
+    for (const parallel::ParameterPlan& p : m.plan->parameters()) {
+      if (p.split == parallel::Split::kColumn || p.split == parallel::Split::kRow) {
+        largest = std::max(largest, p.numel());
+      }
+    }
+    a.reserve(&m.gather_scratch, static_cast<size_t>(largest), "shard gather scratch");
+  }
 
   const cuda::EmbeddingShape embedding_shape{m.rows, c.d_model, c.padded_vocab()};
   const cuda::RmsNormShape norm_shape{m.rows, c.d_model, c.norm_epsilon};
@@ -387,7 +568,10 @@ CudaModel::CudaModel(const Model<float>& host, int batch, int seqlen,
 
   // The optimizer's tables hold the tensors' addresses, which exist only after allocate():
   // their sizes depend on the tensor sizes alone, so they are computed from placeholders.
-  std::vector<cuda::GradTensorRef> grad_refs{{reinterpret_cast<const float*>(1), m.total}};
+  std::vector<cuda::GradTensorRef> grad_refs;
+  for (const Impl::Range& r : m.owned) {
+    grad_refs.push_back({reinterpret_cast<const float*>(alignof(float)), r.count});
+  }
   std::vector<cuda::AdamWTensorRef> adamw_refs;
   const auto placeholder = reinterpret_cast<float*>(alignof(float));
   for (const ParameterInfo& e : m.entries) {
@@ -432,10 +616,11 @@ CudaModel::CudaModel(const Model<float>& host, int batch, int seqlen,
     }
     if (b.mlp) {
       b.mlp->mlp = std::make_unique<cuda::GatedMlpCuda>(
-          cuda::GatedMlpShape{m.rows, c.d_model, c.mlp_hidden()}, ws, wsb);
+          cuda::GatedMlpShape{m.rows, c.d_model, geo.mlp_hidden.count}, ws, wsb);
     }
   }
-  grad_refs = {{m.grads, m.total}};
+  grad_refs.clear();
+  for (const Impl::Range& r : m.owned) grad_refs.push_back({m.grads + r.offset, r.count});
   m.grad_norm_op = std::make_unique<cuda::GradNormCuda>(grad_refs, m.norm_workspace, norm_bytes);
   adamw_refs.clear();
   for (const ParameterInfo& e : m.entries) {
@@ -476,19 +661,15 @@ size_t CudaModel::device_bytes_in_use() const {
 
 void CudaModel::upload(const ParameterSet<float>& params, const AdamW<float>* optimizer) {
   Impl& m = *impl_;
-  if (params.total() != m.total) {
+  if (params.total() != m.host_total) {
     fail(ErrorKind::kInternal, "CudaModel::upload: {} parameters, the device model has {}",
-         params.total(), m.total);
+         params.total(), m.host_total);
   }
-  const size_t bytes = static_cast<size_t>(m.total) * sizeof(float);
-  MEGACPP_CUDA_CHECK(
-      cudaMemcpyAsync(m.values, params.values().data(), bytes, cudaMemcpyHostToDevice, m.stream));
+  m.scatter_from_host(params.values().data(), m.values);
   if (optimizer != nullptr) {
     auto& o = const_cast<AdamW<float>&>(*optimizer);
-    MEGACPP_CUDA_CHECK(
-        cudaMemcpyAsync(m.exp_avg, o.exp_avg().data(), bytes, cudaMemcpyHostToDevice, m.stream));
-    MEGACPP_CUDA_CHECK(cudaMemcpyAsync(m.exp_avg_sq, o.exp_avg_sq().data(), bytes,
-                                       cudaMemcpyHostToDevice, m.stream));
+    m.scatter_from_host(o.exp_avg().data(), m.exp_avg);
+    m.scatter_from_host(o.exp_avg_sq().data(), m.exp_avg_sq);
     m.steps_taken = optimizer->steps_taken();
   }
   cuda::cast_f32_to_bf16(m.values, m.values_bf16, m.total, m.s());
@@ -497,32 +678,46 @@ void CudaModel::upload(const ParameterSet<float>& params, const AdamW<float>* op
 
 void CudaModel::download(ParameterSet<float>& params, AdamW<float>* optimizer) const {
   const Impl& m = *impl_;
-  const size_t bytes = static_cast<size_t>(m.total) * sizeof(float);
-  MEGACPP_CUDA_CHECK(
-      cudaMemcpyAsync(params.values().data(), m.values, bytes, cudaMemcpyDeviceToHost, m.stream));
+  m.gather_to_host(m.values, params.values().data());
   if (optimizer != nullptr) {
-    MEGACPP_CUDA_CHECK(cudaMemcpyAsync(optimizer->exp_avg().data(), m.exp_avg, bytes,
-                                       cudaMemcpyDeviceToHost, m.stream));
-    MEGACPP_CUDA_CHECK(cudaMemcpyAsync(optimizer->exp_avg_sq().data(), m.exp_avg_sq, bytes,
-                                       cudaMemcpyDeviceToHost, m.stream));
+    m.gather_to_host(m.exp_avg, optimizer->exp_avg().data());
+    m.gather_to_host(m.exp_avg_sq, optimizer->exp_avg_sq().data());
     optimizer->set_steps_taken(m.steps_taken);
   }
-  MEGACPP_CUDA_CHECK(cudaStreamSynchronize(m.stream));
 }
 
-std::vector<float> CudaModel::download_gradients() const {
-  const Impl& m = *impl_;
-  std::vector<float> out(static_cast<size_t>(m.total));
-  MEGACPP_CUDA_CHECK(cudaMemcpyAsync(out.data(), m.grads, out.size() * sizeof(float),
-                                     cudaMemcpyDeviceToHost, m.stream));
-  MEGACPP_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+std::vector<float> CudaModel::download_gradients() {
+  Impl& m = *impl_;
+  reduce_gradients();
+  std::vector<float> out(static_cast<size_t>(m.host_total));
+  m.gather_to_host(m.grads, out.data());
   return out;
+}
+
+void CudaModel::reduce_gradients() {
+  Impl& m = *impl_;
+  if (m.grads_reduced) return;
+  if (m.par.data_group != nullptr) {
+    m.par.data_group->all_reduce(m.grads, m.total, parallel::CollectiveType::kFloat,
+                                 parallel::ReduceOp::kAverage, m.stream);
+  }
+  if (m.sharded() && !m.tp_summed.empty()) {
+    m.par.tensor_group->begin_batch();
+    for (const Impl::Range& r : m.tp_summed) {
+      m.par.tensor_group->all_reduce(m.grads + r.offset, r.count, parallel::CollectiveType::kFloat,
+                                     parallel::ReduceOp::kSum, m.stream);
+    }
+    m.par.tensor_group->end_batch();
+  }
+  m.lap("gradient all-reduce");
+  m.grads_reduced = true;
 }
 
 void CudaModel::zero_grad() {
   Impl& m = *impl_;
   MEGACPP_CUDA_CHECK(
       cudaMemsetAsync(m.grads, 0, static_cast<size_t>(m.total) * sizeof(float), m.stream));
+  m.grads_reduced = true;
 }
 
 namespace {
@@ -601,6 +796,7 @@ double CudaModel::forward(const int32_t* tokens) {
   m.run_forward();
   m.lm_head_op->forward(m.normed.back(), m.bf16(m.lm_head), m.targets, m.loss, nullptr, m.s());
   m.lap("lm_head+loss forward");
+  m.dp_average_loss();
   return m.read_loss();
 }
 
@@ -618,6 +814,7 @@ void CudaModel::Impl::mamba_forward(MambaLayer& l, const uint16_t* x) {
   m.lap("mamba scan forward");
   l.out_linear->forward(l.y, m.bf16(l.out_proj), nullptr, cuda::RowsOut{m.delta, nullptr}, m.s());
   m.lap("mamba out_proj forward");
+  m.tp_all_reduce_output();
 }
 
 void CudaModel::Impl::attention_forward(AttentionLayer& l, const uint16_t* x) {
@@ -637,9 +834,12 @@ void CudaModel::Impl::attention_forward(AttentionLayer& l, const uint16_t* x) {
   l.attention->forward(q, q + l.q_heads * l.head_dim, q + (l.q_heads + l.kv_heads) * l.head_dim,
                        l.width, l.width, l.ctx, l.lse, m.s());
   m.lap("attention core forward");
-  l.out_linear->forward(l.ctx, m.bf16(l.out_proj), m.value(l.out_bias),
+  // Under tensor parallelism the bias is added once, by rank 0, into the sum of the ranks' parts.
+  l.out_linear->forward(l.ctx, m.bf16(l.out_proj),
+                        m.par.tp_rank == 0 ? m.value(l.out_bias) : nullptr,
                         cuda::RowsOut{m.delta, nullptr}, m.s());
   m.lap("attention out_proj forward");
+  m.tp_all_reduce_output();
 }
 
 // The forward of every sublayer and norm site; the last site's output is left in normed.back().
@@ -665,6 +865,7 @@ void CudaModel::Impl::run_forward() {
       b.mlp->mlp->forward(m.normed[site], m.bf16(b.mlp->fc1), m.bf16(b.mlp->fc2), b.mlp->fc1_out,
                           b.mlp->act, cuda::RowsOut{m.delta, nullptr}, m.s());
       m.lap("mlp forward");
+      m.tp_all_reduce_output();
       ++site;
       norm_site(true);
     }
@@ -783,6 +984,7 @@ void CudaModel::Impl::capture_step(float grad_scale) {
 double CudaModel::forward_backward(const int32_t* tokens, double grad_scale) {
   Impl& m = *impl_;
   m.upload_tokens(tokens);
+  m.grads_reduced = false;
   const float scale = static_cast<float>(grad_scale);
   if (m.graph_wanted && !m.profiling) {
     if (m.graph_exec == nullptr || scale != m.graph_scale) m.capture_step(scale);
@@ -791,10 +993,16 @@ double CudaModel::forward_backward(const int32_t* tokens, double grad_scale) {
     m.lap(nullptr);
     m.forward_backward_body(scale);
   }
+  m.dp_average_loss();
   return m.read_loss();
 }
 
 void CudaModel::set_step_graph(bool on) {
+  if (on && (impl_->par.tensor_group != nullptr || impl_->par.data_group != nullptr)) {
+    fail(ErrorKind::kFailedPrecondition,
+         "the step graph (cuda_graphs) is not built for tensor- or data-parallel jobs: their "
+         "collectives have not been captured and checked");
+  }
   impl_->graph_wanted = on;
   if (!on) impl_->drop_graph();
 }
@@ -826,6 +1034,7 @@ void CudaModel::Impl::forward_backward_body(float grad_scale) {
     m.lap("residual gradient to bf16");
     --site;
     sublayer_backward(m.normed[site]);
+    m.tp_all_reduce_input_gradient();
     m.norm_op->backward(m.residual[site], m.value(m.site_weight[site]), m.rstd[site],
                         cuda::RowsRef{nullptr, m.dnormed}, m.dresidual, m.dresidual,
                         m.grad(m.site_weight[site]), true, m.s());
@@ -855,7 +1064,16 @@ double CudaModel::optimizer_step(double lr) {
   Impl& m = *impl_;
   ++m.steps_taken;
   m.lap(nullptr);
-  m.grad_norm_op->compute(m.optimizer.grad_clip, m.grad_norm, m.clip_scale, m.s());
+  reduce_gradients();
+  if (m.sharded()) {
+    m.grad_norm_op->square_sum(m.square_sum, m.s());
+    m.par.tensor_group->all_reduce(m.square_sum, 1, parallel::CollectiveType::kDouble,
+                                   parallel::ReduceOp::kSum, m.stream);
+    cuda::GradNormCuda::norm_from_square_sum(m.square_sum, m.optimizer.grad_clip, m.grad_norm,
+                                             m.clip_scale, m.s());
+  } else {
+    m.grad_norm_op->compute(m.optimizer.grad_clip, m.grad_norm, m.clip_scale, m.s());
+  }
   m.lap("gradient norm");
   const ops::AdamWHyper hyper{lr, m.optimizer.beta1, m.optimizer.beta2, m.optimizer.eps,
                               m.optimizer.weight_decay};

@@ -30,6 +30,28 @@
 
 namespace megacpp {
 
+namespace parallel {
+class CudaCommunicator;
+}
+
+// Where a CudaModel sits in a tensor- and data-parallel job (runtime/parallel/shard_plan.h): its
+// rank in its TP group and the groups' communicators. The default is one GPU alone.
+//
+// Tensor parallel: the model holds only its rank's shard of every parameter (the shard plan's
+// local layout) and computes its heads and MLP units; the row-parallel outputs are all-reduced
+// (bf16) in the forward, the column-parallel inputs' gradients (fp32) in the backward, the pieces
+// every rank holds but computes part of (B/C norm weights, the angle rows, replicated B/C rows)
+// once before the optimizer. Data parallel: gradients are averaged over the DP group before the
+// optimizer (after the backward, not overlapped with it), and the loss a step returns is the
+// group's mean. The model's host mirror, uploads, downloads and checkpoints stay global.
+struct CudaModelParallel {
+  int tensor_parallel = 1;
+  int data_parallel = 1;
+  int tp_rank = 0;
+  parallel::CudaCommunicator* tensor_group = nullptr;  // null exactly when tensor_parallel == 1
+  parallel::CudaCommunicator* data_group = nullptr;    // null exactly when data_parallel == 1
+};
+
 // The device time of one op of the step (e.g. "mamba scan backward"), summed over its calls in
 // the profiled steps (every layer's call is one call).
 struct OpTime {
@@ -45,9 +67,12 @@ class CudaModel {
  public:
   // Plans and allocates the device memory for micro-batches of [batch, seqlen] tokens of
   // `host`'s model on CUDA device `device`. Throws megacpp::Error: kInvalidArgument for a shape
-  // a kernel does not cover (naming it), kFailedPrecondition when the device lacks memory.
+  // a kernel does not cover or a parallel geometry the model cannot split (naming it),
+  // kFailedPrecondition when the device lacks memory. With tensor or data parallelism the
+  // constructor and every method below are collective: each rank of the groups calls them in
+  // the same order (the forward and backward all-reduce inside).
   CudaModel(const Model<float>& host, int batch, int seqlen, const OptimizerConfig& optimizer,
-            int device = 0);
+            int device = 0, const CudaModelParallel& parallel = {});
   ~CudaModel();
   CudaModel(const CudaModel&) = delete;
   CudaModel& operator=(const CudaModel&) = delete;
@@ -57,8 +82,12 @@ class CudaModel {
   void upload(const ParameterSet<float>& params, const AdamW<float>* optimizer);
   // Copies the device's parameter values (and moments and step count) into the host. Synchronous.
   void download(ParameterSet<float>& params, AdamW<float>* optimizer) const;
-  // The accumulated gradients, in the host ParameterSet's flat layout. Synchronous.
-  std::vector<float> download_gradients() const;
+  // The accumulated gradients (reduced over the groups first), in the host ParameterSet's flat
+  // layout. Synchronous.
+  std::vector<float> download_gradients();
+  // Sums and averages the gradients accumulated since zero_grad over the parallel groups, once
+  // (optimizer_step and download_gradients call it; a no-op on one GPU or when already reduced).
+  void reduce_gradients();
 
   void zero_grad();
   // As Model::forward / forward_backward: tokens [batch, seqlen + 1] on the host (validated

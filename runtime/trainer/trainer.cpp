@@ -19,9 +19,14 @@
 #include "runtime/data/dataset_tokenizer.h"
 #include "runtime/data/sequence_loader.h"
 #include "runtime/model/model.h"
+#include "runtime/parallel/shard_plan.h"
 #ifdef MEGACPP_HAVE_CUDA
+#include <thread>
+
+#include "base/atomic_file.h"
 #include "kernels/cuda/device_query.h"
 #include "runtime/model/cuda_model.h"
+#include "runtime/parallel/cuda_communicator.h"
 #endif
 
 namespace megacpp {
@@ -141,11 +146,11 @@ std::vector<TrainBlendEntry> parse_blend(const json& list, const std::string& wh
 
 TrainJob parse_train_job(const json& j, const std::string& source) {
   if (!j.is_object()) fail(ErrorKind::kInvalidArgument, "{}: a job must be a JSON object", source);
-  refuse_unknown_keys(
-      j,
-      {"model", "data", "steps", "batch", "seqlen", "grad_accum", "optimizer", "eval", "checkpoint",
-       "seed", "max_seconds", "scan", "threads", "log", "device", "gpu"},
-      source);
+  refuse_unknown_keys(j,
+                      {"model", "data", "steps", "batch", "seqlen", "grad_accum", "optimizer",
+                       "eval", "checkpoint", "seed", "max_seconds", "scan", "threads", "log",
+                       "device", "gpu", "device_count", "tensor_parallel", "gpus"},
+                      source);
   TrainJob job;
   if (!j.contains("model") || !j["model"].is_object()) {
     fail(ErrorKind::kInvalidArgument,
@@ -301,6 +306,40 @@ TrainJob parse_train_job(const json& j, const std::string& source) {
          device);
   }
   job.gpu = static_cast<int>(top("gpu", 0, 0, L::kMaxGpu));
+  job.device_count = static_cast<int>(top("device_count", 1, 1, L::kMaxDevices));
+  job.tensor_parallel = static_cast<int>(top("tensor_parallel", 1, 1, L::kMaxDevices));
+  if (j.contains("gpus")) {
+    const json& g = j["gpus"];
+    if (!g.is_array() || static_cast<int>(g.size()) != job.device_count) {
+      fail(ErrorKind::kInvalidArgument,
+           "{}: gpus must be an array of device_count={} CUDA device ordinals", source,
+           job.device_count);
+    }
+    for (size_t i = 0; i < g.size(); ++i) {
+      if (!g[i].is_number_integer() || g[i].get<int64_t>() < 0 ||
+          g[i].get<int64_t>() > L::kMaxGpu) {
+        fail(ErrorKind::kInvalidArgument, "{}: gpus[{}]={} must be an integer in [0, {}]", source,
+             i, g[i].dump(), L::kMaxGpu);
+      }
+      job.gpus.push_back(g[i].get<int>());
+    }
+  }
+  if (job.device_count > 1 || job.tensor_parallel > 1) {
+    if (job.device != TrainDevice::kCuda) {
+      fail(ErrorKind::kInvalidArgument,
+           "{}: device_count={}, tensor_parallel={}: several devices need device=\"cuda\" (the "
+           "CPU runtime trains on one process)",
+           source, job.device_count, job.tensor_parallel);
+    }
+    parallel::check_tensor_parallel(job.model,
+                                    {job.tensor_parallel, job.device_count});  // names the rule
+    if (job.batch % job.data_parallel() != 0) {
+      fail(ErrorKind::kInvalidArgument,
+           "{}: batch={} must be a multiple of the data-parallel degree device_count / "
+           "tensor_parallel = {}: every replica takes an equal share of each batch",
+           source, job.batch, job.data_parallel());
+    }
+  }
   return job;
 }
 
@@ -330,6 +369,10 @@ class StepBackend {
   // CPU backend has none.
   virtual void set_profiling(bool on) { (void)on; }
   virtual std::vector<KernelRecord> kernel_records() const { return {}; }
+  // Several ranks: the sum of `value` over all of them, for decisions they must take alike.
+  virtual int64_t sum_over_ranks(int64_t value) { return value; }
+  // Whether this rank writes the job's files (checkpoints): world rank 0 alone.
+  virtual bool writes_files() const { return true; }
 };
 
 class CpuBackend final : public StepBackend {
@@ -362,25 +405,81 @@ class CpuBackend final : public StepBackend {
 };
 
 #ifdef MEGACPP_HAVE_CUDA
+// The NCCL unique id of a several-GPU job: rank 0 makes it and leaves it in the rendezvous file;
+// the other ranks wait for the file.
+std::string rendezvous(const TrainOptions& options, int world) {
+  if (options.rendezvous.empty()) {
+    fail(ErrorKind::kInvalidArgument,
+         "device_count={}: each rank needs the rendezvous file where rank 0 leaves the NCCL id "
+         "(megacpp-executor --rendezvous)",
+         world);
+  }
+  if (options.world_rank == 0) {
+    const std::string id = parallel::CudaCommunicator::new_unique_id();
+    write_file_atomically(options.rendezvous, id);
+    return id;
+  }
+  const auto deadline =
+      Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                         std::chrono::duration<double>(options.rendezvous_timeout_seconds));
+  while (!fs::exists(options.rendezvous)) {
+    if (Clock::now() >= deadline) {
+      fail(ErrorKind::kFailedPrecondition,
+           "rank {} of {}: rank 0 left no NCCL id in {} within {} s (did rank 0 start?)",
+           options.world_rank, world, options.rendezvous.string(),
+           options.rendezvous_timeout_seconds);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return read_file(options.rendezvous);  // written atomically: whole or absent
+}
+
 class CudaBackend final : public StepBackend {
  public:
-  CudaBackend(Model<float>& host, AdamW<float>& optimizer, const TrainJob& job)
-      : host_(host), optimizer_(optimizer) {
+  CudaBackend(Model<float>& host, AdamW<float>& optimizer, const TrainJob& job,
+              const TrainOptions& options)
+      : host_(host), optimizer_(optimizer), seqlen_(job.seqlen) {
+    const int world = job.device_count, rank = options.world_rank;
+    if (rank < 0 || rank >= world) {
+      fail(ErrorKind::kInvalidArgument, "world rank {} outside [0, device_count={})", rank, world);
+    }
+    const int gpu = job.gpu_of(rank);
     const cuda::RuntimeInfo info = cuda::query_devices();
-    if (job.gpu >= static_cast<int>(info.devices.size())) {
+    if (gpu >= static_cast<int>(info.devices.size())) {
       fail(ErrorKind::kFailedPrecondition,
-           "gpu={}: this machine has {} CUDA device(s) visible to the job{}{}", job.gpu,
+           "gpu={}: this machine has {} CUDA device(s) visible to the job{}{}", gpu,
            info.devices.size(), info.error.empty() ? "" : ": ", info.error);
     }
-    device_ = fmt::format("cuda:{} ({})", job.gpu, info.devices[static_cast<size_t>(job.gpu)].name);
-    model_ = std::make_unique<CudaModel>(host, job.batch, job.seqlen, job.optimizer, job.gpu);
+    device_ = fmt::format("cuda:{} ({})", gpu, info.devices[static_cast<size_t>(gpu)].name);
+    CudaModelParallel par;
+    if (world > 1) {
+      device_ += fmt::format(" rank {}/{}", rank, world);
+      const int tp = job.tensor_parallel, dp = job.data_parallel();
+      world_ = std::make_unique<parallel::CudaCommunicator>(rendezvous(options, world), world, rank,
+                                                            gpu);
+      // Collective over the world: every rank splits the same groups in the same order.
+      if (tp > 1) tensor_group_ = world_->split(rank / tp, rank % tp);
+      if (dp > 1) data_group_ = world_->split(rank % tp, rank / tp);
+      par = {tp, dp, rank % tp, tensor_group_.get(), data_group_.get()};
+      rows_ = job.batch / dp;
+      first_row_ = (rank / tp) * rows_;
+    } else {
+      rows_ = job.batch;
+    }
+    writes_files_ = rank == 0;
+    model_ = std::make_unique<CudaModel>(host, rows_, job.seqlen, job.optimizer, gpu, par);
     model_->upload(host.parameters(), &optimizer);
   }
   void zero_grad() override { model_->zero_grad(); }
+  // Every rank is handed the whole batch; its replica trains on its own rows of it.
   double forward_backward(const int32_t* tokens, double grad_scale) override {
-    return model_->forward_backward(tokens, grad_scale);
+    return model_->forward_backward(own_rows(tokens), grad_scale);
   }
-  double forward(const int32_t* tokens) override { return model_->forward(tokens); }
+  double forward(const int32_t* tokens) override { return model_->forward(own_rows(tokens)); }
+  int64_t sum_over_ranks(int64_t value) override {
+    return world_ ? world_->sum_over_ranks(value) : value;
+  }
+  bool writes_files() const override { return writes_files_; }
   double update(double lr) override { return model_->optimizer_step(lr); }
   void sync_host() override { model_->download(host_.parameters(), &optimizer_); }
   std::string device() const override { return device_; }
@@ -422,22 +521,32 @@ class CudaBackend final : public StepBackend {
   }
 
  private:
+  const int32_t* own_rows(const int32_t* tokens) const {
+    return tokens + static_cast<size_t>(first_row_) * (seqlen_ + 1);
+  }
   Model<float>& host_;
   AdamW<float>& optimizer_;
+  int seqlen_ = 0;
+  int rows_ = 0;
+  int first_row_ = 0;
+  bool writes_files_ = true;
   std::string device_;
+  // Declared before the model, which uses them: destroyed after it.
+  std::unique_ptr<parallel::CudaCommunicator> world_, tensor_group_, data_group_;
   std::unique_ptr<CudaModel> model_;
 };
 #endif
 
 std::unique_ptr<StepBackend> make_backend(const TrainJob& job, Model<float>& model,
-                                          AdamW<float>& optimizer) {
+                                          AdamW<float>& optimizer, const TrainOptions& options) {
   if (job.device == TrainDevice::kCpu) {
     model.plan(job.batch, job.seqlen);
     return std::make_unique<CpuBackend>(model, &optimizer, job.optimizer.grad_clip);
   }
 #ifdef MEGACPP_HAVE_CUDA
-  return std::make_unique<CudaBackend>(model, optimizer, job);
+  return std::make_unique<CudaBackend>(model, optimizer, job, options);
 #else
+  (void)options;
   fail(ErrorKind::kFailedPrecondition,
        "device=cuda: this build of megacpp has no CUDA backend (built without the CUDA toolkit)");
 #endif
@@ -560,7 +669,7 @@ RunSummary train(const TrainJob& job, TrainingObserver& observer, const TrainOpt
     }
   }
   if (step == 0) model.init_parameters(job.seed);
-  const std::unique_ptr<StepBackend> backend = make_backend(job, model, optimizer);
+  const std::unique_ptr<StepBackend> backend = make_backend(job, model, optimizer, options);
 
   const double flops_per_micro = model.step_flops(job.batch, job.seqlen);
   const double flops_per_step = flops_per_micro * job.grad_accum;
@@ -581,7 +690,8 @@ RunSummary train(const TrainJob& job, TrainingObserver& observer, const TrainOpt
     // as `latest` and leaves the disk above the floor.
     require_free_space_for_checkpoint(
         job.checkpoint_dir, training_checkpoint_bytes(model.parameters()), job.min_free_bytes);
-    backend->sync_host();
+    backend->sync_host();  // collective over the ranks: each calls it
+    if (!backend->writes_files()) return;
     const fs::path dir = step_checkpoint_dir(job.checkpoint_dir, at_step);
     save_model_checkpoint(dir, model);
     save_optimizer_state(dir / "optimizer.safetensors", model.parameters(), optimizer);
@@ -681,11 +791,17 @@ RunSummary train(const TrainJob& job, TrainingObserver& observer, const TrainOpt
       summary.stop_reason = "stop_at";
       break;
     }
-    if (job.max_seconds > 0 && elapsed >= job.max_seconds && step < job.steps) {
+    // The ranks of a several-GPU job stop together or not at all (one stopping alone would
+    // leave the others waiting in a collective): one vote each, counted over all of them.
+    constexpr int64_t kStopVote = int64_t{1} << 32;
+    const bool time_up = job.max_seconds > 0 && elapsed >= job.max_seconds;
+    const bool stop_asked = options.stop_requested && options.stop_requested->load();
+    const int64_t votes = backend->sum_over_ranks((stop_asked ? kStopVote : 0) + (time_up ? 1 : 0));
+    if (votes % kStopVote > 0 && step < job.steps) {
       summary.stop_reason = "time_limit";
       break;
     }
-    if (options.stop_requested && options.stop_requested->load() && step < job.steps) {
+    if (votes >= kStopVote && step < job.steps) {
       summary.stop_reason = "stopped";
       break;
     }

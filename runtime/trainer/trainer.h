@@ -24,9 +24,14 @@ namespace megacpp {
 //  "eval": {"interval": 50, "batches": 4},
 //  "checkpoint": {"dir": "runs/x", "interval": 100, "keep_last": 3, "min_free_bytes": 0},
 //  "seed": 1234, "max_seconds": 0, "scan": "chunked"|"recurrent", "threads": 0,
-//  "log": "runs/x/steps.jsonl", "device": "cpu"|"cuda", "gpu": 0}
+//  "log": "runs/x/steps.jsonl", "device": "cpu"|"cuda", "gpu": 0,
+//  "device_count": 1, "tensor_parallel": 1, "gpus": [0, 1, ...]}
 // Where the steps run: the CPU runtime (float), or the CUDA backend (runtime/model/cuda_model.h,
-// mixed precision) on GPU ordinal `gpu`.
+// mixed precision) on GPU ordinal `gpu`; or, with device_count > 1 (cuda only), one process per
+// GPU rank (world rank r on GPU gpus[r]), tensor_parallel ranks per model replica and
+// device_count / tensor_parallel replicas (data parallel). `batch` is the global batch: each
+// replica trains on its share of every batch, so the job computes what one GPU with the whole
+// batch would.
 enum class TrainDevice { kCpu, kCuda };
 
 // One dataset of a blend (runtime/data/blended_loader.h).
@@ -63,6 +68,13 @@ struct TrainJob {
   std::filesystem::path log;  // JSON lines; empty: none
   TrainDevice device = TrainDevice::kCpu;
   int gpu = 0;  // the CUDA device ordinal a cuda job runs on
+  int device_count = 1;
+  int tensor_parallel = 1;
+  std::vector<int> gpus;  // per world rank; empty: gpu, gpu + 1, ...
+  int data_parallel() const { return device_count / tensor_parallel; }
+  int gpu_of(int world_rank) const {
+    return gpus.empty() ? gpu + world_rank : gpus[static_cast<size_t>(world_rank)];
+  }
 };
 
 // The bounds of a job's numeric fields. Each is far beyond a sensible job and keeps the
@@ -82,6 +94,7 @@ struct TrainJobLimits {
   static constexpr double kMaxWeightDecay = 100;
   static constexpr double kMaxGradClip = 1e9;
   static constexpr int kMaxGpu = 1023;
+  static constexpr int kMaxDevices = 1024;
   static constexpr int kMaxBlendDatasets = 1024;
 };
 
@@ -93,6 +106,11 @@ struct TrainOptions {
   bool resume = true;   // continue from checkpoint_dir/latest when present
   int64_t stop_at = 0;  // stop after this step (with a checkpoint), 0: run to the end
   const std::atomic<bool>* stop_requested = nullptr;  // checked between steps
+  // This process's rank of a device_count > 1 job, and the file where rank 0 leaves the NCCL
+  // unique id for the others (the launcher removes it before starting the ranks).
+  int world_rank = 0;
+  std::filesystem::path rendezvous = {};
+  double rendezvous_timeout_seconds = 120;
 };
 
 // Runs the job; returns its summary (also passed to the observer).

@@ -1,5 +1,8 @@
 // megacpp-executor: runs one training job for the daemon. Started by megacppd
 // with the job file and a pipe (--events-fd) on which it streams ExecutorEvents.
+// A job on several GPUs runs one executor per rank (--rank, --rendezvous: the file
+// where rank 0 leaves the NCCL id for the others); the daemon reads rank 0's steps
+// and every rank's kernel receipts and failure.
 // SIGTERM (cancel, daemon shutdown) or the daemon's death (the pipe breaks, or
 // PR_SET_PDEATHSIG) make it finish the current step, checkpoint and exit 0.
 #include <signal.h>
@@ -102,8 +105,14 @@ int main(int argc, char** argv) {
   CLI::App app{"megacpp-executor: runs one job for megacppd"};
   std::string job_file;
   int events_fd = -1;
+  int rank = 0;
+  std::string rendezvous;
   app.add_option("--job", job_file, "job JSON file")->required();
   app.add_option("--events-fd", events_fd, "pipe to stream events on")->required();
+  app.add_option("--rank", rank, "world rank of this process in a several-GPU job")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--rendezvous", rendezvous,
+                 "file where rank 0 writes the NCCL unique id (several-GPU jobs)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -122,13 +131,16 @@ int main(int argc, char** argv) {
   ::sigaction(SIGTERM, &stop, nullptr);
   ::sigaction(SIGINT, &stop, nullptr);
   ::signal(SIGPIPE, SIG_IGN);
-  spdlog::set_pattern("%H:%M:%S.%e %l %v");
+  spdlog::set_pattern(rank > 0 ? fmt::format("%H:%M:%S.%e %l [rank {}] %v", rank)
+                               : std::string("%H:%M:%S.%e %l %v"));
 
   EventObserver observer(events_fd);
   try {
     const megacpp::TrainJob job = megacpp::load_train_job(job_file);
     megacpp::TrainOptions options;
     options.stop_requested = &g_stop;
+    options.world_rank = rank;
+    options.rendezvous = rendezvous;
     megacpp::train(job, observer, options);
   } catch (const megacpp::Error& e) {
     spdlog::error("{}", e.what());

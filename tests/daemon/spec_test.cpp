@@ -225,13 +225,25 @@ TEST_F(SpecTest, ACudaJobRunsOnTheGpuOrIsRefusedWithTheReason) {
 #ifdef MEGACPP_HAVE_CUDA
   EXPECT_EQ(decision_of(one).decision, gates::Decision::kOn);
   EXPECT_EQ(one.train_job["device"], "cuda");
-  // Several GPUs need tensor parallelism, which the CUDA backend does not have yet.
+  // Several GPUs: one rank per GPU, the geometry handed to the trainer.
   cuda.set_device_count(2);
   cuda.set_tensor_parallel(2);
   const daemon::ValidatedJob two = validate(cuda, MemoryBudget{}, 2);
-  EXPECT_EQ(decision_of(two).decision, gates::Decision::kRefused);
+  EXPECT_EQ(decision_of(two).decision, gates::Decision::kOn);
   EXPECT_NE(decision_of(two).reason.find("tensor_parallel=2"), std::string::npos)
       << decision_of(two).reason;
+  EXPECT_EQ(two.train_job["device_count"], 2);
+  EXPECT_EQ(two.train_job["tensor_parallel"], 2);
+  // Data parallel: every replica takes an equal share of the batch.
+  cuda.set_tensor_parallel(1);
+  cuda.set_batch(3);
+  try {
+    validate(cuda, MemoryBudget{}, 2);
+    ADD_FAILURE() << "a batch of 3 over 2 replicas was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("batch=3 must be a multiple"), std::string::npos)
+        << e.what();
+  }
 #else
   EXPECT_EQ(decision_of(one).decision, gates::Decision::kRefused);
   EXPECT_NE(decision_of(one).reason.find("built without the CUDA toolkit"), std::string::npos)

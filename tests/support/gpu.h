@@ -10,10 +10,14 @@
 
 namespace megacpp::testing {
 
-inline bool gpu_present(std::string& why) {
+inline bool gpu_present(std::string& why, size_t count = 1) {
   const auto info = cuda::query_devices();
   if (info.devices.empty()) why = info.error;
-  return !info.devices.empty();
+  if (!info.devices.empty() && info.devices.size() < count) {
+    why =
+        std::to_string(info.devices.size()) + " device(s), the test needs " + std::to_string(count);
+  }
+  return info.devices.size() >= count;
 }
 
 }  // namespace megacpp::testing
@@ -25,4 +29,14 @@ inline bool gpu_present(std::string& why) {
     if (!::megacpp::testing::gpu_present(megacpp_why_)) {                  \
       GTEST_SKIP() << "GPU test: no CUDA device (" << megacpp_why_ << ")"; \
     }                                                                      \
+  } while (0)
+
+// Skips the calling test where fewer than `count` GPUs are present (multi-GPU tests).
+#define MEGACPP_REQUIRE_GPUS(count)                                                            \
+  do {                                                                                         \
+    std::string megacpp_why_;                                                                  \
+    if (!::megacpp::testing::gpu_present(megacpp_why_, count)) {                               \
+      GTEST_SKIP() << "multi-GPU test: needs " << (count) << " CUDA devices (" << megacpp_why_ \
+                   << ")";                                                                     \
+    }                                                                                          \
   } while (0)

@@ -142,6 +142,50 @@ TEST(GradNormCudaTensors, RefusesBadTensorsAndWorkspace) {
       megacpp::ErrorKind::kInvalidArgument, "workspace_bytes", "8 bytes");
 }
 
+// A norm over tensors split between devices (tensor parallelism) is the norm over all of them:
+// the two halves' square sums, added, give the norm and clipping factor compute() gives.
+TEST(GradNormCudaTensors, SquareSumsOfPartsGiveTheWholeNorm) {
+  MEGACPP_REQUIRE_GPU();
+  const std::vector<int64_t> sizes{300000, 17, GradNormCuda::kChunk + 3, 4096};
+  std::vector<float> host(static_cast<size_t>(total_of(sizes)));
+  std::mt19937_64 rng(7);
+  std::normal_distribution<float> normal(0.f, 0.01f);
+  for (float& g : host) g = normal(rng);
+  oracle::DeviceBuffer grads(host.size() * sizeof(float));
+  MEGACPP_CUDA_CHECK(
+      cudaMemcpy(grads.get(), host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice));
+  std::vector<GradTensorRef> all, first, second;
+  int64_t offset = 0;
+  for (size_t t = 0; t < sizes.size(); ++t) {
+    const GradTensorRef ref{static_cast<const float*>(grads.get()) + offset, sizes[t]};
+    all.push_back(ref);
+    (t < 2 ? first : second).push_back(ref);
+    offset += sizes[t];
+  }
+  const auto make = [](const std::vector<GradTensorRef>& list, oracle::DeviceBuffer& workspace) {
+    workspace = oracle::DeviceBuffer(GradNormCuda::workspace_bytes(list));
+    return GradNormCuda(list, workspace.get(), workspace.bytes());
+  };
+  oracle::DeviceBuffer wa, wb, wc, results(64);
+  const GradNormCuda whole = make(all, wa), part_one = make(first, wb), part_two = make(second, wc);
+  auto* out = static_cast<float*>(results.get());  // norm, scale, norm, scale
+  auto* sums = reinterpret_cast<double*>(out + 8);
+  const double max_norm = 0.5;
+  whole.compute(max_norm, out, out + 1);
+  part_one.square_sum(sums);
+  part_two.square_sum(sums + 1);
+  std::vector<double> parts(2);
+  MEGACPP_CUDA_CHECK(cudaMemcpy(parts.data(), sums, 2 * sizeof(double), cudaMemcpyDeviceToHost));
+  const double total = parts[0] + parts[1];
+  MEGACPP_CUDA_CHECK(cudaMemcpy(sums + 2, &total, sizeof(double), cudaMemcpyHostToDevice));
+  GradNormCuda::norm_from_square_sum(sums + 2, max_norm, out + 2, out + 3);
+  std::vector<float> got(4);
+  MEGACPP_CUDA_CHECK(cudaMemcpy(got.data(), out, 4 * sizeof(float), cudaMemcpyDeviceToHost));
+  EXPECT_NEAR(got[2], got[0], 1e-6 * got[0]);
+  EXPECT_NEAR(got[3], got[1], 1e-6 * got[1]);
+  EXPECT_LT(got[1], 1.f) << "the case must clip";
+}
+
 }  // namespace
 
 MEGACPP_ORACLE_ENTRY(GradClip);

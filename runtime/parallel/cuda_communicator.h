@@ -1,0 +1,71 @@
+#pragma once
+// A group of GPU ranks joined by NCCL: the collectives the tensor- and data-parallel step uses.
+//
+// One world communicator per job, made from a unique id that one process creates
+// (new_unique_id: it opens NCCL's bootstrap socket and touches no GPU) and hands to every rank;
+// the tensor- and data-parallel groups are split from it (ShardPlan's rank numbering: a TP group
+// is tp consecutive world ranks). Every rank of a group must call each collective in the same
+// order. Collectives are enqueued on the caller's CUDA stream and return at once.
+//
+// A rank that fails or hangs would block the others in their next collective: abort() (safe
+// from another thread, e.g. a watchdog) makes every pending and later collective of this
+// communicator fail instead of waiting.
+//
+// Plain C++ (no NCCL or CUDA types in this header).
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace megacpp::parallel {
+
+enum class CollectiveType { kBf16, kFloat, kDouble };
+enum class ReduceOp { kSum, kAverage };
+
+class CudaCommunicator {
+ public:
+  // NCCL's unique id as 256 hex characters, for the launcher to pass to every rank.
+  static std::string new_unique_id();
+
+  // Joins the world communicator of `world_size` ranks as `world_rank`, on CUDA device `device`;
+  // blocks until every rank has joined. Throws megacpp::Error: kInvalidArgument for a malformed
+  // id or rank, kFailedPrecondition when NCCL cannot initialise (naming its error).
+  CudaCommunicator(const std::string& unique_id_hex, int world_size, int world_rank, int device);
+  ~CudaCommunicator();
+  CudaCommunicator(const CudaCommunicator&) = delete;
+  CudaCommunicator& operator=(const CudaCommunicator&) = delete;
+
+  // The ranks of this communicator with the same `color` form a new one, ordered by `key`.
+  // Collective over this communicator.
+  std::unique_ptr<CudaCommunicator> split(int color, int key) const;
+
+  int size() const { return size_; }
+  int rank() const { return rank_; }
+  int device() const { return device_; }
+
+  // In place over `count` elements of device memory, enqueued on `stream`.
+  void all_reduce(void* data, int64_t count, CollectiveType type, ReduceOp op, void* stream);
+  // `send` holds count elements; `receive` gets size() · count, rank r's at r · count.
+  void all_gather(const void* send, void* receive, int64_t count, CollectiveType type,
+                  void* stream);
+  // The sum of `value` over the ranks, on the host: for decisions every rank must take alike
+  // (stop after this step). Synchronous, on the communicator's own stream.
+  int64_t sum_over_ranks(int64_t value);
+  // Collectives between begin_batch() and end_batch() are launched together (ncclGroupStart /
+  // ncclGroupEnd): many small reductions cost about one launch.
+  void begin_batch();
+  void end_batch();
+
+  // Fails this communicator's pending and future collectives; idempotent, any thread.
+  void abort();
+  bool aborted() const;
+
+ private:
+  struct Impl;
+  CudaCommunicator(std::unique_ptr<Impl> impl, int size, int rank, int device);
+  std::unique_ptr<Impl> impl_;
+  int size_ = 0;
+  int rank_ = 0;
+  int device_ = 0;
+};
+
+}  // namespace megacpp::parallel

@@ -1,0 +1,158 @@
+// Several-GPU jobs through a real megacppd (needs 2 GPUs; skipped elsewhere): a TP = 2 job and a
+// DP = 2 job run as one executor per GPU rank and succeed, with kernel receipts from both ranks
+// and a checkpoint the CPU runtime loads; kill -9 of one rank fails the job within a bounded time
+// naming the rank, frees both GPUs for the next job, and leaves the daemon healthy.
+#include <gtest/gtest.h>
+
+#ifdef MEGACPP_HAVE_CUDA
+
+#include <signal.h>
+
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <string>
+#include <thread>
+
+#include "runtime/checkpoint/checkpoint.h"
+#include "runtime/trainer/trainer.h"
+#include "tests/daemon/daemon_harness.h"
+#include "tests/support/gpu.h"
+
+namespace megacpp {
+namespace {
+
+using testing::Daemon;
+namespace v1 = megacpp::v1;
+
+v1::Job submit(const Daemon& d, const v1::JobSpec& spec) {
+  grpc::ClientContext context;
+  v1::SubmitJobRequest request;
+  *request.mutable_spec() = spec;
+  v1::SubmitJobResponse response;
+  const grpc::Status s = d.jobs()->SubmitJob(&context, request, &response);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  return response.job();
+}
+
+v1::Job get_job(const Daemon& d, const std::string& id) {
+  grpc::ClientContext context;
+  v1::GetJobRequest request;
+  request.set_id(id);
+  v1::Job job;
+  EXPECT_TRUE(d.jobs()->GetJob(&context, request, &job).ok());
+  return job;
+}
+
+bool ended(const v1::Job& j) {
+  return j.state() == v1::JOB_STATE_SUCCEEDED || j.state() == v1::JOB_STATE_FAILED ||
+         j.state() == v1::JOB_STATE_CANCELLED || j.state() == v1::JOB_STATE_REFUSED;
+}
+
+v1::Job wait_for(const Daemon& d, const std::string& id,
+                 const std::function<bool(const v1::Job&)>& done, int seconds = 300) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(seconds);
+  v1::Job job;
+  while (std::chrono::steady_clock::now() < deadline) {
+    job = get_job(d, id);
+    if (done(job)) return job;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ADD_FAILURE() << "timed out waiting on " << id << ", state " << v1::JobState_Name(job.state())
+                << "\n"
+                << d.log();
+  return job;
+}
+
+// The executor of `rank` among the daemon's children (its command line says --rank N).
+pid_t rank_pid(const Daemon& d, int rank) {
+  for (pid_t pid : testing::executor_pids(d.pid())) {
+    std::ifstream in("/proc/" + std::to_string(pid) + "/cmdline");
+    std::string cmdline((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    for (char& c : cmdline) c = c == '\0' ? ' ' : c;
+    if (cmdline.find("--rank " + std::to_string(rank) + " ") != std::string::npos) return pid;
+  }
+  return 0;
+}
+
+v1::JobSpec gpu_job(const Daemon& d, int64_t steps, int tensor_parallel) {
+  v1::JobSpec spec = d.small_job(steps);
+  spec.clear_config_json();
+  spec.set_preset("tiny");
+  spec.set_device_kind("cuda");
+  spec.set_device_count(2);
+  spec.set_tensor_parallel(tensor_parallel);
+  spec.set_batch(2);
+  spec.set_seqlen(64);
+  spec.set_checkpoint_interval(0);
+  return spec;
+}
+
+TEST(CudaParallelJobs, TensorAndDataParallelJobsRunAndAKilledRankFailsTheJob) {
+  MEGACPP_REQUIRE_GPUS(2);
+  Daemon d([](nlohmann::json& c) { c["devices"] = {{"cpu_slots", 1}, {"gpus", "auto"}}; });
+  ASSERT_EQ(d.start(), -1) << d.log();
+
+  for (const int tp : {2, 1}) {
+    const v1::Job submitted = submit(d, gpu_job(d, 6, tp));
+    const v1::Job done = wait_for(d, submitted.id(), ended);
+    ASSERT_EQ(done.state(), v1::JOB_STATE_SUCCEEDED) << done.error();
+    EXPECT_EQ(done.devices_size(), 2);
+    EXPECT_EQ(done.step(), 6);
+    // Kernel receipts from both ranks, each naming its device and rank.
+    grpc::ClientContext context;
+    v1::JobReceiptsRequest request;
+    request.set_job_id(done.id());
+    v1::ListKernelReceiptsResponse kernels;
+    ASSERT_TRUE(d.receipts()->ListKernelReceipts(&context, request, &kernels).ok());
+    bool rank0 = false, rank1 = false;
+    for (const auto& k : kernels.kernels()) {
+      rank0 |= k.device().find("rank 0/2") != std::string::npos;
+      rank1 |= k.device().find("rank 1/2") != std::string::npos;
+    }
+    EXPECT_TRUE(rank0 && rank1) << "TP=" << tp << ": kernel receipts from both ranks";
+    // The checkpoint is global: the CPU runtime loads and evaluates it.
+    const auto latest = latest_checkpoint(done.checkpoint_dir());
+    ASSERT_TRUE(latest.has_value()) << done.checkpoint_dir();
+    const EvalResult eval = evaluate_checkpoint(*latest, d.data("valid"), 64, 2, 4);
+    EXPECT_TRUE(std::isfinite(eval.loss));
+    EXPECT_LT(eval.loss, std::log(257.0) + 1.0);
+  }
+
+  // kill -9 of rank 1 mid-run: rank 0 would wait in its next collective for ever; the daemon
+  // kills it and fails the job, naming the rank.
+  const v1::Job long_job = submit(d, gpu_job(d, 100000, 2));
+  wait_for(d, long_job.id(), [](const v1::Job& j) { return j.step() >= 2 || ended(j); });
+  const pid_t victim = rank_pid(d, 1);
+  ASSERT_GT(victim, 0) << "no executor with --rank 1";
+  const auto killed_at = std::chrono::steady_clock::now();
+  ASSERT_EQ(::kill(victim, SIGKILL), 0);
+  const v1::Job failed = wait_for(d, long_job.id(), ended, 60);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - killed_at).count();
+  EXPECT_EQ(failed.state(), v1::JOB_STATE_FAILED) << failed.error();
+  EXPECT_NE(failed.error().find("rank 1 of 2"), std::string::npos) << failed.error();
+  EXPECT_NE(failed.error().find("signal 9"), std::string::npos) << failed.error();
+  EXPECT_LT(seconds, 30.0) << "the job took " << seconds << " s to fail";
+  std::printf("killed rank 1: the job failed %.2f s later: %s\n", seconds,
+              failed.error().substr(0, 160).c_str());
+  EXPECT_TRUE(testing::executor_pids(d.pid()).empty()) << "an executor outlived its job";
+
+  // Both GPUs are free: the next two-GPU job runs; the daemon is healthy.
+  const v1::Job next = wait_for(d, submit(d, gpu_job(d, 2, 2)).id(), ended);
+  EXPECT_EQ(next.state(), v1::JOB_STATE_SUCCEEDED) << next.error();
+  grpc::ClientContext context;
+  v1::Status status;
+  EXPECT_TRUE(d.status()->GetStatus(&context, v1::GetStatusRequest(), &status).ok());
+}
+
+}  // namespace
+}  // namespace megacpp
+
+#else
+
+TEST(CudaParallelJobs, NeedsACudaBuild) {
+  GTEST_SKIP() << "GPU test: this build has no CUDA (MEGACPP_CUDA=OFF)";
+}
+
+#endif
