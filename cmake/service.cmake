@@ -19,7 +19,17 @@ target_link_libraries(megacpp_all INTERFACE megacpp_service)
 
 file(GLOB MEGACPP_DAEMON_SOURCES CONFIGURE_DEPENDS ${CMAKE_SOURCE_DIR}/daemon/*.cpp)
 list(FILTER MEGACPP_DAEMON_SOURCES EXCLUDE REGEX "_main\\.cpp$")
-add_library(megacpp_daemon STATIC ${MEGACPP_DAEMON_SOURCES})
+# The web page at / (daemon/web/index.html), compiled into the daemon: it serves no files.
+set(MEGACPP_WEB_PAGE_HEADER ${CMAKE_BINARY_DIR}/generated/daemon/web_page_html.h)
+add_custom_command(
+  OUTPUT ${MEGACPP_WEB_PAGE_HEADER}
+  COMMAND ${CMAKE_COMMAND} -DINPUT=${CMAKE_SOURCE_DIR}/daemon/web/index.html
+          -DOUTPUT=${MEGACPP_WEB_PAGE_HEADER} -DNAME=web_page_html -DNAMESPACE=megacpp::daemon
+          -DSOURCE_DIR=${CMAKE_SOURCE_DIR} -P ${CMAKE_SOURCE_DIR}/cmake/embed_file.cmake
+  DEPENDS ${CMAKE_SOURCE_DIR}/daemon/web/index.html ${CMAKE_SOURCE_DIR}/cmake/embed_file.cmake
+  COMMENT "Embedding daemon/web/index.html")
+add_library(megacpp_daemon STATIC ${MEGACPP_DAEMON_SOURCES} ${MEGACPP_WEB_PAGE_HEADER})
+target_include_directories(megacpp_daemon PRIVATE ${CMAKE_BINARY_DIR}/generated)
 target_compile_options(megacpp_daemon PRIVATE ${MEGACPP_WARNINGS})
 target_link_libraries(megacpp_daemon PUBLIC megacpp_service gRPC::grpc++ gRPC::grpc++_reflection
                       PkgConfig::HTTPLIB PkgConfig::PROMETHEUS_CPP)

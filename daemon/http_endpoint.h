@@ -1,8 +1,11 @@
 #pragma once
-// The read-only HTTP endpoint for dashboards: /status (GetStatus as JSON),
-// /metrics (Prometheus text format), /healthz. With a bearer token configured every route
-// but /healthz requires it (/metrics too unless public_metrics); with TLS configured it serves
-// HTTPS with the daemon's certificate, so the token never crosses the network in the clear.
+// The read-only HTTP endpoint for dashboards and people: /status (GetStatus as JSON),
+// /metrics (Prometheus text format), /healthz, the web page at / and the JSON it reads under
+// /api/ (jobs, their step, eval, gate and kernel receipts, CompareRuns). With a bearer token
+// configured every route but /healthz and the page's shell at / requires it (/metrics too unless
+// public_metrics); the shell holds no data, and its script sends the token on every request.
+// With TLS configured it serves HTTPS with the daemon's certificate, so the token never crosses
+// the network in the clear.
 #include <filesystem>
 #include <memory>
 #include <string>
@@ -28,7 +31,8 @@ struct HttpOptions {
 
 class HttpEndpoint {
  public:
-  HttpEndpoint(const StatusSource& source, std::string address,  // "host:port"
+  HttpEndpoint(const StatusSource& source, const JobManager& jobs, const ReceiptQueries& receipts,
+               std::string address,  // "host:port"
                HttpOptions options = {});
   ~HttpEndpoint();
   // Takes the port exclusively (no SO_REUSEPORT: a second daemon must not share it). Throws
@@ -40,8 +44,11 @@ class HttpEndpoint {
 
  private:
   void add_routes();
+  void add_web_routes();
 
   const StatusSource& source_;
+  const JobManager& jobs_;
+  const ReceiptQueries& receipts_;
   HttpOptions options_;
   std::string address_;
   std::string host_;

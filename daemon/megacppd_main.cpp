@@ -150,6 +150,7 @@ int main(int argc, char** argv) {
     mc::daemon::StatusSource status_source(jobs, metrics, config.store_path, boot_id);
     mc::daemon::JobServiceImpl job_service(jobs, auth);
     mc::daemon::ReceiptServiceImpl receipt_service(config.store_path, auth);
+    const mc::daemon::ReceiptQueries web_receipts(config.store_path);
     mc::daemon::StatusServiceImpl status_service(status_source, auth);
 
     // Both ports before any job is recovered: a daemon that cannot serve must not start (and
@@ -165,8 +166,8 @@ int main(int argc, char** argv) {
         http_options.public_metrics = config.security.public_metrics;
         http_options.tls_cert_file = config.security.tls_cert_file;
         http_options.tls_key_file = config.security.tls_key_file;
-        http = std::make_unique<mc::daemon::HttpEndpoint>(status_source, config.http_address,
-                                                          http_options);
+        http = std::make_unique<mc::daemon::HttpEndpoint>(status_source, jobs, web_receipts,
+                                                          config.http_address, http_options);
         http->bind();
       }
       mc::daemon::check_port_free("listen_address", config.listen_address);

@@ -298,108 +298,127 @@ Status ReceiptServiceImpl::ListPreconditions(grpc::ServerContext* context,
   });
 }
 
+void ReceiptQueries::gate_decisions(const v1::JobReceiptsRequest& request,
+                                    v1::ListGateDecisionsResponse* response) const {
+  for (const auto& g : reader(store_path_).gate_decisions(request.job_id())) {
+    auto* d = response->add_decisions();
+    d->set_job_id(g.job_id);
+    d->set_gate(g.gate);
+    d->set_decision(g.decision);
+    d->set_reason(g.reason);
+    d->set_implementation(g.implementation);
+    d->set_stages_json(g.stages.dump());
+    d->set_decided_at(g.decided_at);
+  }
+}
+
+void ReceiptQueries::step_receipts(const v1::ListStepReceiptsRequest& request,
+                                   v1::ListStepReceiptsResponse* response) const {
+  if (request.limit() < 0) fail(ErrorKind::kInvalidArgument, "limit must be >= 0");
+  std::optional<int64_t> after;
+  if (request.after_step() > 0) after = request.after_step();
+  const int limit = request.limit() == 0 ? 1000 : std::min(request.limit(), kMaxStepsPerPage);
+  for (const auto& s :
+       reader(store_path_).steps(request.job_id(), after, limit, request.newest_first())) {
+    auto* r = response->add_steps();
+    r->set_job_id(s.job_id);
+    r->set_step(s.step);
+    r->set_attempt(s.attempt);
+    r->set_loss(s.loss);
+    r->set_grad_norm(s.grad_norm);
+    r->set_lr(s.lr);
+    r->set_tokens(s.tokens);
+    r->set_step_ms(s.step_ms);
+    r->set_tokens_per_s(s.tokens_per_s);
+    r->set_flops_per_s(s.flops_per_s);
+    r->set_recorded_at(s.recorded_at);
+  }
+}
+
+void ReceiptQueries::kernel_receipts(const v1::JobReceiptsRequest& request,
+                                     v1::ListKernelReceiptsResponse* response) const {
+  for (const auto& k : reader(store_path_).kernel_receipts(request.job_id())) {
+    auto* r = response->add_kernels();
+    r->set_job_id(k.job_id);
+    r->set_kernel(k.kernel);
+    r->set_device(k.device);
+    r->set_launch_json(k.launch.dump());
+    r->set_registers(k.registers);
+    r->set_static_smem(k.static_smem);
+    r->set_dynamic_smem(k.dynamic_smem);
+    r->set_occupancy(k.occupancy);
+    r->set_time_ms_min(k.time_ms_min);
+    r->set_time_ms_median(k.time_ms_median);
+    r->set_time_ms_max(k.time_ms_max);
+    r->set_samples(k.samples);
+    r->set_recorded_at(k.recorded_at);
+  }
+}
+
+void ReceiptQueries::run_summary(const v1::JobReceiptsRequest& request,
+                                 v1::RunSummaryReceipt* response) const {
+  auto summary = reader(store_path_).run_summary(request.job_id());
+  if (!summary) fail(ErrorKind::kNotFound, "no run summary for job {}", request.job_id());
+  response->set_job_id(summary->job_id);
+  response->set_summary_json(summary->summary.dump());
+  response->set_recorded_at(summary->recorded_at);
+}
+
+void ReceiptQueries::compare_runs(const v1::CompareRunsRequest& request,
+                                  v1::CompareRunsResponse* response) const {
+  receipts::CompareOptions options;
+  if (request.skip_steps() > 0) options.warmup_steps = request.skip_steps();
+  const auto result =
+      receipts::compare_runs(reader(store_path_), request.job_a(), request.job_b(), options);
+  for (const auto& m : result.metrics) {
+    auto* out = response->add_metrics();
+    out->set_metric(m.metric);
+    out->set_median_a(m.median_a);
+    out->set_median_b(m.median_b);
+    out->set_relative_delta(m.relative_delta);
+    fill_envelope(out->mutable_envelope_a(), m.envelope_a);
+    fill_envelope(out->mutable_envelope_b(), m.envelope_b);
+    out->set_verdict(std::string(receipts::verdict_name(m.verdict)));
+  }
+}
+
+std::vector<receipts::EvalReceipt> ReceiptQueries::evals(std::string_view job_id) const {
+  return reader(store_path_).evals(job_id);
+}
+
 Status ReceiptServiceImpl::ListGateDecisions(grpc::ServerContext* context,
                                              const v1::JobReceiptsRequest* request,
                                              v1::ListGateDecisionsResponse* response) {
   MEGACPP_REQUIRE_AUTH();
-  return guarded([&] {
-    for (const auto& g : reader(store_path_).gate_decisions(request->job_id())) {
-      auto* d = response->add_decisions();
-      d->set_job_id(g.job_id);
-      d->set_gate(g.gate);
-      d->set_decision(g.decision);
-      d->set_reason(g.reason);
-      d->set_implementation(g.implementation);
-      d->set_stages_json(g.stages.dump());
-      d->set_decided_at(g.decided_at);
-    }
-  });
+  return guarded([&] { queries_.gate_decisions(*request, response); });
 }
 
 Status ReceiptServiceImpl::ListStepReceipts(grpc::ServerContext* context,
                                             const v1::ListStepReceiptsRequest* request,
                                             v1::ListStepReceiptsResponse* response) {
   MEGACPP_REQUIRE_AUTH();
-  if (request->limit() < 0) return {StatusCode::INVALID_ARGUMENT, "limit must be >= 0"};
-  return guarded([&] {
-    std::optional<int64_t> after;
-    if (request->after_step() > 0) after = request->after_step();
-    const int limit = request->limit() == 0 ? 1000 : std::min(request->limit(), 100000);
-    for (const auto& s :
-         reader(store_path_).steps(request->job_id(), after, limit, request->newest_first())) {
-      auto* r = response->add_steps();
-      r->set_job_id(s.job_id);
-      r->set_step(s.step);
-      r->set_attempt(s.attempt);
-      r->set_loss(s.loss);
-      r->set_grad_norm(s.grad_norm);
-      r->set_lr(s.lr);
-      r->set_tokens(s.tokens);
-      r->set_step_ms(s.step_ms);
-      r->set_tokens_per_s(s.tokens_per_s);
-      r->set_flops_per_s(s.flops_per_s);
-      r->set_recorded_at(s.recorded_at);
-    }
-  });
+  return guarded([&] { queries_.step_receipts(*request, response); });
 }
 
 Status ReceiptServiceImpl::ListKernelReceipts(grpc::ServerContext* context,
                                               const v1::JobReceiptsRequest* request,
                                               v1::ListKernelReceiptsResponse* response) {
   MEGACPP_REQUIRE_AUTH();
-  return guarded([&] {
-    for (const auto& k : reader(store_path_).kernel_receipts(request->job_id())) {
-      auto* r = response->add_kernels();
-      r->set_job_id(k.job_id);
-      r->set_kernel(k.kernel);
-      r->set_device(k.device);
-      r->set_launch_json(k.launch.dump());
-      r->set_registers(k.registers);
-      r->set_static_smem(k.static_smem);
-      r->set_dynamic_smem(k.dynamic_smem);
-      r->set_occupancy(k.occupancy);
-      r->set_time_ms_min(k.time_ms_min);
-      r->set_time_ms_median(k.time_ms_median);
-      r->set_time_ms_max(k.time_ms_max);
-      r->set_samples(k.samples);
-      r->set_recorded_at(k.recorded_at);
-    }
-  });
+  return guarded([&] { queries_.kernel_receipts(*request, response); });
 }
 
 Status ReceiptServiceImpl::GetRunSummary(grpc::ServerContext* context,
                                          const v1::JobReceiptsRequest* request,
                                          v1::RunSummaryReceipt* response) {
   MEGACPP_REQUIRE_AUTH();
-  return guarded([&] {
-    auto summary = reader(store_path_).run_summary(request->job_id());
-    if (!summary) fail(ErrorKind::kNotFound, "no run summary for job {}", request->job_id());
-    response->set_job_id(summary->job_id);
-    response->set_summary_json(summary->summary.dump());
-    response->set_recorded_at(summary->recorded_at);
-  });
+  return guarded([&] { queries_.run_summary(*request, response); });
 }
 
 Status ReceiptServiceImpl::CompareRuns(grpc::ServerContext* context,
                                        const v1::CompareRunsRequest* request,
                                        v1::CompareRunsResponse* response) {
   MEGACPP_REQUIRE_AUTH();
-  return guarded([&] {
-    receipts::CompareOptions options;
-    if (request->skip_steps() > 0) options.warmup_steps = request->skip_steps();
-    const auto result =
-        receipts::compare_runs(reader(store_path_), request->job_a(), request->job_b(), options);
-    for (const auto& m : result.metrics) {
-      auto* out = response->add_metrics();
-      out->set_metric(m.metric);
-      out->set_median_a(m.median_a);
-      out->set_median_b(m.median_b);
-      out->set_relative_delta(m.relative_delta);
-      fill_envelope(out->mutable_envelope_a(), m.envelope_a);
-      fill_envelope(out->mutable_envelope_b(), m.envelope_b);
-      out->set_verdict(std::string(receipts::verdict_name(m.verdict)));
-    }
-  });
+  return guarded([&] { queries_.compare_runs(*request, response); });
 }
 
 // --- Status ----------------------------------------------------------------

@@ -7,12 +7,14 @@
 #include <filesystem>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "daemon/job_manager.h"
 #include "daemon/metrics.h"
 #include "megacpp/v1/jobs.grpc.pb.h"
 #include "megacpp/v1/receipts.grpc.pb.h"
 #include "megacpp/v1/status.grpc.pb.h"
+#include "receipts/records.h"
 
 namespace megacpp::daemon {
 
@@ -66,10 +68,38 @@ class JobServiceImpl final : public megacpp::v1::JobService::Service {
   const TokenCheck& auth_;
 };
 
+// The receipt store's read side as the API presents it: ReceiptService answers from it, and so
+// does the HTTP endpoint's web page, so both always show the same receipts. Each call reads
+// through the calling thread's own read-only connection; failures throw megacpp::Error.
+class ReceiptQueries {
+ public:
+  // The most step receipts one page holds, whatever the request's limit.
+  static constexpr int kMaxStepsPerPage = 100000;
+
+  explicit ReceiptQueries(std::filesystem::path store_path) : store_path_(std::move(store_path)) {}
+  void gate_decisions(const megacpp::v1::JobReceiptsRequest& request,
+                      megacpp::v1::ListGateDecisionsResponse* response) const;
+  // Error(kInvalidArgument) for a negative limit.
+  void step_receipts(const megacpp::v1::ListStepReceiptsRequest& request,
+                     megacpp::v1::ListStepReceiptsResponse* response) const;
+  void kernel_receipts(const megacpp::v1::JobReceiptsRequest& request,
+                       megacpp::v1::ListKernelReceiptsResponse* response) const;
+  // Error(kNotFound) when the job has none.
+  void run_summary(const megacpp::v1::JobReceiptsRequest& request,
+                   megacpp::v1::RunSummaryReceipt* response) const;
+  void compare_runs(const megacpp::v1::CompareRunsRequest& request,
+                    megacpp::v1::CompareRunsResponse* response) const;
+  // No RPC carries these yet: the web page's validation-loss curve, in step order.
+  std::vector<receipts::EvalReceipt> evals(std::string_view job_id) const;
+
+ private:
+  std::filesystem::path store_path_;
+};
+
 class ReceiptServiceImpl final : public megacpp::v1::ReceiptService::Service {
  public:
   ReceiptServiceImpl(std::filesystem::path store_path, const TokenCheck& auth)
-      : store_path_(std::move(store_path)), auth_(auth) {}
+      : store_path_(store_path), queries_(std::move(store_path)), auth_(auth) {}
   grpc::Status ListBoots(grpc::ServerContext*, const megacpp::v1::ListBootsRequest*,
                          megacpp::v1::ListBootsResponse*) override;
   grpc::Status ListPreconditions(grpc::ServerContext*, const megacpp::v1::ListPreconditionsRequest*,
@@ -87,6 +117,7 @@ class ReceiptServiceImpl final : public megacpp::v1::ReceiptService::Service {
 
  private:
   std::filesystem::path store_path_;
+  ReceiptQueries queries_;
   const TokenCheck& auth_;
 };
 

@@ -14,6 +14,8 @@ packages=(
   prometheus-cpp-dev
   # The metrics test starts its own Prometheus server (a temporary config, a free loopback port).
   prometheus
+  # The web page test loads the daemon's page in headless Chromium and screenshots it.
+  chromium
   libgtest-dev libgmock-dev libbenchmark-dev
   clang-format python3
   # The Python client (python/megacpp_client): its modules are generated from proto/ by protoc and
