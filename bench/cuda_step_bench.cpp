@@ -4,8 +4,12 @@
 // 8192³), device memory, the time from the start to the end of the first step, and each op's
 // share of the step (CUDA events between neighbouring ops, over the profiled steps).
 //
-//   cuda_step_bench [--preset bench-350m] [--rank 4] [--batch 4] [--seqlen 8192] [--steps 8]
-//                   [--cuda-graphs] [--json FILE]
+//   cuda_step_bench [--preset bench-350m|bench-1.3b] [--rank 4] [--batch 4] [--seqlen 8192]
+//                   [--steps 8] [--cuda-graphs] [--tensor-parallel 1] [--data-parallel 1]
+//                   [--json FILE]
+// --tensor-parallel T --data-parallel D: the step on T·D GPUs (ranks as threads of this process,
+// one GPU each, joined by NCCL as the executor's rank processes are); --batch is the global batch
+// (each replica takes batch / D). Times are rank 0's; the collectives appear as ops.
 // --rank 1 is the SISO variant of the preset (chunk 64, as the official R = 1 path runs).
 // --cuda-graphs: the timed steps replay the step captured as a CUDA graph (the profiled steps
 // after them run eagerly); compare with a run without it for the cuda_graphs gate's receipt.
@@ -31,6 +35,11 @@
 #include "kernels/cuda/device_query.h"
 #include "kernels/cuda/linear.h"
 #include "runtime/model/cuda_model.h"
+#include "runtime/parallel/cuda_communicator.h"
+
+#include <memory>
+#include <mutex>
+#include <thread>
 
 namespace {
 
@@ -44,6 +53,8 @@ struct Options {
   int seqlen = 8192;
   int steps = 8;
   bool cuda_graphs = false;  // replay the step as a captured CUDA graph (CudaModel::set_step_graph)
+  int tensor_parallel = 1;
+  int data_parallel = 1;
   std::string json;
 };
 
@@ -67,6 +78,10 @@ Options parse(int argc, char** argv) {
       o.steps = std::stoi(value());
     } else if (a == "--cuda-graphs") {
       o.cuda_graphs = true;
+    } else if (a == "--tensor-parallel") {
+      o.tensor_parallel = std::stoi(value());
+    } else if (a == "--data-parallel") {
+      o.data_parallel = std::stoi(value());
     } else if (a == "--json") {
       o.json = value();
     } else {
@@ -120,6 +135,89 @@ double gemm_ceiling() {
   return rates[rates.size() / 2];
 }
 
+// One rank's run of the benchmark: the model on GPU `device`, its steps timed. Rank 0 reports.
+struct RankResult {
+  double first_loss = 0;
+  double to_first_step = 0;
+  std::vector<double> ms;
+  size_t in_use = 0;
+  size_t planned = 0;
+  std::vector<megacpp::OpTime> ops;
+};
+
+RankResult run_rank(const Options& o, const megacpp::Model<float>& host,
+                    const megacpp::AdamW<float>& moments, const megacpp::OptimizerConfig& optimizer,
+                    const std::vector<int32_t>& tokens, Clock::time_point start, int device,
+                    const megacpp::CudaModelParallel& parallel) {
+  RankResult r;
+  const int rows = o.batch / o.data_parallel;
+  const int32_t* own =
+      tokens.data() + static_cast<size_t>(device / o.tensor_parallel) * rows * (o.seqlen + 1);
+  CudaModel model(host, rows, o.seqlen, optimizer, device, parallel);
+  model.upload(host.parameters(), &moments);
+  model.set_step_graph(o.cuda_graphs);
+  const auto step = [&] {
+    model.zero_grad();
+    const double loss = model.forward_backward(own, 1.0);
+    model.optimizer_step(3e-4);
+    return loss;
+  };
+  r.first_loss = step();
+  r.to_first_step = std::chrono::duration<double>(Clock::now() - start).count();
+  step();
+  for (int i = 0; i < o.steps; ++i) {
+    const auto t0 = Clock::now();
+    step();
+    r.ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+  }
+  r.in_use = model.device_bytes_in_use();
+  r.planned = model.planned_bytes();
+  // The op breakdown comes from separate, profiled steps: the events are not in the timed ones.
+  model.set_profiling(true);
+  for (int i = 0; i < 3; ++i) step();
+  r.ops = model.op_times();
+  model.set_profiling(false);
+  return r;
+}
+
+// Every rank on its own thread and GPU; returns rank 0's result.
+RankResult run_ranks(const Options& o, const megacpp::Model<float>& host,
+                     const megacpp::AdamW<float>& moments,
+                     const megacpp::OptimizerConfig& optimizer, const std::vector<int32_t>& tokens,
+                     Clock::time_point start) {
+  const int world = o.tensor_parallel * o.data_parallel, tp = o.tensor_parallel;
+  if (world == 1) return run_rank(o, host, moments, optimizer, tokens, start, 0, {});
+  if (o.batch % o.data_parallel != 0) {
+    megacpp::fail(megacpp::ErrorKind::kInvalidArgument,
+                  "--batch {} must be a multiple of --data-parallel {}", o.batch, o.data_parallel);
+  }
+  const std::string id = megacpp::parallel::CudaCommunicator::new_unique_id();
+  std::vector<RankResult> results(static_cast<size_t>(world));
+  std::vector<std::string> errors;
+  std::mutex mutex;
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < world; ++rank) {
+    threads.emplace_back([&, rank] {
+      try {
+        megacpp::parallel::CudaCommunicator all(id, world, rank, rank);
+        std::unique_ptr<megacpp::parallel::CudaCommunicator> tensor, data;
+        if (tp > 1) tensor = all.split(rank / tp, rank % tp);
+        if (o.data_parallel > 1) data = all.split(rank % tp, rank / tp);
+        const megacpp::CudaModelParallel parallel{tp, o.data_parallel, rank % tp, tensor.get(),
+                                                  data.get()};
+        results[static_cast<size_t>(rank)] =
+            run_rank(o, host, moments, optimizer, tokens, start, rank, parallel);
+      } catch (const std::exception& e) {
+        std::lock_guard<std::mutex> lock(mutex);
+        errors.push_back(fmt::format("rank {}: {}", rank, e.what()));
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  if (!errors.empty()) megacpp::fail(megacpp::ErrorKind::kInternal, "{}", errors.front());
+  return results.front();
+}
+
 int run(const Options& o) {
   const auto start = Clock::now();
   megacpp::ModelConfig config = megacpp::model_preset(o.preset);
@@ -132,40 +230,22 @@ int run(const Options& o) {
   megacpp::OptimizerConfig optimizer;
   optimizer.lr = 3e-4;
   megacpp::AdamW<float> moments(host.parameters(), optimizer);
-  CudaModel model(host, o.batch, o.seqlen, optimizer);
-  model.upload(host.parameters(), &moments);
-  model.set_step_graph(o.cuda_graphs);
   std::mt19937_64 rng(3);
   std::vector<int32_t> tokens(static_cast<size_t>(o.batch) * (o.seqlen + 1));
   for (auto& t : tokens) t = static_cast<int32_t>(rng() % static_cast<uint64_t>(config.vocab_size));
-  const auto step = [&] {
-    model.zero_grad();
-    const double loss = model.forward_backward(tokens.data(), 1.0);
-    model.optimizer_step(3e-4);
-    return loss;
-  };
-  const double first_loss = step();
-  const double to_first_step = std::chrono::duration<double>(Clock::now() - start).count();
-  step();
-  std::vector<double> ms;
-  for (int i = 0; i < o.steps; ++i) {
-    const auto t0 = Clock::now();
-    step();
-    ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
-  }
-  const size_t in_use = model.device_bytes_in_use();
-  // The op breakdown comes from separate, profiled steps: the events are not in the timed ones.
-  model.set_profiling(true);
-  for (int i = 0; i < 3; ++i) step();
-  const std::vector<megacpp::OpTime> ops = model.op_times();
-  model.set_profiling(false);
+  const RankResult r = run_ranks(o, host, moments, optimizer, tokens, start);
+  const double first_loss = r.first_loss, to_first_step = r.to_first_step;
+  const std::vector<double>& ms = r.ms;
+  const size_t in_use = r.in_use;
+  const std::vector<megacpp::OpTime>& ops = r.ops;
 
   std::vector<double> sorted = ms;
   std::sort(sorted.begin(), sorted.end());
   const double median = sorted[sorted.size() / 2];
   const double flops = host.step_flops(o.batch, o.seqlen);
   const double tokens_per_step = static_cast<double>(o.batch) * o.seqlen;
-  const double ceiling = gemm_ceiling();
+  // MFU is per GPU: the step's FLOPs over every GPU's ceiling.
+  const double ceiling = gemm_ceiling() * o.tensor_parallel * o.data_parallel;
   const auto info = megacpp::cuda::query_devices();
   double op_total = 0;
   for (const auto& op : ops) op_total += op.total_ms;
@@ -178,6 +258,8 @@ int run(const Options& o) {
       {"batch", o.batch},
       {"seqlen", o.seqlen},
       {"cuda_graphs", o.cuda_graphs},
+      {"tensor_parallel", o.tensor_parallel},
+      {"data_parallel", o.data_parallel},
       {"parameters", host.parameters().total()},
       {"first_loss", first_loss},
       {"seconds_to_first_step", to_first_step},
@@ -185,18 +267,20 @@ int run(const Options& o) {
       {"tokens_per_s", tokens_per_step / (median / 1e3)},
       {"model_flops_per_step", flops},
       {"model_tflops_per_s", flops / (median / 1e3) / 1e12},
-      {"gemm_ceiling_tflops_per_s", ceiling / 1e12},
+      {"gemm_ceiling_tflops_per_s", ceiling / 1e12 / (o.tensor_parallel * o.data_parallel)},
       {"mfu", flops / (median / 1e3) / ceiling},
       {"device_bytes_in_use", in_use},
-      {"planned_bytes", model.planned_bytes()}};
+      {"planned_bytes", r.planned}};
   std::printf(
-      "%s R=%d chunk %d, batch %d x seqlen %d%s: step min/median/max %.1f/%.1f/%.1f ms, "
+      "%s R=%d chunk %d, batch %d x seqlen %d%s, TP=%d DP=%d: step min/median/max "
+      "%.1f/%.1f/%.1f ms, "
       "%.0f tokens/s, %.1f model TFLOP/s, MFU %.1f%% of the %.0f TFLOP/s GEMM ceiling, "
       "%.1f GiB in use, first step after %.1f s\n",
       o.preset.c_str(), o.rank, config.ssm.chunk_size, o.batch, o.seqlen,
-      o.cuda_graphs ? " (step graph)" : "", sorted.front(), median, sorted.back(),
-      tokens_per_step / (median / 1e3), flops / (median / 1e3) / 1e12,
-      100 * flops / (median / 1e3) / ceiling, ceiling / 1e12,
+      o.cuda_graphs ? " (step graph)" : "", o.tensor_parallel, o.data_parallel, sorted.front(),
+      median, sorted.back(), tokens_per_step / (median / 1e3), flops / (median / 1e3) / 1e12,
+      100 * flops / (median / 1e3) / ceiling,
+      ceiling / 1e12 / (o.tensor_parallel * o.data_parallel),
       static_cast<double>(in_use) / (1 << 30), to_first_step);
   std::printf("%-36s %6s %10s %7s\n", "op (3 profiled steps)", "calls", "ms/step", "share");
   for (const auto& op : ops) {

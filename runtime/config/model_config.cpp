@@ -433,8 +433,21 @@ ModelConfig model_preset(const std::string& name) {
              {"tie_embeddings", true}},
         "preset bench-350m");
   }
+  if (name == "bench-1.3b") {
+    // shared/bench/anchors.md's tensor-parallel benchmark: bench-350m at twice the width, 64
+    // Mamba-3 heads, 32 q / 8 kv heads of 64.
+    return parse_model_config(
+        json{{"d_model", 2048},
+             {"pattern", "MMM*MMM*MMM*MMM*MMM*MMM*"},
+             {"d_intermediate", 5632},
+             {"vocab_size", 32000},
+             {"ssm_cfg", {{"d_state", 64}, {"headdim", 64}, {"mimo_rank", 4}, {"chunk_size", 16}}},
+             {"attn_cfg", {{"num_heads", 32}, {"num_heads_kv", 8}, {"rotary_emb_dim", 64}}},
+             {"tie_embeddings", true}},
+        "preset bench-1.3b");
+  }
   fail(ErrorKind::kInvalidArgument,
-       "unknown model preset \"{}\": known presets are: tiny, bench-350m", name);
+       "unknown model preset \"{}\": known presets are: tiny, bench-350m, bench-1.3b", name);
 }
 
 }  // namespace megacpp
