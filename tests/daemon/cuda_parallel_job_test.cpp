@@ -1,7 +1,8 @@
 // Several-GPU jobs through a real megacppd (needs 2 GPUs; skipped elsewhere): a TP = 2 job and a
 // DP = 2 job run as one executor per GPU rank and succeed, with kernel receipts from both ranks
 // and a checkpoint the CPU runtime loads; kill -9 of one rank fails the job within a bounded time
-// naming the rank, frees both GPUs for the next job, and leaves the daemon healthy.
+// naming the rank, a hung (stopped) rank fails it through the progress watchdog, and after both
+// the GPUs are free for the next job and the daemon healthy.
 #include <gtest/gtest.h>
 
 #ifdef MEGACPP_HAVE_CUDA
@@ -88,9 +89,17 @@ v1::JobSpec gpu_job(const Daemon& d, int64_t steps, int tensor_parallel) {
   return spec;
 }
 
-TEST(CudaParallelJobs, TensorAndDataParallelJobsRunAndAKilledRankFailsTheJob) {
+// Generous for a busy machine: the tiny jobs send an event every few milliseconds.
+constexpr int kProgressTimeout = 20;
+constexpr int kCancelGrace = 5;
+
+TEST(CudaParallelJobs, TensorAndDataParallelJobsRunAndAFailedOrHungRankFailsTheJob) {
   MEGACPP_REQUIRE_GPUS(2);
-  Daemon d([](nlohmann::json& c) { c["devices"] = {{"cpu_slots", 1}, {"gpus", "auto"}}; });
+  Daemon d([](nlohmann::json& c) {
+    c["devices"] = {{"cpu_slots", 1}, {"gpus", "auto"}};
+    c["jobs"] = {{"progress_timeout_seconds", kProgressTimeout},
+                 {"cancel_grace_seconds", kCancelGrace}};
+  });
   ASSERT_EQ(d.start(), -1) << d.log();
 
   for (const int tp : {2, 1}) {
@@ -136,6 +145,25 @@ TEST(CudaParallelJobs, TensorAndDataParallelJobsRunAndAKilledRankFailsTheJob) {
   EXPECT_LT(seconds, 30.0) << "the job took " << seconds << " s to fail";
   std::printf("killed rank 1: the job failed %.2f s later: %s\n", seconds,
               failed.error().substr(0, 160).c_str());
+  EXPECT_TRUE(testing::executor_pids(d.pid()).empty()) << "an executor outlived its job";
+
+  // A rank that hangs (SIGSTOP: alive, silent) holds rank 0 in its next collective: the job
+  // sends no event, and the progress watchdog stops every rank (SIGTERM, then SIGKILL after the
+  // grace) and fails the job, within progress_timeout + cancel_grace.
+  const v1::Job hung_job = submit(d, gpu_job(d, 100000, 2));
+  wait_for(d, hung_job.id(), [](const v1::Job& j) { return j.step() >= 2 || ended(j); });
+  const pid_t sleeper = rank_pid(d, 1);
+  ASSERT_GT(sleeper, 0) << "no executor with --rank 1";
+  const auto stopped_at = std::chrono::steady_clock::now();
+  ASSERT_EQ(::kill(sleeper, SIGSTOP), 0);
+  const v1::Job hung = wait_for(d, hung_job.id(), ended, 90);
+  const double hang_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - stopped_at).count();
+  EXPECT_EQ(hung.state(), v1::JOB_STATE_FAILED) << hung.error();
+  EXPECT_NE(hung.error().find("no progress"), std::string::npos) << hung.error();
+  EXPECT_LT(hang_seconds, kProgressTimeout + kCancelGrace + 10.0);
+  std::printf("stopped rank 1: the job failed %.1f s later: %s\n", hang_seconds,
+              hung.error().substr(0, 120).c_str());
   EXPECT_TRUE(testing::executor_pids(d.pid()).empty()) << "an executor outlived its job";
 
   // Both GPUs are free: the next two-GPU job runs; the daemon is healthy.

@@ -1,8 +1,9 @@
 // Training jobs over two GPUs (TrainJob.device_count = 2), each rank a thread of this process
 // running train() as the executor's rank processes do: tensor parallel (TP = 2) and data
 // parallel (DP = 2) jobs of the tiny preset track the one-GPU job's validation losses, rank 0's
-// checkpoint evaluates on the CPU, every rank reports kernel receipts naming its device and the
-// collectives, and a stop asked of one rank stops both at the same step.
+// checkpoint evaluates on the CPU and resumes at another geometry, every rank reports kernel
+// receipts naming its device and the collectives, and a stop asked of one rank stops both at the
+// same step.
 #include <gtest/gtest.h>
 
 #ifdef MEGACPP_HAVE_CUDA
@@ -146,6 +147,19 @@ TEST_F(CudaParallelTraining, TensorAndDataParallelJobsTrackTheOneGpuJob) {
   const EvalResult on_cpu = evaluate_checkpoint(latest, dir_ / "data/toy_valid", 128, 8, 4 * 8);
   EXPECT_NEAR(on_cpu.loss, tp[0].summary.final_val_loss, 2e-3)
       << "the TP=2 checkpoint evaluated on the CPU";
+
+  // Checkpoints are global: the TP = 2 run's resumes on one GPU (and the DP = 2 run's on a
+  // TP = 2 pair), continuing at the next step.
+  RecordingObserver resumed_one;
+  train(job("tp", 1, 1, kSteps + 5), resumed_one);
+  ASSERT_FALSE(resumed_one.steps.empty());
+  EXPECT_EQ(resumed_one.steps.front().step, kSteps + 1);
+  EXPECT_EQ(resumed_one.summary.last_step, kSteps + 5);
+  const std::vector<RecordingObserver> resumed_tp = run_ranks(job("dp", 2, 2, kSteps + 5), "dp2");
+  ASSERT_FALSE(resumed_tp[0].steps.empty());
+  EXPECT_EQ(resumed_tp[0].steps.front().step, kSteps + 1);
+  EXPECT_LT(std::abs(resumed_tp[0].steps.front().loss - dp[0].steps.back().loss), 0.5)
+      << "the resumed run starts where the DP run ended";
 
   // Kernel receipts from every rank, naming it; the collectives are timed as ops.
   for (int rank = 0; rank < 2; ++rank) {
