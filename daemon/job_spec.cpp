@@ -267,6 +267,13 @@ ValidatedJob validate_job_spec(const megacpp::v1::JobSpec& spec, const DaemonCon
 #ifdef MEGACPP_HAVE_CUDA
     out.train_job["device"] = "cuda";
     if (tp > 1 || out.device_count > 1) {
+      const int groups = model_config.ssm.ngroups;
+      if (tp > 1 && groups % tp != 0 && groups != 1) {
+        refuse(
+            "tensor_parallel={} with ssm_cfg.ngroups={}: the CUDA backend splits B/C groups "
+            "only when tensor_parallel divides ngroups, or ngroups is 1",
+            tp, groups);
+      }
       out.train_job["device_count"] = out.device_count;
       out.train_job["tensor_parallel"] = tp;
       try {

@@ -96,6 +96,8 @@ struct SubmitArgs {
   std::string file;
   bool watch = false;
   std::string device_kind;  // empty: the spec's own
+  int device_count = 0;     // 0: the spec's own
+  int tensor_parallel = 0;  // 0: the spec's own
 };
 
 int submit(const SubmitArgs& args, const GlobalOptions& global) {
@@ -117,6 +119,8 @@ int submit(const SubmitArgs& args, const GlobalOptions& global) {
     }
   }
   if (!args.device_kind.empty()) spec.set_device_kind(args.device_kind);
+  if (args.device_count > 0) spec.set_device_count(args.device_count);
+  if (args.tensor_parallel > 0) spec.set_tensor_parallel(args.tensor_parallel);
   v1::SubmitJobRequest request;
   *request.mutable_spec() = spec;
   v1::SubmitJobResponse response;
@@ -144,6 +148,16 @@ void add_submit(CLI::App& app, CommandTable& commands) {
   // The daemon validates the value (cpu or cuda) with the rest of the spec.
   command->add_option("--device-kind", args.device_kind,
                       "run on this kind of device (cpu, cuda) instead of the spec's device_kind");
+  // The daemon checks the geometry (heads, groups, batch) against the model.
+  command
+      ->add_option("--device-count", args.device_count,
+                   "run on this many devices instead of the spec's device_count")
+      ->check(CLI::PositiveNumber);
+  command
+      ->add_option("--tensor-parallel", args.tensor_parallel,
+                   "split each model replica over this many GPUs (the rest of --device-count "
+                   "are data-parallel replicas)")
+      ->check(CLI::PositiveNumber);
   add_client_options(command, args.client);
 }
 

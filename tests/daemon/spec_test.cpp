@@ -234,6 +234,28 @@ TEST_F(SpecTest, ACudaJobRunsOnTheGpuOrIsRefusedWithTheReason) {
       << decision_of(two).reason;
   EXPECT_EQ(two.train_job["device_count"], 2);
   EXPECT_EQ(two.train_job["tensor_parallel"], 2);
+  // B/C groups that would straddle two ranks (G = 3 over TP = 2, H = 6) are refused at submit.
+  v1::JobSpec straddling = cuda;
+  straddling.set_config_json(
+      R"({"d_model": 48, "pattern": "M", "vocab_size": 257,
+      "ssm_cfg": {"d_state": 16, "headdim": 16, "ngroups": 3, "mimo_rank": 1, "chunk_size": 16}})");
+  try {
+    validate(straddling, MemoryBudget{}, 2);
+    ADD_FAILURE() << "B/C groups straddling the ranks were accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("ngroups=3"), std::string::npos) << e.what();
+  }
+  // The CPU runtime has no tensor parallelism: a cpu job asking for it is refused, not run on
+  // one process.
+  v1::JobSpec cpu_tp = small_job();
+  cpu_tp.set_device_count(2);
+  cpu_tp.set_tensor_parallel(2);
+  try {
+    validate(cpu_tp, MemoryBudget{}, 0);
+    ADD_FAILURE() << "a cpu job with tensor_parallel=2 was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("no tensor parallelism"), std::string::npos) << e.what();
+  }
   // Data parallel: every replica takes an equal share of the batch.
   cuda.set_tensor_parallel(1);
   cuda.set_batch(3);
