@@ -159,7 +159,7 @@ static __device__ __forceinline__ void mma_bf16_16816(F* c, const uint32_t* a, u
 // CUDA cores; the state products need the precision (see chunk_backward_kernel's note).
 // Below sm_80 it is block_gemm.
 template <bool kSplitA, bool kSplitB, class FA, class FB, class FOut>
-static __device__ void block_mma_split(int m, int n, int k, FA a, FB b, FOut out) {
+static __device__ __forceinline__ void block_mma_split(int m, int n, int k, FA a, FB b, FOut out) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int warps = blockDim.x / 32;
@@ -229,8 +229,8 @@ static __device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const bf16* row)
 // (column j at b + j·ldb, k contiguous), or [k][n] when kBTrans. Strides are multiples of 8
 // elements and the buffers 16-byte aligned. M, N and K are multiples of 16.
 template <bool kATrans, bool kBTrans, class FOut>
-static __device__ void smem_mma(int m, int n, int k, const bf16* a, int lda, const bf16* b, int ldb,
-                                FOut out) {
+static __device__ __forceinline__ void smem_mma(int m, int n, int k, const bf16* a, int lda,
+                                                const bf16* b, int ldb, FOut out) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int warps = blockDim.x / 32;

@@ -9,7 +9,8 @@ namespace megacpp::cuda::scan_detail {
 namespace {
 
 // d_o = dy ⊙ silu(z ⊙ mimo_z) ⊙ mimo_o, rows (i, r), fp32.
-__device__ void load_d_o(const Dims& d, const DevInputs& in, const bf16* dy, const ChunkPos& pos,
+template <class D>
+__device__ void load_d_o(const D& d, const DevInputs& in, const bf16* dy, const ChunkPos& pos,
                          float* dst, int ld) {
   const int P = d.headdim, R = d.rank;
   const int items = d.rows * P;
@@ -28,8 +29,8 @@ __device__ void load_d_o(const Dims& d, const DevInputs& in, const bf16* dy, con
 }
 
 // dL/dE_c through chunk c's own outputs: Σ_{i,r} e^{l_i} d_o_{i,r} q_{i,r}ᵀ.
-template <bool kTensor>
-__global__ void chunk_dstate_kernel(Dims d, SmemPlan plan, DevInputs in, Work w, const bf16* dy) {
+template <bool kTensor, class D>
+__global__ void chunk_dstate_kernel(D d, SmemPlan plan, DevInputs in, Work w, const bf16* dy) {
   extern __shared__ __align__(16) unsigned char smem[];
   const ChunkPos pos = chunk_pos(d, blockIdx.y, false, blockIdx.x);
   float* sc = reinterpret_cast<float*>(smem + plan.token_scalars);
@@ -38,7 +39,8 @@ __global__ void chunk_dstate_kernel(Dims d, SmemPlan plan, DevInputs in, Work w,
   bf16* q_rot = reinterpret_cast<bf16*>(smem + plan.q_rotated);
   float* d_o = reinterpret_cast<float*>(smem + plan.d_out);
   load_scalars(d, in, w, pos, sc, cosv, sinv);
-  const int ld_qk = plan.ld_qk, ld_mp = plan.ld_mp;
+  const SmemStrides ld = strides_of<D>(plan);
+  const int ld_qk = ld.qk, ld_mp = ld.mp;
   load_rotated(d, in.q, in.q_bias, pos, cosv, sinv, q_rot, ld_qk);
   load_d_o(d, in, dy, pos, d_o, ld_mp);
   __syncthreads();
@@ -86,10 +88,10 @@ __global__ void state_pass_backward_kernel(Dims d, Work w) {
 // Un-rotates the gradient in d_qk (w.r.t. rotated q or k, rows (i, r)) in place, adds
 // dL/dθ into d_theta, the bias gradient of head h into its partial, and the result into the
 // group's accumulator (= for the group's first head, + after: a fixed order).
-__device__ void finish_qk_grad(const Dims& d, const ChunkPos& pos, bool first_head,
-                               const float* cosv, const float* sinv, const bf16* rotated,
-                               int ld_rotated, float* d_qk, int ld_d_qk, float* d_theta,
-                               float* bias_partial, float* acc) {
+template <class D>
+__device__ void finish_qk_grad(const D& d, const ChunkPos& pos, bool first_head, const float* cosv,
+                               const float* sinv, const bf16* rotated, int ld_rotated, float* d_qk,
+                               int ld_d_qk, float* d_theta, float* bias_partial, float* acc) {
   const int N = d.state, half = N / 2, R = d.rank, A = d.angles;
   // Thread per (token, pair): the θ gradient of pair j sums over ranks without races.
   for (int idx = threadIdx.x; idx < d.chunk * half; idx += blockDim.x) {
@@ -136,10 +138,10 @@ __device__ void finish_qk_grad(const Dims& d, const ChunkPos& pos, bool first_he
 // once for both dQ and dK, and every product with the state (E, dS, F, G) keeps 16 or more
 // significant bits: fp32 on the CUDA cores, or split-bf16 (hi + lo) operands on the tensor
 // cores (state_gemm). Rounding E or dS to plain bf16 measured 1.1-3.6% angle error.
-template <bool kTensor>
+template <bool kTensor, class D>
 __global__ void __launch_bounds__(kBackwardThreads)
-    chunk_backward_kernel(Dims d, SmemPlan plan, DevInputs in, Work w, bool read_psiv,
-                          const bf16* dy, DevGrads grads) {
+    chunk_backward_kernel(D d, SmemPlan plan, DevInputs in, Work w, bool read_psiv, const bf16* dy,
+                          DevGrads grads) {
   extern __shared__ __align__(16) unsigned char smem[];
   float* sc = reinterpret_cast<float*>(smem + plan.token_scalars);
   float* cosv = reinterpret_cast<float*>(smem + plan.rotation_cos);
@@ -162,8 +164,9 @@ __global__ void __launch_bounds__(kBackwardThreads)
   bf16* weighted = reinterpret_cast<bf16*>(smem + plan.weighted_scores);
   bf16* d_o_bf16 = reinterpret_cast<bf16*>(smem + plan.d_out_bf16);
   const int N = d.state, P = d.headdim, R = d.rank, C = d.chunk, M = d.rows, A = d.angles;
-  const int ld_qk = plan.ld_qk, ld_pv = plan.ld_pv, ld_state = plan.ld_state;
-  const int ld_mm = plan.ld_mm, ld_mp = plan.ld_mp, ld_mn = plan.ld_mn, ld_sw = plan.ld_sw;
+  const SmemStrides ld = strides_of<D>(plan);
+  const int ld_qk = ld.qk, ld_pv = ld.pv, ld_state = ld.state;
+  const int ld_mm = ld.mm, ld_mp = ld.mp, ld_mn = ld.mn, ld_sw = ld.sw;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   const ChunkPos group_pos = chunk_pos(d, blockIdx.y, true, blockIdx.x);
   const size_t slot = static_cast<size_t>(group_pos.b) * d.chunks + group_pos.c;
@@ -549,19 +552,22 @@ BackwardLaunches backward_launches(const Dims& d, bool tensor_cores) {
   const unsigned partial_blocks = static_cast<unsigned>((d.partial_width + 31) / 32);
   const dim3 threads(kThreads);
   BackwardLaunches l;
-  l.chunk_dstate = {"chunk_dstate",
-                    tensor_cores ? kernel_address(&chunk_dstate_kernel<true>)
-                                 : kernel_address(&chunk_dstate_kernel<false>),
-                    dim3(chunks, bh), threads, plan_for(d, kDStateKernel)};
+  with_fixed_dims(d, [&](auto dims) {
+    using D = decltype(dims);
+    l.chunk_dstate = {"chunk_dstate",
+                      tensor_cores ? kernel_address(&chunk_dstate_kernel<true, D>)
+                                   : kernel_address(&chunk_dstate_kernel<false, D>),
+                      dim3(chunks, bh), threads, plan_for(d, kDStateKernel)};
+    l.chunk_backward = {"chunk_backward",
+                        tensor_cores ? kernel_address(&chunk_backward_kernel<true, D>)
+                                     : kernel_address(&chunk_backward_kernel<false, D>),
+                        dim3(chunks, bg), dim3(kBackwardThreads), plan_for(d, kBackwardKernel)};
+  });
   l.state_pass_backward = {"state_pass_backward",
                            kernel_address(&state_pass_backward_kernel),
                            dim3(matrix_blocks, bh),
                            threads,
                            {}};
-  l.chunk_backward = {"chunk_backward",
-                      tensor_cores ? kernel_address(&chunk_backward_kernel<true>)
-                                   : kernel_address(&chunk_backward_kernel<false>),
-                      dim3(chunks, bg), dim3(kBackwardThreads), plan_for(d, kBackwardKernel)};
   l.dtheta_offsets = {
       "dtheta_offsets", kernel_address(&dtheta_offsets_kernel), dim3(bh), threads, {}};
   l.finish_tokens = {"finish_tokens",
@@ -582,11 +588,15 @@ void run_backward(const BackwardLaunches& launches, bool tensor_cores, bool psiv
                   const DevGrads& grads, cudaStream_t stream) {
   {
     const Launch& l = launches.chunk_dstate;
-    if (tensor_cores) {
-      chunk_dstate_kernel<true><<<l.grid, l.block, l.smem.total, stream>>>(d, l.smem, in, w, dy);
-    } else {
-      chunk_dstate_kernel<false><<<l.grid, l.block, l.smem.total, stream>>>(d, l.smem, in, w, dy);
-    }
+    with_fixed_dims(d, [&](auto dims) {
+      if (tensor_cores) {
+        chunk_dstate_kernel<true>
+            <<<l.grid, l.block, l.smem.total, stream>>>(dims, l.smem, in, w, dy);
+      } else {
+        chunk_dstate_kernel<false>
+            <<<l.grid, l.block, l.smem.total, stream>>>(dims, l.smem, in, w, dy);
+      }
+    });
     MEGACPP_CUDA_CHECK_LAUNCH(l.name);
   }
   {
@@ -596,13 +606,15 @@ void run_backward(const BackwardLaunches& launches, bool tensor_cores, bool psiv
   }
   {
     const Launch& l = launches.chunk_backward;
-    if (tensor_cores) {
-      chunk_backward_kernel<true>
-          <<<l.grid, l.block, l.smem.total, stream>>>(d, l.smem, in, w, psiv_cache, dy, grads);
-    } else {
-      chunk_backward_kernel<false>
-          <<<l.grid, l.block, l.smem.total, stream>>>(d, l.smem, in, w, psiv_cache, dy, grads);
-    }
+    with_fixed_dims(d, [&](auto dims) {
+      if (tensor_cores) {
+        chunk_backward_kernel<true>
+            <<<l.grid, l.block, l.smem.total, stream>>>(dims, l.smem, in, w, psiv_cache, dy, grads);
+      } else {
+        chunk_backward_kernel<false>
+            <<<l.grid, l.block, l.smem.total, stream>>>(dims, l.smem, in, w, psiv_cache, dy, grads);
+      }
+    });
     MEGACPP_CUDA_CHECK_LAUNCH(l.name);
   }
   if (d.angles > 0) {

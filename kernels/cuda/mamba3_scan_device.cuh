@@ -37,7 +37,50 @@ struct Dims {
   // The same shape values as divisors (see FastDiv): rank R, head dimension P, state N, N / 2,
   // angles A (1 when there are none), chunk C, rows C·R.
   FastDiv by_rank, by_headdim, by_state, by_half, by_angles, by_chunk, by_rows;
+  static constexpr bool kFixed = false;
 };
+
+// Division by a shape value known at compile time: the compiler's own shifts or multiply-shift,
+// with no divisor in a register or the parameter bank.
+template <int kDivisor>
+struct ConstDiv {
+  static_assert(kDivisor > 0);
+#if defined(__CUDACC__)
+  __device__ __forceinline__ int div(int x) const {
+    return static_cast<int>(static_cast<unsigned>(x) / kDivisor);
+  }
+  __device__ __forceinline__ int mod(int x) const {
+    return static_cast<int>(static_cast<unsigned>(x) % kDivisor);
+  }
+#endif
+};
+
+// The shapes the scan meets most (the benchmark and model presets) compiled with their
+// (N, P, R, C) as constants: the chunk kernels' index arithmetic (67% of chunk_backward's
+// instructions with runtime shapes, measured) folds into immediates and the loops over R and the
+// products' tile loops get fixed trip counts. Members hide Dims' runtime ones of the same name;
+// the rest (batch, seqlen, heads, groups, angles, ...) stay runtime.
+template <int kN, int kP, int kR, int kC>
+struct FixedDims : Dims {
+  static constexpr int state = kN, headdim = kP, rank = kR, chunk = kC, rows = kC * kR;
+  static constexpr bool kFixed = true;
+  ConstDiv<kR> by_rank;
+  ConstDiv<kP> by_headdim;
+  ConstDiv<kN> by_state;
+  ConstDiv<kN / 2> by_half;
+  ConstDiv<kC> by_chunk;
+  ConstDiv<kC * kR> by_rows;
+  explicit FixedDims(const Dims& d) : Dims(d) {}
+};
+
+// Row strides (elements) of the chunk kernels' shared-memory matrices; SmemPlan says why each is
+// padded. One formula for the plan and for the kernels compiled with fixed shapes.
+struct SmemStrides {
+  int qk, pv, state, mm, mp, mn, sw;
+};
+__host__ __device__ constexpr SmemStrides smem_strides(int n, int p, int rows) {
+  return {n + 8, p + 8, n + 1, rows + 4, p + 4, n + 4, rows + 8};
+}
 
 // Byte offsets of the blocks of a chunk kernel's dynamic shared memory; a block the kernel does
 // not use stays at offset 0. rows = (token i, rank r) of the chunk, i·R + r; C = chunk tokens.
@@ -107,13 +150,14 @@ inline SmemPlan plan_for(const Dims& d, ScanKernel kernel) {
   const size_t m = static_cast<size_t>(d.rows);
   const size_t hp = static_cast<size_t>(d.headdim), c = static_cast<size_t>(d.chunk);
   const size_t a = static_cast<size_t>(d.angles);
-  p.ld_qk = d.state + 8;
-  p.ld_pv = d.headdim + 8;
-  p.ld_state = d.state + 1;
-  p.ld_mm = d.rows + 4;
-  p.ld_mp = d.headdim + 4;
-  p.ld_mn = d.state + 4;
-  p.ld_sw = d.rows + 8;
+  const SmemStrides ld = smem_strides(d.state, d.headdim, d.rows);
+  p.ld_qk = ld.qk;
+  p.ld_pv = ld.pv;
+  p.ld_state = ld.state;
+  p.ld_mm = ld.mm;
+  p.ld_mp = ld.mp;
+  p.ld_mn = ld.mn;
+  p.ld_sw = ld.sw;
   const size_t ld_qk = static_cast<size_t>(p.ld_qk), ld_pv = static_cast<size_t>(p.ld_pv);
   const size_t ld_state = static_cast<size_t>(p.ld_state), ld_mm = static_cast<size_t>(p.ld_mm);
   const size_t ld_mp = static_cast<size_t>(p.ld_mp), ld_mn = static_cast<size_t>(p.ld_mn);
@@ -224,7 +268,8 @@ struct ChunkPos {
   int b, h, g, c, t0, len;
 };
 
-static __device__ ChunkPos chunk_pos(const Dims& d, int bh_or_bg, bool by_group, int c) {
+template <class D>
+static __device__ ChunkPos chunk_pos(const D& d, int bh_or_bg, bool by_group, int c) {
   ChunkPos pos;
   if (by_group) {
     pos.b = bh_or_bg / d.groups;
@@ -241,7 +286,8 @@ static __device__ ChunkPos chunk_pos(const Dims& d, int bh_or_bg, bool by_group,
   return pos;
 }
 
-static __device__ __forceinline__ size_t token_head(const Dims& d, int b, int t, int h) {
+template <class D>
+static __device__ __forceinline__ size_t token_head(const D& d, int b, int t, int h) {
   return (static_cast<size_t>(b) * d.seqlen + t) * d.heads + h;
 }
 
@@ -249,7 +295,8 @@ static __device__ __forceinline__ size_t token_head(const Dims& d, int b, int t,
 // (i ≥ len) get zero coefficients, so they contribute nothing anywhere. Only the two prefix
 // sums (l over tokens, θ over tokens per rotation pair) run serially; every load, exponential
 // and sincos runs on all threads.
-static __device__ void load_scalars(const Dims& d, const DevInputs& in, const Work& w,
+template <class D>
+static __device__ void load_scalars(const D& d, const DevInputs& in, const Work& w,
                                     const ChunkPos& pos, float* sc, float* cosv, float* sinv) {
   const int C = d.chunk, A = d.angles;
   for (int i = threadIdx.x; i < C; i += blockDim.x) {
@@ -314,7 +361,8 @@ static __device__ void load_scalars(const Dims& d, const DevInputs& in, const Wo
 }
 
 // q or k of head pos.h for the chunk: + bias, rotated, rounded to bf16. Rows (i, r).
-static __device__ void load_rotated(const Dims& d, const bf16* src, const bf16* bias,
+template <class D>
+static __device__ void load_rotated(const D& d, const bf16* src, const bf16* bias,
                                     const ChunkPos& pos, const float* cosv, const float* sinv,
                                     bf16* dst, int ld) {
   const int N = d.state, half = N / 2, R = d.rank, A = d.angles;
@@ -347,9 +395,9 @@ static __device__ void load_rotated(const Dims& d, const bf16* src, const bf16* 
 // v = x ⊙ mimo_x (PsiV) of head pos.h, rows (i, r), bf16: from the cache when
 // read_cache, else computed (and stored to the cache when write_cache). Both ways give
 // the same bits, so the cache never changes results.
-static __device__ void load_psiv(const Dims& d, const DevInputs& in, const ChunkPos& pos,
-                                 bf16* cache, bool read_cache, bool write_cache, bf16* dst,
-                                 int ld) {
+template <class D>
+static __device__ void load_psiv(const D& d, const DevInputs& in, const ChunkPos& pos, bf16* cache,
+                                 bool read_cache, bool write_cache, bf16* dst, int ld) {
   const int P = d.headdim, R = d.rank;
   const int items = d.rows * P;
   for (int idx = threadIdx.x; idx < items; idx += blockDim.x) {
@@ -372,7 +420,8 @@ static __device__ void load_psiv(const Dims& d, const DevInputs& in, const Chunk
 }
 
 // Token-level weights W[i][j] of the chunk (zero above the diagonal).
-static __device__ void fill_weights(const Dims& d, const float* sc, float* weights) {
+template <class D>
+static __device__ void fill_weights(const D& d, const float* sc, float* weights) {
   const int C = d.chunk;
   for (int idx = threadIdx.x; idx < C * C; idx += blockDim.x) {
     const int i = d.by_chunk.div(idx), j = d.by_chunk.mod(idx);
@@ -386,10 +435,34 @@ static __device__ void fill_weights(const Dims& d, const float* sc, float* weigh
   }
 }
 
+// The strides a chunk kernel uses: constants for a fixed shape, the plan's otherwise.
+template <class D>
+static __device__ __forceinline__ SmemStrides strides_of(const SmemPlan& plan) {
+  if constexpr (D::kFixed) {
+    return smem_strides(D::state, D::headdim, D::rows);
+  } else {
+    return {plan.ld_qk, plan.ld_pv, plan.ld_state, plan.ld_mm, plan.ld_mp, plan.ld_mn, plan.ld_sw};
+  }
+}
+
 // A [P][N] fp32 state from global memory into rows of stride ld.
-static __device__ void load_state(const Dims& d, const float* src, float* dst, int ld) {
+template <class D>
+static __device__ void load_state(const D& d, const float* src, float* dst, int ld) {
   for (int idx = threadIdx.x; idx < d.headdim * d.state; idx += blockDim.x) {
     dst[d.by_state.div(idx) * ld + d.by_state.mod(idx)] = src[idx];
+  }
+}
+
+// Calls f(dims) with the shape's FixedDims when it is one of the compiled shapes, else with the
+// runtime Dims: the chunk kernels are instantiated for both (host side).
+template <class F>
+void with_fixed_dims(const Dims& d, F&& f) {
+  if (d.state == 64 && d.headdim == 64 && d.rank == 4 && d.chunk == 16) {
+    f(FixedDims<64, 64, 4, 16>(d));  // M3-ref and bench-350m / bench-1.3b MIMO
+  } else if (d.state == 64 && d.headdim == 64 && d.rank == 1 && d.chunk == 64) {
+    f(FixedDims<64, 64, 1, 64>(d));  // their SISO variant
+  } else {
+    f(d);
   }
 }
 

@@ -33,9 +33,11 @@ __global__ void angle_prefix_kernel(Dims d, DevInputs in, Work w) {
 
 // Chunk-local exit state F_c = Σ_j e^{l_last − l_j} κ_j Σ_r v_{j,r} k_{j,r}ᵀ and the
 // chunk's decay e^{l_last}. Writes PsiV to the cache when asked.
-template <bool kTensor>
-__global__ void chunk_state_kernel(Dims d, SmemPlan plan, DevInputs in, Work w, bool write_psiv) {
+template <bool kTensor, class D>
+__global__ void chunk_state_kernel(D d, SmemPlan plan, DevInputs in, Work w, bool write_psiv) {
   extern __shared__ __align__(16) unsigned char smem[];
+  const SmemStrides ld = strides_of<D>(plan);
+  const int ld_qk = ld.qk, ld_pv = ld.pv;
   const ChunkPos pos = chunk_pos(d, blockIdx.y, false, blockIdx.x);
   float* sc = reinterpret_cast<float*>(smem + plan.token_scalars);
   float* cosv = reinterpret_cast<float*>(smem + plan.rotation_cos);
@@ -43,10 +45,9 @@ __global__ void chunk_state_kernel(Dims d, SmemPlan plan, DevInputs in, Work w, 
   bf16* k_rot = reinterpret_cast<bf16*>(smem + plan.k_rotated);
   bf16* psiv = reinterpret_cast<bf16*>(smem + plan.psiv);
   load_scalars(d, in, w, pos, sc, cosv, sinv);
-  load_rotated(d, in.k, in.k_bias, pos, cosv, sinv, k_rot, plan.ld_qk);
-  load_psiv(d, in, pos, w.psiv, false, write_psiv, psiv, plan.ld_pv);
+  load_rotated(d, in.k, in.k_bias, pos, cosv, sinv, k_rot, ld_qk);
+  load_psiv(d, in, pos, w.psiv, false, write_psiv, psiv, ld_pv);
   __syncthreads();
-  const int ld_qk = plan.ld_qk, ld_pv = plan.ld_pv;
   const int N = d.state, P = d.headdim, C = d.chunk;
   const size_t bhc = (static_cast<size_t>(pos.b) * d.heads + pos.h) * d.chunks + pos.c;
   float* out = w.states + bhc * P * N;
@@ -94,9 +95,9 @@ __global__ void state_pass_kernel(Dims d, Work w) {
 }
 
 // o = e^{l} Q Eᵀ + (QKᵀ ⊙ W) V + D v, y = Σ_r o_r ⊙ silu(z ⊙ mimo_z_r) ⊙ mimo_o_r.
-template <bool kTensor>
+template <bool kTensor, class D>
 __global__ void __launch_bounds__(kOutputThreads)
-    chunk_output_kernel(Dims d, SmemPlan plan, DevInputs in, Work w, bool read_psiv, bf16* y) {
+    chunk_output_kernel(D d, SmemPlan plan, DevInputs in, Work w, bool read_psiv, bf16* y) {
   extern __shared__ __align__(16) unsigned char smem[];
   const ChunkPos pos = chunk_pos(d, blockIdx.y, false, blockIdx.x);
   float* sc = reinterpret_cast<float*>(smem + plan.token_scalars);
@@ -112,15 +113,16 @@ __global__ void __launch_bounds__(kOutputThreads)
   const int N = d.state, P = d.headdim, R = d.rank, C = d.chunk, M = d.rows;
   const size_t bhc = (static_cast<size_t>(pos.b) * d.heads + pos.h) * d.chunks + pos.c;
   load_scalars(d, in, w, pos, sc, cosv, sinv);
-  const int ld_qk = plan.ld_qk, ld_pv = plan.ld_pv, ld_state = plan.ld_state;
-  const int ld_mp = plan.ld_mp;
+  const SmemStrides ld = strides_of<D>(plan);
+  const int ld_qk = ld.qk, ld_pv = ld.pv, ld_state = ld.state;
+  const int ld_mp = ld.mp;
   load_rotated(d, in.q, in.q_bias, pos, cosv, sinv, q_rot, ld_qk);
   load_rotated(d, in.k, in.k_bias, pos, cosv, sinv, k_rot, ld_qk);
   load_psiv(d, in, pos, w.psiv, read_psiv, false, psiv, ld_pv);
   load_state(d, w.states + bhc * P * N, entry, ld_state);
   fill_weights(d, sc, weights);
   __syncthreads();
-  const int ld_sw = plan.ld_sw;
+  const int ld_sw = ld.sw;
   bf16_gemm<kTensor, false, false>(
       M, M, N, q_rot, ld_qk, k_rot, ld_qk, [&](int i, int j, float value) {
         weighted[i * ld_sw + j] =
@@ -163,16 +165,19 @@ ForwardLaunches forward_launches(const Dims& d, bool tensor_cores) {
   const dim3 threads(kThreads);
   ForwardLaunches l;
   l.angle_prefix = {"angle_prefix", kernel_address(&angle_prefix_kernel), dim3(bh), threads, {}};
-  l.chunk_state = {"chunk_state",
-                   tensor_cores ? kernel_address(&chunk_state_kernel<true>)
-                                : kernel_address(&chunk_state_kernel<false>),
-                   dim3(chunks, bh), threads, plan_for(d, kStateKernel)};
+  with_fixed_dims(d, [&](auto dims) {
+    using D = decltype(dims);
+    l.chunk_state = {"chunk_state",
+                     tensor_cores ? kernel_address(&chunk_state_kernel<true, D>)
+                                  : kernel_address(&chunk_state_kernel<false, D>),
+                     dim3(chunks, bh), threads, plan_for(d, kStateKernel)};
+    l.chunk_output = {"chunk_output",
+                      tensor_cores ? kernel_address(&chunk_output_kernel<true, D>)
+                                   : kernel_address(&chunk_output_kernel<false, D>),
+                      dim3(chunks, bh), dim3(kOutputThreads), plan_for(d, kOutputKernel)};
+  });
   l.state_pass = {
       "state_pass", kernel_address(&state_pass_kernel), dim3(matrix_blocks, bh), threads, {}};
-  l.chunk_output = {"chunk_output",
-                    tensor_cores ? kernel_address(&chunk_output_kernel<true>)
-                                 : kernel_address(&chunk_output_kernel<false>),
-                    dim3(chunks, bh), dim3(kOutputThreads), plan_for(d, kOutputKernel)};
   return l;
 }
 
@@ -185,13 +190,15 @@ void run_forward(const ForwardLaunches& launches, bool tensor_cores, bool psiv_c
   }
   {
     const Launch& l = launches.chunk_state;
-    if (tensor_cores) {
-      chunk_state_kernel<true>
-          <<<l.grid, l.block, l.smem.total, stream>>>(d, l.smem, in, w, psiv_cache);
-    } else {
-      chunk_state_kernel<false>
-          <<<l.grid, l.block, l.smem.total, stream>>>(d, l.smem, in, w, psiv_cache);
-    }
+    with_fixed_dims(d, [&](auto dims) {
+      if (tensor_cores) {
+        chunk_state_kernel<true>
+            <<<l.grid, l.block, l.smem.total, stream>>>(dims, l.smem, in, w, psiv_cache);
+      } else {
+        chunk_state_kernel<false>
+            <<<l.grid, l.block, l.smem.total, stream>>>(dims, l.smem, in, w, psiv_cache);
+      }
+    });
     MEGACPP_CUDA_CHECK_LAUNCH(l.name);
   }
   {
@@ -201,13 +208,15 @@ void run_forward(const ForwardLaunches& launches, bool tensor_cores, bool psiv_c
   }
   {
     const Launch& l = launches.chunk_output;
-    if (tensor_cores) {
-      chunk_output_kernel<true>
-          <<<l.grid, l.block, l.smem.total, stream>>>(d, l.smem, in, w, psiv_cache, y);
-    } else {
-      chunk_output_kernel<false>
-          <<<l.grid, l.block, l.smem.total, stream>>>(d, l.smem, in, w, psiv_cache, y);
-    }
+    with_fixed_dims(d, [&](auto dims) {
+      if (tensor_cores) {
+        chunk_output_kernel<true>
+            <<<l.grid, l.block, l.smem.total, stream>>>(dims, l.smem, in, w, psiv_cache, y);
+      } else {
+        chunk_output_kernel<false>
+            <<<l.grid, l.block, l.smem.total, stream>>>(dims, l.smem, in, w, psiv_cache, y);
+      }
+    });
     MEGACPP_CUDA_CHECK_LAUNCH(l.name);
   }
 }

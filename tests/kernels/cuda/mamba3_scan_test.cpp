@@ -94,6 +94,12 @@ struct Mamba3Scan {
     s.batch = 2;
     s.seqlen = 1000;
     add(s, both);
+    // The shapes compiled with fixed dimensions (with_fixed_dims in mamba3_scan_device.cuh): the
+    // MIMO one is in the grid and above; the SISO benchmark shape here, ragged.
+    s = grid_shape(64, 64, 1, 64);
+    s.batch = 2;
+    s.seqlen = 1000;
+    add(s, both);
     // Two groups: q and k gradients summed over each group's heads.
     s = grid_shape(64, 64, 4, 16);
     s.groups = 2;
