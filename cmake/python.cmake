@@ -28,6 +28,14 @@ add_custom_target(megacpp_python ALL DEPENDS ${MEGACPP_PYTHON_STUBS})
 if(NOT MEGACPP_BUILD_TESTS OR NOT TARGET megacppd)
   return()
 endif()
+# The official-checkpoint importer (python/megacpp_checkpoint) is standard library only: any
+# python3 runs its test, which converts a torch-format directory it writes itself and then
+# evaluates and trains on the result with the megacpp CLI.
+add_test(NAME python.import_official
+         COMMAND Python3::Interpreter ${CMAKE_SOURCE_DIR}/tests/python/import_official_test.py
+                 --bin-dir $<TARGET_FILE_DIR:megacpp>)
+set_tests_properties(python.import_official PROPERTIES LABELS cpu TIMEOUT 300)
+
 # The client needs grpcio and protobuf >= 3.20 (Debian's python3-grpcio, python3-protobuf): the
 # first interpreter that has them runs the test (a pyenv python3 ahead of /usr/bin on PATH
 # usually has neither).

@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "base/error.h"
+#include "runtime/checkpoint/checkpoint.h"
 #include "runtime/config/model_config.h"
 #include "runtime/data/dataset_tokenizer.h"
 #include "runtime/data/indexed_dataset.h"
@@ -80,6 +81,32 @@ json train_datasets(const megacpp::v1::JobSpec& spec, const DaemonConfig& config
     blend.push_back({{"prefix", prefix}, {"weight", entry.weight()}});
   }
   return blend;
+}
+
+// The model checkpoint a job starts from (spec.init_checkpoint): the directory and both of its
+// files inside the data roots (a symbolic link to a file elsewhere would otherwise be read with
+// the daemon's rights), and its config the job's model, so the mismatch is refused at submit and
+// not when the job starts. Returns the canonical directory.
+std::string init_checkpoint_dir(const std::string& value, const ModelConfig& model,
+                                const DaemonConfig& config) {
+  const std::string field = "spec.init_checkpoint";
+  const auto dir = resolve_allowed_path(value, config.data_roots, field, /*must_exist=*/true);
+  for (const char* file : {"config.json", "model.safetensors"}) {
+    resolve_allowed_path((dir / file).string(), config.data_roots, field, /*must_exist=*/true);
+  }
+  ModelConfig saved;
+  try {
+    saved = load_checkpoint_config(dir);
+  } catch (const Error& e) {
+    refuse("init_checkpoint={}: {}", dir.string(), e.what());
+  }
+  if (model_config_to_json(saved) != model_config_to_json(model)) {
+    refuse(
+        "init_checkpoint={}: the checkpoint's model config differs from the job's: give its "
+        "config.json as config_json",
+        dir.string());
+  }
+  return dir.string();
 }
 
 // Refuses a job whose estimated memory exceeds what its device has, with the estimate.
@@ -243,6 +270,10 @@ ValidatedJob validate_job_spec(const megacpp::v1::JobSpec& spec, const DaemonCon
               {"max_seconds", spec.max_seconds()},
               {"threads", spec.threads()}};
   if (!valid.empty()) job["data"]["valid"] = valid;
+  if (!spec.init_checkpoint().empty()) {
+    job["init"] = {
+        {"checkpoint", init_checkpoint_dir(spec.init_checkpoint(), model_config, config)}};
+  }
   if (spec.has_optimizer()) {
     const auto& o = spec.optimizer();
     json opt = json::object();

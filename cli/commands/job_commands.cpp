@@ -108,10 +108,11 @@ int submit(const SubmitArgs& args, const GlobalOptions& global) {
     std::cerr << "error: " << args.file << ": not a job spec: " << s.ToString() << "\n";
     return kExitInvalid;
   }
-  // The daemon cannot see our working directory: data paths go absolute, relative ones read
-  // against the spec file's folder.
+  // The daemon cannot see our working directory: data and init_checkpoint paths go absolute,
+  // relative ones read against the spec file's folder.
   const auto base = std::filesystem::absolute(args.file).parent_path();
-  std::vector<std::string*> paths = {spec.mutable_train_data(), spec.mutable_valid_data()};
+  std::vector<std::string*> paths = {spec.mutable_train_data(), spec.mutable_valid_data(),
+                                     spec.mutable_init_checkpoint()};
   for (auto& entry : *spec.mutable_train_blend()) paths.push_back(entry.mutable_prefix());
   for (auto* path : paths) {
     if (!path->empty() && std::filesystem::path(*path).is_relative()) {

@@ -48,9 +48,9 @@ __all__ = ["Client", "Event", "Receipts", "Comparison", "MegacppError", "TERMINA
 DEFAULT_TARGET = "127.0.0.1:50551"
 # The states a job does not leave (interrupted jobs may be resumed by the daemon).
 TERMINAL_STATES = frozenset({"succeeded", "failed", "cancelled", "refused"})
-# Spec fields holding dataset prefixes (with train_blend[].prefix): read against the caller's
-# folder, since the daemon cannot see it.
-_PATH_FIELDS = ("train_data", "valid_data")
+# Spec fields holding dataset prefixes (with train_blend[].prefix) and the init checkpoint: read
+# against the caller's folder, since the daemon cannot see it.
+_PATH_FIELDS = ("train_data", "valid_data", "init_checkpoint")
 
 
 class MegacppError(RuntimeError):

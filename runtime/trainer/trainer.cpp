@@ -146,10 +146,10 @@ std::vector<TrainBlendEntry> parse_blend(const json& list, const std::string& wh
 
 TrainJob parse_train_job(const json& j, const std::string& source) {
   if (!j.is_object()) fail(ErrorKind::kInvalidArgument, "{}: a job must be a JSON object", source);
-  refuse_unknown_keys(j,
-                      {"model", "data", "steps", "batch", "seqlen", "grad_accum", "optimizer",
-                       "eval", "checkpoint", "seed", "max_seconds", "scan", "threads", "log",
-                       "device", "gpu", "device_count", "tensor_parallel", "gpus"},
+  refuse_unknown_keys(j, {"model",      "data",        "steps",        "batch",           "seqlen",
+                          "grad_accum", "optimizer",   "eval",         "checkpoint",      "init",
+                          "seed",       "max_seconds", "scan",         "threads",         "log",
+                          "device",     "gpu",         "device_count", "tensor_parallel", "gpus"},
                       source);
   TrainJob job;
   if (!j.contains("model") || !j["model"].is_object()) {
@@ -267,6 +267,19 @@ TrainJob parse_train_job(const json& j, const std::string& source) {
     job.keep_last = static_cast<int>(field("keep_last", job.keep_last, L::kMaxKeepLast));
     job.min_free_bytes =
         static_cast<uint64_t>(field("min_free_bytes", 0, std::numeric_limits<int64_t>::max()));
+  }
+  if (j.contains("init")) {
+    const std::string where = source + ": init";
+    const json& init = j["init"];
+    if (!init.is_object()) {
+      fail(ErrorKind::kInvalidArgument, "{} = {} must be {{\"checkpoint\": DIR}}", where,
+           init.dump());
+    }
+    refuse_unknown_keys(init, {"checkpoint"}, where);
+    job.init_checkpoint = read_field<std::string>(init, "checkpoint", where, "", true);
+    if (job.init_checkpoint.empty()) {
+      fail(ErrorKind::kInvalidArgument, "{}.checkpoint must not be empty", where);
+    }
   }
   {
     // Any 64-bit seed, but not a negative one: it would wrap to a different seed than the
@@ -624,6 +637,41 @@ void restore_data_cursors(const json& state, const TrainJob& job, const fs::path
   loader.restore(cursors);
 }
 
+// The weights of init.checkpoint, its config checked against the job's model first: one of
+// another shape would otherwise fail tensor by tensor, and one that differs only in a setting
+// without weights of its own (rope_fraction) would load and compute another model.
+void load_init_weights(const TrainJob& job, Model<float>& model) {
+  const fs::path& dir = job.init_checkpoint;
+  std::error_code ec;
+  for (const char* file : {"config.json", "model.safetensors"}) {
+    if (!fs::is_regular_file(dir / file, ec)) {
+      fail(ErrorKind::kNotFound,
+           "init.checkpoint={}: no {} there: a model checkpoint directory holds config.json and "
+           "model.safetensors",
+           dir.string(), file);
+    }
+  }
+  ModelConfig saved;
+  try {
+    saved = load_checkpoint_config(dir);
+  } catch (const Error& e) {
+    fail(e.kind(), "init.checkpoint={}: {}", dir.string(), e.what());
+  }
+  if (model_config_to_json(saved) != model_config_to_json(job.model)) {
+    fail(ErrorKind::kFailedPrecondition,
+         "init.checkpoint={}: the checkpoint's model config {} differs from the job's ({}) {}; "
+         "{{\"model\": {{\"config_file\": \"{}\"}}}} takes the checkpoint's",
+         dir.string(), model_config_to_json(saved).dump(), job.model_source,
+         model_config_to_json(job.model).dump(), (dir / "config.json").string());
+  }
+  try {
+    load_model_weights(dir, model);
+  } catch (const Error& e) {
+    fail(e.kind(), "init.checkpoint={}: {}", dir.string(), e.what());
+  }
+  spdlog::info("initialized from {} (step 0, fresh optimizer)", dir.string());
+}
+
 }  // namespace
 
 RunSummary train(const TrainJob& job, TrainingObserver& observer, const TrainOptions& options) {
@@ -668,7 +716,11 @@ RunSummary train(const TrainJob& job, TrainingObserver& observer, const TrainOpt
       spdlog::info("resumed from {} at step {}", dir->string(), step);
     }
   }
-  if (step == 0) model.init_parameters(job.seed);
+  if (step == 0 && !job.init_checkpoint.empty()) {
+    load_init_weights(job, model);
+  } else if (step == 0) {
+    model.init_parameters(job.seed);
+  }
   const std::unique_ptr<StepBackend> backend = make_backend(job, model, optimizer, options);
 
   const double flops_per_micro = model.step_flops(job.batch, job.seqlen);

@@ -23,6 +23,7 @@ namespace megacpp {
 //                "grad_clip"},
 //  "eval": {"interval": 50, "batches": 4},
 //  "checkpoint": {"dir": "runs/x", "interval": 100, "keep_last": 3, "min_free_bytes": 0},
+//  "init": {"checkpoint": "DIR"},
 //  "seed": 1234, "max_seconds": 0, "scan": "chunked"|"recurrent", "threads": 0,
 //  "log": "runs/x/steps.jsonl", "device": "cpu"|"cuda", "gpu": 0,
 //  "device_count": 1, "tensor_parallel": 1, "gpus": [0, 1, ...]}
@@ -32,6 +33,13 @@ namespace megacpp {
 // device_count / tensor_parallel replicas (data parallel). `batch` is the global batch: each
 // replica trains on its share of every batch, so the job computes what one GPU with the whole
 // batch would.
+//
+// init.checkpoint starts the run from a model checkpoint's weights (config.json +
+// model.safetensors, e.g. one converted from the official model by python/megacpp_checkpoint)
+// instead of a random init: step 0, a fresh optimizer, the job's own schedule and data. The
+// checkpoint's config must equal the job's model ({"model": {"config_file": "DIR/config.json"}}
+// takes it as is). A run that resumes from checkpoint.dir/latest ignores init: the resumed
+// weights and optimizer are newer than the ones the run started from.
 enum class TrainDevice { kCpu, kCuda };
 
 // One dataset of a blend (runtime/data/blended_loader.h).
@@ -61,6 +69,8 @@ struct TrainJob {
   // A checkpoint that would leave less than this many bytes free on its file system
   // fails the run (naming the directory and the numbers) instead of filling the disk.
   uint64_t min_free_bytes = 0;
+  // The model checkpoint the run starts from (init.checkpoint); empty: init_parameters(seed).
+  std::filesystem::path init_checkpoint;
   uint64_t seed = 1234;
   double max_seconds = 0;  // stop (with a checkpoint) once exceeded; 0: no limit
   ScanForm scan_form = ScanForm::kChunked;

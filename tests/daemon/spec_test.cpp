@@ -14,7 +14,10 @@
 #include <thread>
 
 #include "base/error.h"
+#include "runtime/checkpoint/checkpoint.h"
+#include "runtime/config/model_config.h"
 #include "runtime/data/prepare.h"
+#include "runtime/model/model.h"
 #include "runtime/trainer/trainer.h"
 #include "tests/daemon/daemon_harness.h"
 
@@ -289,6 +292,55 @@ TEST_F(SpecTest, CheckpointFloorAndRetentionReachTheTrainJob) {
   v1::JobSpec five = small_job();
   five.set_checkpoint_keep_last(5);
   EXPECT_EQ(parse_train_job(validate(five).train_job, "job.json").keep_last, 5);
+}
+
+// init_checkpoint: a model checkpoint inside the data roots (the directory and both files,
+// symbolic links resolved) whose config is the job's, passed to the trainer as init.checkpoint.
+TEST_F(SpecTest, InitCheckpointMustLieInADataRootAndMatchTheModel) {
+  const auto save = [](const std::filesystem::path& dir, const std::string& config_json) {
+    Model<float> model(parse_model_config(json::parse(config_json), "test"));
+    model.init_parameters(3);
+    save_model_checkpoint(dir, model);
+  };
+  const auto root = config_.data_roots[0];
+  save(root / "imported", small_job().config_json());
+  v1::JobSpec spec = small_job();
+  spec.set_init_checkpoint((root / "imported").string());
+  const auto job = validate(spec).train_job;
+  EXPECT_EQ(job["init"]["checkpoint"], (root / "imported").string());
+  EXPECT_EQ(parse_train_job(job, "job.json").init_checkpoint, root / "imported");
+  EXPECT_FALSE(validate(small_job()).train_job.contains("init"));
+
+  save(dir_ / "outside", small_job().config_json());
+  json other_model = json::parse(small_job().config_json());
+  other_model["d_model"] = 48;
+  save(root / "other", other_model.dump());
+  std::filesystem::create_directories(root / "config-only");
+  std::filesystem::copy_file(root / "imported/config.json", root / "config-only/config.json");
+  std::filesystem::create_directories(root / "linked");
+  std::filesystem::copy_file(root / "imported/config.json", root / "linked/config.json");
+  std::filesystem::create_symlink(dir_ / "outside/model.safetensors",
+                                  root / "linked/model.safetensors");
+  const std::vector<Case> cases = {
+      {"outside", [&](v1::JobSpec& s) { s.set_init_checkpoint((dir_ / "outside").string()); },
+       "spec.init_checkpoint"},
+      {"relative", [](v1::JobSpec& s) { s.set_init_checkpoint("data/imported"); },
+       "spec.init_checkpoint"},
+      {"dotdot", [&](v1::JobSpec& s) { s.set_init_checkpoint((root / "../outside").string()); },
+       "spec.init_checkpoint"},
+      {"missing", [&](v1::JobSpec& s) { s.set_init_checkpoint((root / "nothing").string()); },
+       "spec.init_checkpoint"},
+      {"no weights",
+       [&](v1::JobSpec& s) { s.set_init_checkpoint((root / "config-only").string()); },
+       "spec.init_checkpoint"},
+      {"link out", [&](v1::JobSpec& s) { s.set_init_checkpoint((root / "linked").string()); },
+       "spec.init_checkpoint"},
+      {"other model", [&](v1::JobSpec& s) { s.set_init_checkpoint((root / "other").string()); },
+       "spec.init_checkpoint=" + (root / "other").string() +
+           ": the checkpoint's model config differs from the job's"},
+  };
+  expect_refusals(
+      cases, [&](const v1::JobSpec& s) { return refusal(s); }, small_job());
 }
 
 // Through a real daemon: the refusals are INVALID_ARGUMENT naming the field, and

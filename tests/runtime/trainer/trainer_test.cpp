@@ -6,13 +6,21 @@
 #include <sys/wait.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <fstream>
 #include <limits>
+#include <map>
+#include <memory>
 
 #include "base/error.h"
+#include "base/json_file.h"
 #include "runtime/checkpoint/checkpoint.h"
+#include "runtime/checkpoint/safetensors.h"
+#include "runtime/data/blended_loader.h"
+#include "runtime/data/indexed_dataset.h"
 #include "runtime/data/prepare.h"
+#include "runtime/model/model.h"
 #include "tests/support/temp_dir.h"
 
 namespace megacpp {
@@ -325,6 +333,131 @@ TEST_F(TrainerTest, OldCheckpointsArePrunedToKeepLast) {
               testing::read_bytes(dir_ / "straight/step-00000010" / file))
         << file;
   }
+}
+
+// init.checkpoint: the run starts from the checkpoint's weights (its first step's loss is that
+// model's loss on the first batch) with a fresh optimizer at step 1; a later resume from the
+// run's own checkpoint takes precedence and no longer needs the init directory.
+TEST_F(TrainerTest, InitCheckpointStartsFromItsWeightsWithAFreshOptimizer) {
+  json source = job("source");
+  source["steps"] = 3;
+  source["eval"]["interval"] = 0;
+  QuietObserver quiet;
+  train(parse_train_job(source, "source.json"), quiet);
+  // A copy outside the run, as an imported checkpoint would be: config.json + model.safetensors.
+  const auto init = dir_ / "init";
+  std::filesystem::create_directories(init);
+  for (const char* file : {"config.json", "model.safetensors"}) {
+    std::filesystem::copy_file(dir_ / "source/step-00000003" / file, init / file);
+  }
+
+  json j = job("from-init");
+  j["steps"] = 2;
+  j["grad_accum"] = 1;
+  j["eval"]["interval"] = 0;
+  j["init"] = {{"checkpoint", init.string()}};
+  struct Recording final : QuietObserver {
+    std::vector<StepRecord> steps;
+    int64_t first_step = 0;
+    void on_start(const json& info) override { first_step = info["first_step"].get<int64_t>(); }
+    void on_step(const StepRecord& r) override { steps.push_back(r); }
+  } recorded;
+  TrainOptions stop;
+  stop.stop_at = 1;
+  const TrainJob parsed = parse_train_job(j, "job.json");
+  EXPECT_EQ(parsed.init_checkpoint, init);
+  train(parsed, recorded, stop);
+  ASSERT_EQ(recorded.first_step, 1);
+  ASSERT_EQ(recorded.steps.size(), 1u);
+
+  // The checkpoint's model on the job's first batch.
+  Model<float> loaded(load_checkpoint_config(init));
+  load_model_weights(init, loaded);
+  loaded.plan(j["batch"].get<int>(), j["seqlen"].get<int>());
+  data::BlendedLoader loader(
+      {{std::make_shared<const data::IndexedDataset>(dir_ / "data/toy_train"), 1.0}},
+      j["seqlen"].get<int>());
+  std::vector<int32_t> tokens(static_cast<size_t>(2 * (32 + 1)));
+  loader.next_batch(2, tokens.data());
+  EXPECT_NEAR(recorded.steps[0].loss, loaded.forward(tokens.data()), 1e-6);
+  // Not the job's own random init (seed 99, the source run's start) on that batch.
+  Model<float> random_init(load_checkpoint_config(init));
+  random_init.init_parameters(99);
+  random_init.plan(2, 32);
+  EXPECT_GT(std::abs(recorded.steps[0].loss - random_init.forward(tokens.data())), 1e-3);
+
+  // Fresh optimizer: one AdamW step taken, not the source's three plus one.
+  std::map<std::string, std::string> metadata;
+  load_safetensors(dir_ / "from-init/step-00000001/optimizer.safetensors", &metadata);
+  EXPECT_EQ(metadata.at("steps_taken"), "1");
+  EXPECT_EQ(load_json_file(dir_ / "from-init/step-00000001/trainer_state.json")["step"], 1);
+
+  // Resume wins over init: with the init directory gone, the run continues from its step 1.
+  std::filesystem::remove_all(init);
+  recorded.steps.clear();
+  train(parse_train_job(j, "job.json"), recorded);
+  EXPECT_EQ(recorded.first_step, 2);
+  ASSERT_EQ(recorded.steps.size(), 1u);
+  EXPECT_EQ(recorded.steps[0].step, 2);
+}
+
+TEST_F(TrainerTest, BadInitCheckpointIsRefusedNamingTheField) {
+  const std::vector<std::pair<json, const char*>> parse_cases = {
+      {"runs/x", "job.json: init = \"runs/x\" must be {\"checkpoint\": DIR}"},
+      {json::object(), "job.json: init: missing required field checkpoint"},
+      {{{"checkpoint", ""}}, "job.json: init.checkpoint must not be empty"},
+      {{{"checkpoint", 3}}, "job.json: init: field checkpoint = 3 has the wrong type"},
+      {{{"checkpoint", "d"}, {"optimizer", true}}, "job.json: init: unknown field optimizer"},
+  };
+  for (const auto& [init, message] : parse_cases) {
+    json j = job("x");
+    j["init"] = init;
+    try {
+      parse_train_job(j, "job.json");
+      ADD_FAILURE() << "accepted: " << message;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+    }
+  }
+
+  QuietObserver quiet;
+  const auto expect_refusal = [&](const json& j, ErrorKind kind, const std::string& message) {
+    try {
+      train(parse_train_job(j, "job.json"), quiet);
+      ADD_FAILURE() << "trained: " << message;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), kind) << e.what();
+      EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+    }
+  };
+  json j = job("bad-init");
+  j["steps"] = 1;
+  j["init"] = {{"checkpoint", (dir_ / "nowhere").string()}};
+  expect_refusal(j, ErrorKind::kNotFound,
+                 "init.checkpoint=" + (dir_ / "nowhere").string() + ": no config.json there");
+  EXPECT_FALSE(std::filesystem::exists(dir_ / "bad-init/latest"));
+
+  // Another model's checkpoint.
+  json other = job("other");
+  other["steps"] = 1;
+  other["model"]["config"]["d_model"] = 48;
+  train(parse_train_job(other, "other.json"), quiet);
+  j["init"] = {{"checkpoint", (dir_ / "other/step-00000001").string()}};
+  expect_refusal(j, ErrorKind::kFailedPrecondition,
+                 "init.checkpoint=" + (dir_ / "other/step-00000001").string() +
+                     ": the checkpoint's model config");
+  // Weights that do not match its own config name the tensor.
+  const auto broken = dir_ / "broken";
+  std::filesystem::create_directories(broken);
+  std::filesystem::copy_file(dir_ / "other/step-00000001/model.safetensors",
+                             broken / "model.safetensors");
+  std::ofstream(broken / "config.json")
+      << model_config_to_json(parse_model_config(small_model(), "small")).dump();
+  j["init"] = {{"checkpoint", broken.string()}};
+  expect_refusal(
+      j, ErrorKind::kInvalidArgument,
+      "init.checkpoint=" + broken.string() + ": " + (broken / "model.safetensors").string());
 }
 
 // The free-space floor: a checkpoint that would cross min_free_bytes fails the run
