@@ -18,6 +18,7 @@
 #include "runtime/data/prepare.h"
 #include "runtime/trainer/trainer.h"
 #include "tests/support/gpu.h"
+#include "tests/support/recording_observer.h"
 #include "tests/support/temp_dir.h"
 
 namespace megacpp {
@@ -25,22 +26,7 @@ namespace {
 
 using nlohmann::json;
 
-class RecordingObserver final : public TrainingObserver {
- public:
-  void on_start(const json&) override {}
-  void on_step(const StepRecord& r) override { steps.push_back(r); }
-  void on_eval(const EvalRecord& r) override { evals.push_back(r); }
-  void on_checkpoint(int64_t, const std::filesystem::path&) override { ++checkpoints; }
-  void on_finish(const RunSummary& s) override { summary = s; }
-  void on_kernels(const std::vector<KernelRecord>& k) override {
-    kernels.insert(kernels.end(), k.begin(), k.end());
-  }
-  std::vector<KernelRecord> kernels;
-  std::vector<StepRecord> steps;
-  std::vector<EvalRecord> evals;
-  int checkpoints = 0;
-  RunSummary summary;
-};
+using testing::RecordingObserver;
 
 constexpr int kSteps = 40;
 
