@@ -24,6 +24,8 @@ class Rng {
     return std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * M_PI * u2);
   }
   uint64_t next() { return engine_(); }
+  // Skips `draws` engine outputs: uniform() takes one, normal() two.
+  void discard(uint64_t draws) { engine_.discard(draws); }
   std::string save() const {
     std::ostringstream out;
     out << engine_;

@@ -139,6 +139,8 @@ double gemm_ceiling() {
 struct RankResult {
   double first_loss = 0;
   double to_first_step = 0;
+  // Where the time to the first step goes: (phase, seconds), in order.
+  std::vector<std::pair<std::string, double>> phases;
   std::vector<double> ms;
   size_t in_use = 0;
   size_t planned = 0;
@@ -153,9 +155,18 @@ RankResult run_rank(const Options& o, const megacpp::Model<float>& host,
   const int rows = o.batch / o.data_parallel;
   const int32_t* own =
       tokens.data() + static_cast<size_t>(device / o.tensor_parallel) * rows * (o.seqlen + 1);
+  auto mark = Clock::now();
+  const auto phase = [&](const char* name) {
+    const auto now = Clock::now();
+    r.phases.emplace_back(name, std::chrono::duration<double>(now - mark).count());
+    mark = now;
+  };
+  r.phases.emplace_back("host model init", std::chrono::duration<double>(mark - start).count());
   CudaModel model(host, rows, o.seqlen, optimizer, device, parallel);
+  phase("CudaModel construction (context, arena, plans)");
   model.upload(host.parameters(), &moments);
   model.set_step_graph(o.cuda_graphs);
+  phase("upload");
   const auto step = [&] {
     model.zero_grad();
     const double loss = model.forward_backward(own, 1.0);
@@ -164,6 +175,7 @@ RankResult run_rank(const Options& o, const megacpp::Model<float>& host,
   };
   r.first_loss = step();
   r.to_first_step = std::chrono::duration<double>(Clock::now() - start).count();
+  phase("first step");
   step();
   for (int i = 0; i < o.steps; ++i) {
     const auto t0 = Clock::now();
@@ -263,6 +275,7 @@ int run(const Options& o) {
       {"parameters", host.parameters().total()},
       {"first_loss", first_loss},
       {"seconds_to_first_step", to_first_step},
+      {"first_step_phases", r.phases},
       {"step_ms", {{"min", sorted.front()}, {"median", median}, {"max", sorted.back()}}},
       {"tokens_per_s", tokens_per_step / (median / 1e3)},
       {"model_flops_per_step", flops},
@@ -282,6 +295,8 @@ int run(const Options& o) {
       100 * flops / (median / 1e3) / ceiling,
       ceiling / 1e12 / (o.tensor_parallel * o.data_parallel),
       static_cast<double>(in_use) / (1 << 30), to_first_step);
+  for (const auto& [name, seconds] : r.phases)
+    std::printf("  %-48s %6.2f s\n", name.c_str(), seconds);
   std::printf("%-36s %6s %10s %7s\n", "op (3 profiled steps)", "calls", "ms/step", "share");
   for (const auto& op : ops) {
     std::printf("%-36s %6lld %10.2f %6.1f%%\n", op.op.c_str(), static_cast<long long>(op.calls / 3),

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "base/zeroed_vector.h"
 #include "kernels/cpu/adamw.h"
 #include "runtime/parameters/parameter_set.h"
 
@@ -28,11 +29,12 @@ class AdamW {
   AdamW(ParameterSet<T>& params, const OptimizerConfig& config)
       : params_(params),
         config_(config),
-        exp_avg_(static_cast<size_t>(params.total()), T(0)),
-        exp_avg_sq_(static_cast<size_t>(params.total()), T(0)) {}
+        exp_avg_(static_cast<size_t>(params.total())),
+        exp_avg_sq_(static_cast<size_t>(params.total())) {}
 
   // Applies one update with learning rate lr; the step counter advances first.
   void step(double lr) {
+    moments_untouched_ = false;
     ++step_;
     for (const auto& p : params_.entries()) {
       cpu::AdamWHyper h{lr, config_.beta1, config_.beta2, config_.eps,
@@ -45,14 +47,27 @@ class AdamW {
 
   int64_t steps_taken() const { return step_; }
   void set_steps_taken(int64_t step) { step_ = step; }
-  std::vector<T>& exp_avg() { return exp_avg_; }
-  std::vector<T>& exp_avg_sq() { return exp_avg_sq_; }
+  // Mutable access may change the moments: from then on they are not known to be zero.
+  ZeroedVector<T>& exp_avg() {
+    moments_untouched_ = false;
+    return exp_avg_;
+  }
+  ZeroedVector<T>& exp_avg_sq() {
+    moments_untouched_ = false;
+    return exp_avg_sq_;
+  }
+  const ZeroedVector<T>& exp_avg() const { return exp_avg_; }
+  const ZeroedVector<T>& exp_avg_sq() const { return exp_avg_sq_; }
+  // True while both moments are the zeros they were created as (a device copy of them can
+  // then be cleared instead of uploaded).
+  bool moments_are_zero() const { return moments_untouched_; }
 
  private:
   ParameterSet<T>& params_;
   OptimizerConfig config_;
-  std::vector<T> exp_avg_, exp_avg_sq_;
+  ZeroedVector<T> exp_avg_, exp_avg_sq_;
   int64_t step_ = 0;
+  bool moments_untouched_ = true;
 };
 
 // Linear warmup from 0 to lr over warmup_steps, then cosine decay to min_lr at

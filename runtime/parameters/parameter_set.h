@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "base/error.h"
+#include "base/zeroed_vector.h"
 
 namespace megacpp {
 
@@ -32,8 +33,8 @@ class ParameterSet {
     return static_cast<int>(entries_.size()) - 1;
   }
   void finalize() {
-    values_.assign(static_cast<size_t>(total_), T(0));
-    grads_.assign(static_cast<size_t>(total_), T(0));
+    values_ = ZeroedVector<T>(static_cast<size_t>(total_));
+    grads_ = ZeroedVector<T>(static_cast<size_t>(total_));
     finalized_ = true;
   }
   T* value(int id) { return values_.data() + entries_[static_cast<size_t>(id)].offset; }
@@ -41,9 +42,9 @@ class ParameterSet {
   T* grad(int id) { return grads_.data() + entries_[static_cast<size_t>(id)].offset; }
   const ParameterInfo& info(int id) const { return entries_[static_cast<size_t>(id)]; }
   const std::vector<ParameterInfo>& entries() const { return entries_; }
-  std::vector<T>& values() { return values_; }
-  const std::vector<T>& values() const { return values_; }
-  std::vector<T>& grads() { return grads_; }
+  ZeroedVector<T>& values() { return values_; }
+  const ZeroedVector<T>& values() const { return values_; }
+  ZeroedVector<T>& grads() { return grads_; }
   int64_t total() const { return total_; }
   void zero_grad() { std::memset(grads_.data(), 0, sizeof(T) * grads_.size()); }
   int find(const std::string& name) const {
@@ -55,8 +56,8 @@ class ParameterSet {
 
  private:
   std::vector<ParameterInfo> entries_;
-  std::vector<T> values_;
-  std::vector<T> grads_;
+  ZeroedVector<T> values_;
+  ZeroedVector<T> grads_;
   int64_t total_ = 0;
   bool finalized_ = false;
 };

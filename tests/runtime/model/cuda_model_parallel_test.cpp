@@ -144,7 +144,7 @@ StepResult run_step(CudaModel& gpu, Model<float>& host, const int32_t* tokens) {
   r.norm = gpu.optimizer_step(kLearningRate);
   ParameterSet<float> after = host.parameters();
   gpu.download(after, nullptr);
-  r.params = after.values();
+  r.params.assign(after.values().begin(), after.values().end());
   return r;
 }
 

@@ -176,7 +176,7 @@ TEST_P(CudaModelStep, TwoStepsOfTheSameJobAreBitwiseEqual) {
     runs.push_back(gpu.download_gradients());
     ParameterSet<float> after = pair.host.parameters();
     gpu.download(after, nullptr);
-    runs.push_back(after.values());
+    runs.emplace_back(after.values().begin(), after.values().end());
   }
   EXPECT_EQ(losses[0], losses[3]);
   EXPECT_EQ(losses[1], losses[4]);
@@ -214,7 +214,7 @@ TEST_P(CudaModelStep, TheStepGraphReplaysTheEagerStepBitwise) {
     EXPECT_EQ(gpu.step_graph_captures(), graph == 1 ? 1 : 0);
     ParameterSet<float> after = pair.host.parameters();
     gpu.download(after, nullptr);
-    params_after.push_back(after.values());
+    params_after.emplace_back(after.values().begin(), after.values().end());
   }
   EXPECT_EQ(losses[0], losses[1]);
   EXPECT_EQ(0, std::memcmp(params_after[0].data(), params_after[1].data(),

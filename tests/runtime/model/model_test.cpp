@@ -49,7 +49,7 @@ void check_model_gradients(bool tied, ScanForm form) {
   params.zero_grad();
   const double loss = model.forward_backward(tokens.data(), 1.0);
   EXPECT_NEAR(loss, model.forward(tokens.data()), 1e-12);
-  const std::vector<double> analytic = params.grads();
+  const std::vector<double> analytic(params.grads().begin(), params.grads().end());
   for (const auto& info : params.entries()) {
     // Three elements of every tensor, central differences.
     for (int trial = 0; trial < 3; ++trial) {
