@@ -161,7 +161,8 @@ RankResult run_rank(const Options& o, const megacpp::Model<float>& host,
     r.phases.emplace_back(name, std::chrono::duration<double>(now - mark).count());
     mark = now;
   };
-  r.phases.emplace_back("host model init", std::chrono::duration<double>(mark - start).count());
+  r.phases.emplace_back("host setup (model, init, moments, tokens)",
+                        std::chrono::duration<double>(mark - start).count());
   CudaModel model(host, rows, o.seqlen, optimizer, device, parallel);
   phase("CudaModel construction (context, arena, plans)");
   model.upload(host.parameters(), &moments);

@@ -666,16 +666,16 @@ void CudaModel::upload(const ParameterSet<float>& params, const AdamW<float>* op
          params.total(), m.host_total);
   }
   m.scatter_from_host(params.values().data(), m.values);
-  if (optimizer != nullptr && optimizer->moments_are_zero()) {
-    // A fresh optimizer: clearing is the same as copying 2 × 4 bytes per parameter of zeros.
-    MEGACPP_CUDA_CHECK(
-        cudaMemsetAsync(m.exp_avg, 0, sizeof(float) * static_cast<size_t>(m.total), m.stream));
-    MEGACPP_CUDA_CHECK(
-        cudaMemsetAsync(m.exp_avg_sq, 0, sizeof(float) * static_cast<size_t>(m.total), m.stream));
-    m.steps_taken = optimizer->steps_taken();
-  } else if (optimizer != nullptr) {
-    m.scatter_from_host(optimizer->exp_avg().data(), m.exp_avg);
-    m.scatter_from_host(optimizer->exp_avg_sq().data(), m.exp_avg_sq);
+  if (optimizer != nullptr) {
+    if (optimizer->moments_are_zero()) {
+      // A fresh optimizer: clearing is the same as copying 2 × 4 bytes per parameter of zeros.
+      const size_t bytes = sizeof(float) * static_cast<size_t>(m.total);
+      MEGACPP_CUDA_CHECK(cudaMemsetAsync(m.exp_avg, 0, bytes, m.stream));
+      MEGACPP_CUDA_CHECK(cudaMemsetAsync(m.exp_avg_sq, 0, bytes, m.stream));
+    } else {
+      m.scatter_from_host(optimizer->exp_avg().data(), m.exp_avg);
+      m.scatter_from_host(optimizer->exp_avg_sq().data(), m.exp_avg_sq);
+    }
     m.steps_taken = optimizer->steps_taken();
   }
   cuda::cast_f32_to_bf16(m.values, m.values_bf16, m.total, m.s());
