@@ -8,6 +8,8 @@
 // relies on the fresh allocation being zero, so a ZeroedVector is sized once, when it is
 // constructed. Shrinking and regrowing it in place (resize down, then up) would expose old
 // values; assign(n, v) and every other constructing call do write.
+#include <atomic>
+#include <cstdint>
 #include <cstdlib>
 #include <new>
 #include <type_traits>
@@ -15,6 +17,17 @@
 #include <vector>
 
 namespace megacpp {
+
+namespace zeroed_detail {
+// calloc bypasses operator new: what is live is counted here instead, so that memory
+// accounting (the training memory estimate's test) sees these buffers.
+inline std::atomic<int64_t> live_bytes{0};
+}  // namespace zeroed_detail
+
+// Bytes held by every ZeroedVector of the process now.
+inline int64_t zeroed_bytes_in_use() {
+  return zeroed_detail::live_bytes.load();
+}
 
 template <typename T>
 struct ZeroedAllocator {
@@ -26,9 +39,13 @@ struct ZeroedAllocator {
   T* allocate(size_t n) {
     void* memory = std::calloc(n, sizeof(T));
     if (memory == nullptr) throw std::bad_alloc();
+    zeroed_detail::live_bytes += static_cast<int64_t>(n * sizeof(T));
     return static_cast<T*>(memory);
   }
-  void deallocate(T* p, size_t) noexcept { std::free(p); }
+  void deallocate(T* p, size_t n) noexcept {
+    zeroed_detail::live_bytes -= static_cast<int64_t>(n * sizeof(T));
+    std::free(p);
+  }
   template <typename U>
   void construct(U*) noexcept {}  // the memory is zero already
   template <typename U, typename... Args>

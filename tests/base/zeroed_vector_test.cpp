@@ -17,5 +17,14 @@ TEST(ZeroedVector, StartsAsZerosAndWritesWhatItIsGiven) {
   EXPECT_EQ(copy.front(), 2.5);
 }
 
+TEST(ZeroedVector, ItsBytesAreCountedWhileItLives) {
+  const int64_t before = zeroed_bytes_in_use();
+  {
+    const ZeroedVector<double> buffer(1000);
+    EXPECT_EQ(zeroed_bytes_in_use() - before, 8000);
+  }
+  EXPECT_EQ(zeroed_bytes_in_use(), before);
+}
+
 }  // namespace
 }  // namespace megacpp

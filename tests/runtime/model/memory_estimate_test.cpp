@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <new>
 
+#include "base/zeroed_vector.h"
 #include "runtime/model/model.h"
 #include "runtime/optimizer/adamw.h"
 
@@ -107,6 +108,11 @@ std::vector<Case> cases() {
   return out;
 }
 
+// Heap bytes through operator new plus the zero-page buffers (calloc) of ZeroedVector.
+int64_t live_bytes() {
+  return g_live_bytes.load() + zeroed_bytes_in_use();
+}
+
 TEST(MemoryEstimate, MatchesWhatTheModelAllocates) {
   const int saved_threads = omp_get_max_threads();
   for (const Case& c : cases()) {
@@ -120,9 +126,9 @@ TEST(MemoryEstimate, MatchesWhatTheModelAllocates) {
     const MemoryEstimate estimate = estimate_training_memory(config, shape);
     omp_set_num_threads(c.threads);
 
-    const int64_t start = g_live_bytes.load();
+    const int64_t start = live_bytes();
     auto model = std::make_unique<Model<float>>(config, ModelOptions{c.form});
-    const int64_t after_model = g_live_bytes.load();
+    const int64_t after_model = live_bytes();
     ASSERT_EQ(estimate.parameter_count, static_cast<uint64_t>(model->parameters().total()));
     EXPECT_EQ(count_parameters(config), estimate.parameter_count);
     // Weights and gradients, plus the names and shapes of the entries.
@@ -132,12 +138,12 @@ TEST(MemoryEstimate, MatchesWhatTheModelAllocates) {
     EXPECT_LE(model_bytes - weights_and_grads, 64 << 10);
 
     auto optimizer = std::make_unique<AdamW<float>>(model->parameters(), OptimizerConfig{});
-    EXPECT_EQ(g_live_bytes.load() - after_model - static_cast<int64_t>(sizeof(AdamW<float>)),
+    EXPECT_EQ(live_bytes() - after_model - static_cast<int64_t>(sizeof(AdamW<float>)),
               static_cast<int64_t>(estimate.optimizer));
 
-    const int64_t before_plan = g_live_bytes.load();
+    const int64_t before_plan = live_bytes();
     model->plan(c.batch, c.seqlen);
-    const int64_t planned = g_live_bytes.load() - before_plan;
+    const int64_t planned = live_bytes() - before_plan;
     EXPECT_GE(planned, static_cast<int64_t>(estimate.activations));
     EXPECT_LE(planned - static_cast<int64_t>(estimate.activations),
               kBookkeepingPerLayer * config.n_layer)
@@ -147,9 +153,9 @@ TEST(MemoryEstimate, MatchesWhatTheModelAllocates) {
     std::vector<int32_t> tokens(static_cast<size_t>(c.batch) * (c.seqlen + 1), 5);
     model->init_parameters(3);
     model->forward_backward(tokens.data(), 1.0);
-    const int64_t after_first_step = g_live_bytes.load();
+    const int64_t after_first_step = live_bytes();
     model->forward_backward(tokens.data(), 1.0);
-    EXPECT_EQ(g_live_bytes.load(), after_first_step) << "a step kept memory";
+    EXPECT_EQ(live_bytes(), after_first_step) << "a step kept memory";
     EXPECT_GT(estimate.workspace, 0u);
   }
   omp_set_num_threads(saved_threads);
