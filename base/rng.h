@@ -1,12 +1,14 @@
 #pragma once
-// A portable random source: std::mt19937_64 is specified bit for bit, but the
-// standard distributions are not, so uniform and normal draws are derived here
-// to make initialization identical on every standard library.
+// A portable random source: the standard's mt19937_64 is specified bit for bit
+// (base/mt19937_64.h is that engine), but the standard distributions are not, so
+// uniform and normal draws are derived here to make initialization identical on
+// every standard library.
 #include <cmath>
 #include <cstdint>
-#include <random>
 #include <sstream>
 #include <string>
+
+#include "base/mt19937_64.h"
 
 namespace megacpp {
 
@@ -37,7 +39,7 @@ class Rng {
   }
 
  private:
-  std::mt19937_64 engine_;
+  Mt19937_64 engine_;
 };
 
 }  // namespace megacpp
