@@ -13,19 +13,29 @@ template <class D>
 __device__ void load_d_o(const D& d, const DevInputs& in, const bf16* dy, const ChunkPos& pos,
                          float* dst, int ld) {
   const int P = d.headdim, R = d.rank;
-  const int items = d.rows * P;
-  for (int idx = threadIdx.x; idx < items; idx += blockDim.x) {
-    const int row = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
-    const int i = d.by_rank.div(row), r = d.by_rank.mod(row);
-    float value = 0.f;
-    if (i < pos.len) {
-      const size_t th = token_head(d, pos.b, pos.t0 + i, pos.h);
-      const size_t wr = (static_cast<size_t>(pos.h) * R + r) * P + p;
-      const float gate = to_f(in.z[th * P + p]) * to_f(in.mimo_z[wr]);
-      value = to_f(dy[th * P + p]) * gate * sigmoidf(gate) * to_f(in.mimo_o[wr]);
-    }
-    dst[row * ld + p] = value;
-  }
+  struct Loaded {
+    bf16 z, mimo_z, dy, mimo_o;
+  };
+  for_each_batched<kLoadBatch>(
+      d.rows * P,
+      [&](int idx) {
+        const int row = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
+        const int i = d.by_rank.div(row), r = d.by_rank.mod(row);
+        const bf16 zero = __float2bfloat16(0.f);
+        Loaded loaded{zero, zero, zero, zero};
+        if (i < pos.len) {
+          const size_t th = token_head(d, pos.b, pos.t0 + i, pos.h);
+          const size_t wr = (static_cast<size_t>(pos.h) * R + r) * P + p;
+          loaded = {in.z[th * P + p], in.mimo_z[wr], dy[th * P + p], in.mimo_o[wr]};
+        }
+        return loaded;
+      },
+      [&](int idx, const Loaded& loaded) {
+        const int row = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
+        // Padded tokens loaded zeros: gate 0, value 0.
+        const float gate = to_f(loaded.z) * to_f(loaded.mimo_z);
+        dst[row * ld + p] = to_f(loaded.dy) * gate * sigmoidf(gate) * to_f(loaded.mimo_o);
+      });
 }
 
 // dL/dE_c through chunk c's own outputs: Σ_{i,r} e^{l_i} d_o_{i,r} q_{i,r}ᵀ.
@@ -117,14 +127,18 @@ __device__ void finish_qk_grad(const D& d, const ChunkPos& pos, bool first_head,
     for (int i = 0; i < pos.len; ++i) sum += d_qk[(i * R + r) * ld_d_qk + n];
     bias_partial[idx] = sum;
   }
-  for (int idx = threadIdx.x; idx < pos.len * R * N; idx += blockDim.x) {
+  const auto acc_index = [&](int idx) {
     const int row = d.by_state.div(idx), n = d.by_state.mod(idx);
     const int i = d.by_rank.div(row), r = d.by_rank.mod(row);
-    const size_t out =
-        (((static_cast<size_t>(pos.b) * d.seqlen + pos.t0 + i) * R + r) * d.groups + pos.g) * N + n;
-    const float value = d_qk[row * ld_d_qk + n];
-    acc[out] = first_head ? value : acc[out] + value;
-  }
+    return (((static_cast<size_t>(pos.b) * d.seqlen + pos.t0 + i) * R + r) * d.groups + pos.g) * N +
+           n;
+  };
+  for_each_batched<kLoadBatch>(
+      pos.len * R * N, [&](int idx) { return first_head ? 0.f : acc[acc_index(idx)]; },
+      [&](int idx, float before) {
+        const int row = d.by_state.div(idx), n = d.by_state.mod(idx);
+        acc[acc_index(idx)] = before + d_qk[row * ld_d_qk + n];
+      });
   __syncthreads();
 }
 

@@ -291,6 +291,31 @@ static __device__ __forceinline__ size_t token_head(const D& d, int b, int t, in
   return (static_cast<size_t>(b) * d.seqlen + t) * d.heads + h;
 }
 
+// The block's elements 0 … items−1, thread-strided as in `for (idx = threadIdx.x; idx < items;
+// idx += blockDim.x)`, kBatch of a thread's elements at a time: every global load of a batch
+// (`load`, which only loads) is issued before `store` uses the first of them. The loaders are
+// where chunk_backward's warps wait most (long-scoreboard stalls on the first use of each loaded
+// value, measured with ncu's source counters): one element per iteration exposes a load's full
+// latency per element; a batch exposes it once.
+template <int kBatch, class Load, class Store>
+static __device__ __forceinline__ void for_each_batched(int items, Load load, Store store) {
+  using Loaded = decltype(load(0));
+  for (int first = threadIdx.x; first < items; first += kBatch * blockDim.x) {
+    Loaded loaded[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int idx = first + u * static_cast<int>(blockDim.x);
+      if (idx < items) loaded[u] = load(idx);
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int idx = first + u * static_cast<int>(blockDim.x);
+      if (idx < items) store(idx, loaded[u]);
+    }
+  }
+}
+constexpr int kLoadBatch = 4;
+
 // Per-token scalars and rotation cos/sin of head pos.h for the chunk. Padded tokens
 // (i ≥ len) get zero coefficients, so they contribute nothing anywhere. Only the two prefix
 // sums (l over tokens, θ over tokens per rotation pair) run serially; every load, exponential
@@ -366,30 +391,41 @@ static __device__ void load_rotated(const D& d, const bf16* src, const bf16* bia
                                     const ChunkPos& pos, const float* cosv, const float* sinv,
                                     bf16* dst, int ld) {
   const int N = d.state, half = N / 2, R = d.rank, A = d.angles;
-  const int items = d.rows * half;
-  for (int idx = threadIdx.x; idx < items; idx += blockDim.x) {
-    const int row = d.by_half.div(idx), n = d.by_half.mod(idx);
-    const int i = d.by_rank.div(row), r = d.by_rank.mod(row);
-    float first = 0.f, second = 0.f;
-    if (i < pos.len) {
-      const int t = pos.t0 + i;
-      const size_t base = ((static_cast<size_t>(pos.b) * d.seqlen + t) * R + r) * d.groups + pos.g;
-      const bf16* in_row = src + base * N;
-      const bf16* bias_row = bias + (static_cast<size_t>(pos.h) * R + r) * N;
-      const float a = to_f(in_row[n]) + to_f(bias_row[n]);
-      const float b = to_f(in_row[n + half]) + to_f(bias_row[n + half]);
-      if (n < A) {
-        const float cs = cosv[i * A + n], sn = sinv[i * A + n];
-        first = a * cs - b * sn;
-        second = a * sn + b * cs;
-      } else {
-        first = a;
-        second = b;
-      }
-    }
-    dst[row * ld + n] = __float2bfloat16(first);
-    dst[row * ld + n + half] = __float2bfloat16(second);
-  }
+  struct Pair {
+    bf16 a, b, a_bias, b_bias;
+  };
+  for_each_batched<kLoadBatch>(
+      d.rows * half,
+      [&](int idx) {
+        const int row = d.by_half.div(idx), n = d.by_half.mod(idx);
+        const int i = d.by_rank.div(row), r = d.by_rank.mod(row);
+        const bf16 zero = __float2bfloat16(0.f);
+        Pair pair{zero, zero, zero, zero};
+        if (i < pos.len) {
+          const int t = pos.t0 + i;
+          const size_t base =
+              ((static_cast<size_t>(pos.b) * d.seqlen + t) * R + r) * d.groups + pos.g;
+          const bf16* in_row = src + base * N;
+          const bf16* bias_row = bias + (static_cast<size_t>(pos.h) * R + r) * N;
+          pair = {in_row[n], in_row[n + half], bias_row[n], bias_row[n + half]};
+        }
+        return pair;
+      },
+      [&](int idx, const Pair& pair) {
+        const int row = d.by_half.div(idx), n = d.by_half.mod(idx);
+        const int i = d.by_rank.div(row);
+        // Padded tokens loaded zeros, so they store zeros.
+        const float a = to_f(pair.a) + to_f(pair.a_bias);
+        const float b = to_f(pair.b) + to_f(pair.b_bias);
+        float first = a, second = b;
+        if (n < A && i < pos.len) {
+          const float cs = cosv[i * A + n], sn = sinv[i * A + n];
+          first = a * cs - b * sn;
+          second = a * sn + b * cs;
+        }
+        dst[row * ld + n] = __float2bfloat16(first);
+        dst[row * ld + n + half] = __float2bfloat16(second);
+      });
 }
 
 // v = x ⊙ mimo_x (PsiV) of head pos.h, rows (i, r), bf16: from the cache when
@@ -399,24 +435,40 @@ template <class D>
 static __device__ void load_psiv(const D& d, const DevInputs& in, const ChunkPos& pos, bf16* cache,
                                  bool read_cache, bool write_cache, bf16* dst, int ld) {
   const int P = d.headdim, R = d.rank;
-  const int items = d.rows * P;
-  for (int idx = threadIdx.x; idx < items; idx += blockDim.x) {
-    const int row = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
-    const int i = d.by_rank.div(row), r = d.by_rank.mod(row);
-    bf16 value = __float2bfloat16(0.f);
-    if (i < pos.len) {
-      const size_t th = token_head(d, pos.b, pos.t0 + i, pos.h);
-      const size_t cached = (th * R + r) * P + p;
-      if (read_cache) {
-        value = cache[cached];
-      } else {
-        value = __float2bfloat16(to_f(in.v[th * P + p]) *
-                                 to_f(in.mimo_x[(static_cast<size_t>(pos.h) * R + r) * P + p]));
-        if (write_cache) cache[cached] = value;
-      }
-    }
-    dst[row * ld + p] = value;
-  }
+  // v and mimo_x, or the cached product in `v` (mimo_x unused).
+  struct Loaded {
+    bf16 v, mimo_x;
+  };
+  for_each_batched<kLoadBatch>(
+      d.rows * P,
+      [&](int idx) {
+        const int row = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
+        const int i = d.by_rank.div(row), r = d.by_rank.mod(row);
+        const bf16 zero = __float2bfloat16(0.f);
+        Loaded loaded{zero, zero};
+        if (i < pos.len) {
+          const size_t th = token_head(d, pos.b, pos.t0 + i, pos.h);
+          if (read_cache) {
+            loaded.v = cache[(th * R + r) * P + p];
+          } else {
+            loaded = {in.v[th * P + p], in.mimo_x[(static_cast<size_t>(pos.h) * R + r) * P + p]};
+          }
+        }
+        return loaded;
+      },
+      [&](int idx, const Loaded& loaded) {
+        const int row = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
+        const int i = d.by_rank.div(row), r = d.by_rank.mod(row);
+        bf16 value = loaded.v;
+        if (!read_cache && i < pos.len) {
+          value = __float2bfloat16(to_f(loaded.v) * to_f(loaded.mimo_x));
+          if (write_cache) {
+            const size_t th = token_head(d, pos.b, pos.t0 + i, pos.h);
+            cache[(th * R + r) * P + p] = value;
+          }
+        }
+        dst[row * ld + p] = value;
+      });
 }
 
 // Token-level weights W[i][j] of the chunk (zero above the diagonal).
@@ -448,9 +500,9 @@ static __device__ __forceinline__ SmemStrides strides_of(const SmemPlan& plan) {
 // A [P][N] fp32 state from global memory into rows of stride ld.
 template <class D>
 static __device__ void load_state(const D& d, const float* src, float* dst, int ld) {
-  for (int idx = threadIdx.x; idx < d.headdim * d.state; idx += blockDim.x) {
-    dst[d.by_state.div(idx) * ld + d.by_state.mod(idx)] = src[idx];
-  }
+  for_each_batched<kLoadBatch>(
+      d.headdim * d.state, [&](int idx) { return src[idx]; },
+      [&](int idx, float value) { dst[d.by_state.div(idx) * ld + d.by_state.mod(idx)] = value; });
 }
 
 // Calls f(dims) with the shape's FixedDims when it is one of the compiled shapes, else with the
