@@ -252,8 +252,9 @@ inline int free_loopback_port() {
 inline const char* kPrometheusBinary = "/usr/bin/prometheus";
 
 // A Prometheus server of its own: a temporary config and TSDB directory, a free loopback port,
-// scraping `target` (host:port) every second as scrape job "megacpp" with honor_labels, as
-// README's scrape config does (the daemon's per-job series carry a `job` label).
+// scraping `target` (host:port) every second as scrape job "megacpp", as README's scrape config
+// does: without honor_labels, so a per-job label that clashed with Prometheus's own `job` would
+// come back renamed `exported_job` and the tests' `job_id` selectors would find nothing.
 class PrometheusServer {
  public:
   explicit PrometheusServer(const std::string& target) {
@@ -264,7 +265,6 @@ class PrometheusServer {
                "  evaluation_interval: 1s\n"
                "scrape_configs:\n"
                "  - job_name: megacpp\n"
-               "    honor_labels: true\n"
                "    static_configs:\n"
                "      - targets: ['" +
                    target + "']\n");
