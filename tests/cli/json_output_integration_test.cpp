@@ -17,24 +17,13 @@ namespace {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
+using testing::CliRun;
 using testing::Daemon;
 
-struct CliRun {
-  int code = -1;
-  std::string out, err;
-};
-
-// Runs `megacpp --json ARGS` with its stdout and stderr in files of their own under `dir`.
-CliRun megacpp_json(const fs::path& dir, const std::vector<std::string>& args) {
-  static int runs = 0;
-  const std::string name = "cli-" + std::to_string(runs++);
-  const fs::path out = dir / (name + ".out"), err = dir / (name + ".err");
-  std::string command = "'" + testing::kBinDir + "/megacpp' --json";
-  for (const auto& a : args) command += " '" + a + "'";
-  command += " >'" + out.string() + "' 2>'" + err.string() + "'";
-  const int status = std::system(command.c_str());
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, testing::read_bytes(out),
-          testing::read_bytes(err)};
+// `megacpp --json ARGS`.
+CliRun megacpp_json(const fs::path& dir, std::vector<std::string> args) {
+  args.insert(args.begin(), "--json");
+  return testing::run_cli(dir, args);
 }
 
 std::string describe(const std::vector<std::string>& args, const CliRun& r) {
@@ -58,8 +47,7 @@ TEST(CliJsonOutput, StdoutIsOnlyJsonWithDebugLoggingOn) {
   ASSERT_EQ(::setenv("SPDLOG_LEVEL", "debug", 1), 0);
   Daemon d;
   ASSERT_EQ(d.start(), -1) << d.log();
-  const json ready = json::parse(testing::read_bytes(d.state() / "daemon.json"));
-  ASSERT_EQ(::setenv("MEGACPP_DAEMON", ready["grpc"].get<std::string>().c_str(), 1), 0);
+  ASSERT_EQ(::setenv("MEGACPP_DAEMON", d.grpc_address().c_str(), 1), 0);
   const testing::TempDir work;
 
   std::string spec_text;

@@ -213,13 +213,10 @@ inline megacpp::v1::Job start_training(const Daemon& d, int64_t steps = 3) {
   megacpp::v1::JobSpec spec = d.small_job(1000000);
   // Checkpoints would only add disk traffic to a busy machine; SIGTERM still writes one.
   spec.set_checkpoint_interval(1000);
-  grpc::ClientContext context;
-  megacpp::v1::SubmitJobRequest request;
-  *request.mutable_spec() = spec;
-  megacpp::v1::SubmitJobResponse response;
-  const grpc::Status s = d.jobs()->SubmitJob(&context, request, &response);
+  megacpp::v1::Job submitted;
+  const grpc::Status s = submit(d, spec, &submitted);
   EXPECT_TRUE(s.ok()) << s.error_message();
-  const std::string id = response.job().id();
+  const std::string id = submitted.id();
   megacpp::v1::Job job;
   const bool ran = poll_until(
       [&] {

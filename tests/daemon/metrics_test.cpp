@@ -42,14 +42,6 @@ const std::map<std::string, std::string> kFamilies = {
     {"megacpp_step_seconds", "histogram"},
 };
 
-void cancel(const Daemon& d, const std::string& id) {
-  grpc::ClientContext context;
-  v1::CancelJobRequest request;
-  request.set_id(id);
-  v1::Job out;
-  ASSERT_TRUE(d.jobs()->CancelJob(&context, request, &out).ok());
-}
-
 // The hand-written exposition this replaced announced megacpp_devices (with no TYPE) between
 // megacpp_devices_held's TYPE and its samples: the parser the tests below rely on refuses it.
 TEST(Metrics, ParserRefusesAFamilyWithoutTypeOrInterleavedWithAnother) {
@@ -127,7 +119,7 @@ TEST(Metrics, EveryFamilyHasHelpAndTypeAndTheHistogramCountsEveryStep) {
 
   // Once the job has ended its gauges go, as they always did; its histogram stays for the
   // scrapes that have not yet seen its last steps.
-  cancel(d, job.id());
+  ASSERT_TRUE(testing::cancel_job(d, job.id()).ok());
   ASSERT_TRUE(poll_until(
       [&] {
         e = parse_exposition(testing::fetch_metrics(d));
