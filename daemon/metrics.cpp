@@ -22,8 +22,8 @@ const std::vector<double>& DaemonMetrics::step_seconds_buckets() {
   return buckets;
 }
 
-// The family names and meanings are those of the hand-written exposition they replace:
-// dashboards and alerts written against it keep working.
+// The family names and meanings are those of the hand-written exposition they replace, so
+// dashboards and alerts written against it keep working once they select kJobLabel.
 DaemonMetrics::DaemonMetrics()
     : jobs_(prometheus::BuildGauge()
                 .Name("megacpp_jobs")
