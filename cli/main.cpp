@@ -11,6 +11,7 @@
 #include "base/version.h"
 #include "cli/commands/commands.h"
 #include "cli/commands/exit_codes.h"
+#include "service/logging.h"
 
 int main(int argc, char** argv) {
   namespace cli = megacpp::cli;
@@ -34,7 +35,7 @@ int main(int argc, char** argv) {
     // --help and --version exit 0; every usage error exits like bad input.
     return app.exit(e) == 0 ? cli::kExitOk : cli::kExitInvalid;
   }
-  spdlog::set_pattern("%H:%M:%S.%e %^%l%$ %v");
+  megacpp::log_to_stderr("%H:%M:%S.%e %^%l%$ %v");
   try {
     return commands.run(global);
   } catch (const megacpp::Error& e) {

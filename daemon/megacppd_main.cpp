@@ -25,6 +25,7 @@
 #include "receipts/batched_writer.h"
 #include "receipts/store.h"
 #include "service/config/daemon_config.h"
+#include "service/logging.h"
 #include "service/preconditions/preconditions.h"
 
 namespace {
@@ -73,7 +74,7 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 2;
   }
-  spdlog::set_pattern("%Y-%m-%d %H:%M:%S.%e %^%l%$ %v");
+  megacpp::log_to_stderr("%Y-%m-%d %H:%M:%S.%e %^%l%$ %v");
   // Block the stop signals in every thread; one thread waits for them below.
   sigset_t stop_signals;
   sigemptyset(&stop_signals);

@@ -12,14 +12,18 @@ namespace megacpp::daemon {
 
 namespace v1 = megacpp::v1;
 
+// Not "job": Prometheus attaches its own `job` label (the scrape job) to every series and renames
+// a scraped `job` to `exported_job`, so the megacpp job id would need honor_labels to survive.
+constexpr const char* kJobLabel = "job_id";
+
 const std::vector<double>& DaemonMetrics::step_seconds_buckets() {
   static const std::vector<double> buckets = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                                               0.5,   1,      2.5,   5,    10,    25,   60};
   return buckets;
 }
 
-// The family names and meanings are those of the hand-written exposition they replace:
-// dashboards and alerts written against it keep working.
+// The family names and meanings are those of the hand-written exposition they replace, so
+// dashboards and alerts written against it keep working once they select kJobLabel.
 DaemonMetrics::DaemonMetrics()
     : jobs_(prometheus::BuildGauge()
                 .Name("megacpp_jobs")
@@ -73,7 +77,7 @@ void DaemonMetrics::observe_step(const std::string& job_id, double step_seconds)
   steps_total_value_.Increment();
   auto it = histograms_.find(job_id);
   if (it == histograms_.end()) {
-    auto* histogram = &step_seconds_.Add({{"job", job_id}}, step_seconds_buckets());
+    auto* histogram = &step_seconds_.Add({{kJobLabel, job_id}}, step_seconds_buckets());
     it = histograms_.emplace(job_id, StepHistogram{histogram, std::nullopt}).first;
   }
   // A job that resumes after an interruption is running again: keep its histogram.
@@ -101,7 +105,7 @@ std::string DaemonMetrics::scrape(const ManagerSnapshot& snap, uint64_t store_by
     running.insert(j.id());
     auto it = running_.find(j.id());
     if (it == running_.end()) {
-      const prometheus::Labels labels{{"job", j.id()}};
+      const prometheus::Labels labels{{kJobLabel, j.id()}};
       it = running_
                .emplace(j.id(),
                         RunningSeries{&job_step_.Add(labels), &job_tokens_per_second_.Add(labels),

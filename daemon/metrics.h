@@ -8,7 +8,7 @@
 //    devices, store size, and each running job's step, tokens/s, loss and step time. A job's
 //    gauges disappear when it stops running, as they always have;
 //  - series fed by the step receipts as executors send them: megacpp_steps_total and the
-//    step-time histogram megacpp_step_seconds (by job), from which PromQL's
+//    step-time histogram megacpp_step_seconds (by job_id), from which PromQL's
 //    histogram_quantile gives p50/p99. An ended job's histogram is kept for a while
 //    (kEndedJobRetention) so that the scrapes after its end still see its last steps.
 #include <prometheus/counter.h>

@@ -3,7 +3,8 @@
 # GPU tests run where a GPU is present and show as skipped elsewhere. A second,
 # CPU-only build with AddressSanitizer and UndefinedBehaviorSanitizer runs the
 # kernel, runtime and store tests again (MEGACPP_SKIP_SANITIZE=1 skips it); the
-# daemon's integration tests run only in the first pass. Last, each libFuzzer target
+# integration tests (label integration: tests/daemon/ and tests/**/*_integration_test.cpp, real
+# daemons and executors) run only in the first pass. Last, each libFuzzer target
 # (bench/fuzz/) runs for 20 s from its seed corpus (MEGACPP_SKIP_FUZZ=1 skips it).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -129,10 +129,11 @@ int submit(const SubmitArgs& args, const GlobalOptions& global) {
   args.client.prepare(context);
   auto stub = v1::JobService::NewStub(args.client.channel());
   if (auto s = stub->SubmitJob(&context, request, &response); !s.ok()) return report(s);
-  // With --watch, --json is the watch's final document alone, so stdout stays one JSON value.
+  // With --watch, --json is the watch's final document alone, so stdout stays one JSON value
+  // (the id is in that document, and in the state lines on stderr).
   if (global.json && !args.watch) {
     print_json(response.job());
-  } else {
+  } else if (!global.json) {
     std::cout << response.job().id() << "\n";
   }
   return args.watch ? follow(args.client, response.job().id(), global.json) : kExitOk;

@@ -16,6 +16,7 @@
 #include "base/error.h"
 #include "runtime/trainer/trainer.h"
 #include "service/executor/event_stream.h"
+#include "service/logging.h"
 
 namespace {
 
@@ -131,8 +132,8 @@ int main(int argc, char** argv) {
   ::sigaction(SIGTERM, &stop, nullptr);
   ::sigaction(SIGINT, &stop, nullptr);
   ::signal(SIGPIPE, SIG_IGN);
-  spdlog::set_pattern(rank > 0 ? fmt::format("%H:%M:%S.%e %l [rank {}] %v", rank)
-                               : std::string("%H:%M:%S.%e %l %v"));
+  megacpp::log_to_stderr(rank > 0 ? fmt::format("%H:%M:%S.%e %l [rank {}] %v", rank)
+                                  : std::string("%H:%M:%S.%e %l %v"));
 
   EventObserver observer(events_fd);
   try {

@@ -26,43 +26,22 @@ namespace {
 using testing::Daemon;
 namespace v1 = megacpp::v1;
 
-v1::Job submit(const Daemon& d, const v1::JobSpec& spec) {
-  grpc::ClientContext context;
-  v1::SubmitJobRequest request;
-  *request.mutable_spec() = spec;
-  v1::SubmitJobResponse response;
-  const grpc::Status s = d.jobs()->SubmitJob(&context, request, &response);
+using testing::ended;
+using testing::wait_for;
+
+// Submits; a refusal is a test failure.
+v1::Job submit_ok(const Daemon& d, const v1::JobSpec& spec) {
+  v1::Job job;
+  const grpc::Status s = testing::submit(d, spec, &job);
   EXPECT_TRUE(s.ok()) << s.error_message();
-  return response.job();
-}
-
-v1::Job get_job(const Daemon& d, const std::string& id) {
-  grpc::ClientContext context;
-  v1::GetJobRequest request;
-  request.set_id(id);
-  v1::Job job;
-  EXPECT_TRUE(d.jobs()->GetJob(&context, request, &job).ok());
   return job;
 }
 
-bool ended(const v1::Job& j) {
-  return j.state() == v1::JOB_STATE_SUCCEEDED || j.state() == v1::JOB_STATE_FAILED ||
-         j.state() == v1::JOB_STATE_CANCELLED || j.state() == v1::JOB_STATE_REFUSED;
-}
+// Generous for a GPU job's start (the CUDA context, NCCL's rendezvous) on a busy machine.
+constexpr int kJobSeconds = 300;
 
-v1::Job wait_for(const Daemon& d, const std::string& id,
-                 const std::function<bool(const v1::Job&)>& done, int seconds = 300) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(seconds);
-  v1::Job job;
-  while (std::chrono::steady_clock::now() < deadline) {
-    job = get_job(d, id);
-    if (done(job)) return job;
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
-  ADD_FAILURE() << "timed out waiting on " << id << ", state " << v1::JobState_Name(job.state())
-                << "\n"
-                << d.log();
-  return job;
+bool stepping(const v1::Job& j) {
+  return j.step() >= 2 || ended(j);
 }
 
 // The executor of `rank` among the daemon's children (its command line says --rank N).
@@ -103,8 +82,8 @@ TEST(CudaParallelJobs, TensorAndDataParallelJobsRunAndAFailedOrHungRankFailsTheJ
   ASSERT_EQ(d.start(), -1) << d.log();
 
   for (const int tp : {2, 1}) {
-    const v1::Job submitted = submit(d, gpu_job(d, 6, tp));
-    const v1::Job done = wait_for(d, submitted.id(), ended);
+    const v1::Job submitted = submit_ok(d, gpu_job(d, 6, tp));
+    const v1::Job done = wait_for(d, submitted.id(), ended, kJobSeconds);
     ASSERT_EQ(done.state(), v1::JOB_STATE_SUCCEEDED) << done.error();
     EXPECT_EQ(done.devices_size(), 2);
     EXPECT_EQ(done.step(), 6);
@@ -130,8 +109,8 @@ TEST(CudaParallelJobs, TensorAndDataParallelJobsRunAndAFailedOrHungRankFailsTheJ
 
   // kill -9 of rank 1 mid-run: rank 0 would wait in its next collective for ever; the daemon
   // kills it and fails the job, naming the rank.
-  const v1::Job long_job = submit(d, gpu_job(d, 100000, 2));
-  wait_for(d, long_job.id(), [](const v1::Job& j) { return j.step() >= 2 || ended(j); });
+  const v1::Job long_job = submit_ok(d, gpu_job(d, 100000, 2));
+  wait_for(d, long_job.id(), stepping, kJobSeconds);
   const pid_t victim = rank_pid(d, 1);
   ASSERT_GT(victim, 0) << "no executor with --rank 1";
   const auto killed_at = std::chrono::steady_clock::now();
@@ -150,8 +129,8 @@ TEST(CudaParallelJobs, TensorAndDataParallelJobsRunAndAFailedOrHungRankFailsTheJ
   // A rank that hangs (SIGSTOP: alive, silent) holds rank 0 in its next collective: the job
   // sends no event, and the progress watchdog stops every rank (SIGTERM, then SIGKILL after the
   // grace) and fails the job, within progress_timeout + cancel_grace.
-  const v1::Job hung_job = submit(d, gpu_job(d, 100000, 2));
-  wait_for(d, hung_job.id(), [](const v1::Job& j) { return j.step() >= 2 || ended(j); });
+  const v1::Job hung_job = submit_ok(d, gpu_job(d, 100000, 2));
+  wait_for(d, hung_job.id(), stepping, kJobSeconds);
   const pid_t sleeper = rank_pid(d, 1);
   ASSERT_GT(sleeper, 0) << "no executor with --rank 1";
   const auto stopped_at = std::chrono::steady_clock::now();
@@ -167,7 +146,7 @@ TEST(CudaParallelJobs, TensorAndDataParallelJobsRunAndAFailedOrHungRankFailsTheJ
   EXPECT_TRUE(testing::executor_pids(d.pid()).empty()) << "an executor outlived its job";
 
   // Both GPUs are free: the next two-GPU job runs; the daemon is healthy.
-  const v1::Job next = wait_for(d, submit(d, gpu_job(d, 2, 2)).id(), ended);
+  const v1::Job next = wait_for(d, submit_ok(d, gpu_job(d, 2, 2)).id(), ended, kJobSeconds);
   EXPECT_EQ(next.state(), v1::JOB_STATE_SUCCEEDED) << next.error();
   grpc::ClientContext context;
   v1::Status status;

@@ -3,11 +3,13 @@
 // state directory, and gives tests gRPC stubs to it.
 #include <fcntl.h>
 #include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
@@ -132,6 +134,7 @@ class Daemon {
   std::string data(const std::string& split) const {
     return (dir_ / ("data/toy_" + split)).string();
   }
+  const std::string& grpc_address() const { return grpc_address_; }
   const std::string& http_address() const { return http_address_; }
   std::shared_ptr<grpc::Channel> channel() const { return channel_; }
   auto jobs() const { return megacpp::v1::JobService::NewStub(channel_); }
@@ -164,5 +167,79 @@ class Daemon {
   std::string grpc_address_, http_address_;
   std::shared_ptr<grpc::Channel> channel_;
 };
+
+// The gRPC calls most tests make. Each creates its own context; a failed call is returned
+// (submit, cancel_job) or is a test failure (get_job).
+inline grpc::Status submit(const Daemon& d, const megacpp::v1::JobSpec& spec,
+                           megacpp::v1::Job* job = nullptr) {
+  grpc::ClientContext context;
+  megacpp::v1::SubmitJobRequest request;
+  *request.mutable_spec() = spec;
+  megacpp::v1::SubmitJobResponse response;
+  const grpc::Status s = d.jobs()->SubmitJob(&context, request, &response);
+  if (job) *job = response.job();
+  return s;
+}
+
+inline megacpp::v1::Job get_job(const Daemon& d, const std::string& id) {
+  grpc::ClientContext context;
+  megacpp::v1::GetJobRequest request;
+  request.set_id(id);
+  megacpp::v1::Job job;
+  const grpc::Status s = d.jobs()->GetJob(&context, request, &job);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  return job;
+}
+
+inline grpc::Status cancel_job(const Daemon& d, const std::string& id) {
+  grpc::ClientContext context;
+  megacpp::v1::CancelJobRequest request;
+  request.set_id(id);
+  megacpp::v1::Job out;
+  return d.jobs()->CancelJob(&context, request, &out);
+}
+
+// Whether the job is in a state it never leaves.
+inline bool ended(const megacpp::v1::Job& j) {
+  namespace v1 = megacpp::v1;
+  return j.state() == v1::JOB_STATE_SUCCEEDED || j.state() == v1::JOB_STATE_FAILED ||
+         j.state() == v1::JOB_STATE_CANCELLED || j.state() == v1::JOB_STATE_REFUSED;
+}
+
+// Polls GetJob until `done(job)` or the timeout (a test failure, with the daemon's log); returns
+// the last job seen.
+inline megacpp::v1::Job wait_for(const Daemon& d, const std::string& id,
+                                 const std::function<bool(const megacpp::v1::Job&)>& done,
+                                 int seconds = 120) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(seconds);
+  megacpp::v1::Job job;
+  while (std::chrono::steady_clock::now() < deadline) {
+    job = get_job(d, id);
+    if (done(job)) return job;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ADD_FAILURE() << "timed out waiting on " << id << ", state "
+                << megacpp::v1::JobState_Name(job.state()) << "\n"
+                << d.log();
+  return job;
+}
+
+struct CliRun {
+  int code = -1;  // the exit code; -1 when killed
+  std::string out, err;
+};
+
+// Runs the megacpp CLI with `args` (each quoted), its stdout and stderr kept apart in files
+// under `dir`.
+inline CliRun run_cli(const std::filesystem::path& dir, const std::vector<std::string>& args) {
+  static int runs = 0;
+  const std::string name = "cli-" + std::to_string(runs++);
+  const auto out = dir / (name + ".out"), err = dir / (name + ".err");
+  std::string command = "'" + kBinDir + "/megacpp'";
+  for (const auto& a : args) command += " '" + a + "'";
+  command += " >'" + out.string() + "' 2>'" + err.string() + "'";
+  const int status = std::system(command.c_str());
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, read_bytes(out), read_bytes(err)};
+}
 
 }  // namespace megacpp::testing

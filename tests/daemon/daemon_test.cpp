@@ -17,73 +17,16 @@ namespace {
 
 namespace v1 = megacpp::v1;
 using testing::Daemon;
-
-grpc::Status submit(const Daemon& d, const v1::JobSpec& spec, v1::Job* job) {
-  grpc::ClientContext context;
-  v1::SubmitJobRequest request;
-  *request.mutable_spec() = spec;
-  v1::SubmitJobResponse response;
-  const grpc::Status s = d.jobs()->SubmitJob(&context, request, &response);
-  if (job) *job = response.job();
-  return s;
-}
-
-v1::Job get_job(const Daemon& d, const std::string& id) {
-  grpc::ClientContext context;
-  v1::GetJobRequest request;
-  request.set_id(id);
-  v1::Job job;
-  const grpc::Status s = d.jobs()->GetJob(&context, request, &job);
-  EXPECT_TRUE(s.ok()) << s.error_message();
-  return job;
-}
-
-// Polls until `done(job)` or the timeout; returns the last job seen.
-v1::Job wait_for(const Daemon& d, const std::string& id,
-                 const std::function<bool(const v1::Job&)>& done, int seconds = 120) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(seconds);
-  v1::Job job;
-  while (std::chrono::steady_clock::now() < deadline) {
-    job = get_job(d, id);
-    if (done(job)) return job;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  ADD_FAILURE() << "timed out waiting on " << id << ", state " << v1::JobState_Name(job.state())
-                << "\n"
-                << d.log();
-  return job;
-}
-
-bool is_terminal(const v1::Job& j) {
-  return j.state() == v1::JOB_STATE_SUCCEEDED || j.state() == v1::JOB_STATE_FAILED ||
-         j.state() == v1::JOB_STATE_CANCELLED || j.state() == v1::JOB_STATE_REFUSED;
-}
+using testing::ended;
+using testing::get_job;
+using testing::submit;
+using testing::wait_for;
 
 int count_jobs(const Daemon& d) {
   grpc::ClientContext context;
   v1::ListJobsResponse response;
   EXPECT_TRUE(d.jobs()->ListJobs(&context, v1::ListJobsRequest(), &response).ok());
   return response.jobs_size();
-}
-
-// The executor processes the daemon started.
-std::vector<pid_t> executors_of(pid_t daemon) {
-  std::vector<pid_t> out;
-  for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
-    const std::string name = entry.path().filename();
-    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-    std::ifstream stat(entry.path() / "stat");
-    std::string line;
-    std::getline(stat, line);
-    const auto close = line.rfind(')');
-    if (close == std::string::npos || line.find("megacpp-execut") == std::string::npos) continue;
-    std::istringstream rest(line.substr(close + 2));
-    char state;
-    pid_t ppid;
-    rest >> state >> ppid;
-    if (ppid == daemon && state != 'Z') out.push_back(std::stoi(name));
-  }
-  return out;
 }
 
 TEST(Daemon, TinyJobSucceedsWithEveryReceiptRecorded) {
@@ -240,20 +183,20 @@ TEST(Daemon, CancelCheckpointsAndKillingAnExecutorFailsOnlyItsJob) {
     v1::Job out;
     ASSERT_TRUE(d.jobs()->CancelJob(&context, request, &out).ok());
   }
-  const v1::Job cancelled = wait_for(d, a.id(), is_terminal);
+  const v1::Job cancelled = wait_for(d, a.id(), ended);
   EXPECT_EQ(cancelled.state(), v1::JOB_STATE_CANCELLED);
   EXPECT_TRUE(
       std::filesystem::exists(std::filesystem::path(cancelled.checkpoint_dir()) / "latest"));
   // kill -9 b's executor: b fails with the cause; the daemon carries on.
-  const auto pids = executors_of(d.pid());
+  const auto pids = testing::executor_pids(d.pid());
   ASSERT_EQ(pids.size(), 1u);
   ::kill(pids[0], SIGKILL);
-  const v1::Job failed = wait_for(d, b.id(), is_terminal);
+  const v1::Job failed = wait_for(d, b.id(), ended);
   EXPECT_EQ(failed.state(), v1::JOB_STATE_FAILED);
   EXPECT_NE(failed.error().find("signal 9"), std::string::npos) << failed.error();
   v1::Job c;
   ASSERT_TRUE(submit(d, d.small_job(3), &c).ok());
-  EXPECT_EQ(wait_for(d, c.id(), is_terminal).state(), v1::JOB_STATE_SUCCEEDED);
+  EXPECT_EQ(wait_for(d, c.id(), ended).state(), v1::JOB_STATE_SUCCEEDED);
 }
 
 TEST(Daemon, KilledDaemonResumesInterruptedJobWithContinuousReceipts) {
@@ -279,7 +222,7 @@ TEST(Daemon, KilledDaemonResumesInterruptedJobWithContinuousReceipts) {
   }
   ASSERT_GE(recorded, 30);
   ASSERT_LT(recorded, 1500) << "the job ran too fast to be interrupted";
-  const auto executors = executors_of(d.pid());
+  const auto executors = testing::executor_pids(d.pid());
   d.stop(SIGKILL);
   // The orphaned executor notices, checkpoints and exits by itself.
   for (int i = 0; i < 600 && !executors.empty() && ::kill(executors[0], 0) == 0; ++i) {
@@ -288,7 +231,7 @@ TEST(Daemon, KilledDaemonResumesInterruptedJobWithContinuousReceipts) {
   ASSERT_TRUE(executors.empty() || ::kill(executors[0], 0) != 0) << "executor outlived its daemon";
   ASSERT_EQ(d.start(), -1) << d.log();
   ASSERT_EQ(count_jobs(d), 1) << d.log();
-  const v1::Job done = wait_for(d, job.id(), is_terminal, 180);
+  const v1::Job done = wait_for(d, job.id(), ended, 180);
   EXPECT_EQ(done.state(), v1::JOB_STATE_SUCCEEDED) << done.error();
   EXPECT_EQ(done.attempts(), 2) << d.log();
   EXPECT_EQ(d.stop(SIGTERM), 0);
@@ -399,7 +342,7 @@ TEST(Daemon, ConcurrentClientsReadWhileAJobTrains) {
   for (auto& c : clients) c.join();
   EXPECT_EQ(errors.load(), 0);
   EXPECT_EQ(calls.load(), 32 * 15);
-  EXPECT_EQ(wait_for(d, job.id(), is_terminal).state(), v1::JOB_STATE_SUCCEEDED);
+  EXPECT_EQ(wait_for(d, job.id(), ended).state(), v1::JOB_STATE_SUCCEEDED);
 }
 
 TEST(Daemon, ConcurrencyLimitKeepsASecondJobQueuedDespiteAFreeSlot) {

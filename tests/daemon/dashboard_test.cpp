@@ -46,7 +46,7 @@ std::set<std::string> megacpp_names(const std::string& expr) {
 
 TEST(Dashboard, NameParsingSkipsStringsAndFindsEveryMetric) {
   EXPECT_EQ(megacpp_names("histogram_quantile(0.5, sum by (le) (rate(megacpp_step_seconds_bucket{"
-                          "job=\"megacpp_not_a_metric\"}[5m]))) / megacpp_jobs"),
+                          "job_id=\"megacpp_not_a_metric\"}[5m]))) / megacpp_jobs"),
             (std::set<std::string>{"megacpp_step_seconds_bucket", "megacpp_jobs"}));
 }
 
@@ -64,11 +64,19 @@ TEST(Dashboard, EveryPanelQueriesOnlyMetricsTheDaemonExports) {
   ASSERT_TRUE(testing::poll_until(
       [&] {
         exposition = testing::parse_exposition(testing::fetch_metrics(d));
-        return !exposition.find("megacpp_job_step", {{"job", job.id()}}).empty() &&
-               !exposition.find("megacpp_step_seconds_bucket", {{"job", job.id()}}).empty();
+        return !exposition.find("megacpp_job_step", {{"job_id", job.id()}}).empty() &&
+               !exposition.find("megacpp_step_seconds_bucket", {{"job_id", job.id()}}).empty();
       },
       120));
   const std::set<std::string> exported = exposition.series_names();
+  // A legend naming a label no series carries shows nothing useful; `job` would show the scrape
+  // job's name for every series (Prometheus's own label, not the megacpp job id).
+  std::set<std::string> labels = {"instance"};
+  for (const auto& [name, family] : exposition.families) {
+    for (const auto& sample : family.samples) {
+      for (const auto& [key, value] : sample.labels) labels.insert(key);
+    }
+  }
   EXPECT_EQ(d.stop(SIGTERM), 0);
 
   // Importable with a datasource chosen at import: one input, and every query goes through it.
@@ -100,6 +108,17 @@ TEST(Dashboard, EveryPanelQueriesOnlyMetricsTheDaemonExports) {
       EXPECT_EQ(target["datasource"], datasource) << where;
       check_query(where + " target " + target.value("refId", std::string()),
                   target.value("expr", std::string()));
+      const std::string legend = target.value("legendFormat", std::string());
+      for (size_t open = legend.find("{{"); open != std::string::npos;
+           open = legend.find("{{", open + 2)) {
+        const size_t close = legend.find("}}", open);
+        ASSERT_NE(close, std::string::npos) << where << ": unclosed {{ in legend " << legend;
+        std::string label = legend.substr(open + 2, close - open - 2);
+        std::erase(label, ' ');
+        EXPECT_TRUE(labels.contains(label))
+            << where << ": legend " << legend << " names label " << label
+            << ", which no /metrics series carries (" << kDashboard << ")";
+      }
     }
   }
   for (const auto& variable : dashboard["templating"]["list"]) {

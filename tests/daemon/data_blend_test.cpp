@@ -3,10 +3,8 @@
 // prefixes, the daemon's validation by field, and executors training a few steps on it.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 
 #include <cmath>
-#include <cstdlib>
 #include <functional>
 #include <limits>
 #include <string>
@@ -20,47 +18,10 @@ namespace {
 
 namespace v1 = megacpp::v1;
 using nlohmann::json;
+using testing::CliRun;
 using testing::Daemon;
-
-struct Cli {
-  int code = -1;
-  std::string out, err;
-};
-
-// Runs the megacpp CLI with `args` (each quoted), capturing stdout and stderr.
-Cli run_cli(const Daemon& d, const std::vector<std::string>& args) {
-  std::string command = fmt::format("'{}/megacpp'", testing::kBinDir);
-  for (const auto& a : args) command += fmt::format(" '{}'", a);
-  const auto out = d.dir() / "cli.out", err = d.dir() / "cli.err";
-  command += fmt::format(" >'{}' 2>'{}'", out.string(), err.string());
-  const int status = std::system(command.c_str());
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, testing::read_bytes(out),
-          testing::read_bytes(err)};
-}
-
-std::string grpc_address(const Daemon& d) {
-  return json::parse(testing::read_bytes(d.state() / "daemon.json"))["grpc"];
-}
-
-grpc::Status submit(const Daemon& d, const v1::JobSpec& spec, v1::Job* job = nullptr) {
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
-  v1::SubmitJobRequest request;
-  *request.mutable_spec() = spec;
-  v1::SubmitJobResponse response;
-  const grpc::Status s = d.jobs()->SubmitJob(&context, request, &response);
-  if (job) *job = response.job();
-  return s;
-}
-
-v1::Job get_job(const Daemon& d, const std::string& id) {
-  grpc::ClientContext context;
-  v1::GetJobRequest request;
-  request.set_id(id);
-  v1::Job job;
-  EXPECT_TRUE(d.jobs()->GetJob(&context, request, &job).ok());
-  return job;
-}
+using testing::get_job;
+using testing::submit;
 
 // Follows a job with WatchJob to its end; returns its final state.
 v1::JobState watch(const Daemon& d, const std::string& id) {
@@ -116,9 +77,9 @@ TEST(DaemonDataBlend, TheCliSubmitsABlendThatTrainsAndBadBlendsAreRefusedByField
   ASSERT_EQ(d.start(), -1) << d.log();
   // A second dataset, made by the CLI.
   write_corpus(d.dir() / "prose", 300);
-  const Cli prepared =
-      run_cli(d, {"data", "prepare", "--input", (d.dir() / "prose").string(), "--output",
-                  (d.dir() / "data/prose").string(), "--valid-fraction", "0.2"});
+  const CliRun prepared = testing::run_cli(
+      d.dir().path(), {"data", "prepare", "--input", (d.dir() / "prose").string(), "--output",
+                       (d.dir() / "data/prose").string(), "--valid-fraction", "0.2"});
   ASSERT_EQ(prepared.code, 0) << prepared.err;
   EXPECT_NE(prepared.out.find("tokenizer byte (257 tokens)"), std::string::npos) << prepared.out;
 
@@ -135,8 +96,9 @@ TEST(DaemonDataBlend, TheCliSubmitsABlendThatTrainsAndBadBlendsAreRefusedByField
                      {"checkpoint_interval", 3},
                      {"threads", 1}};
   testing::write_text(d.dir() / "specs/blend.json", spec.dump(2));
-  const Cli submitted = run_cli(d, {"submit", (d.dir() / "specs/blend.json").string(), "--watch",
-                                    "--daemon", grpc_address(d), "--timeout", "120"});
+  const CliRun submitted = testing::run_cli(
+      d.dir().path(), {"submit", (d.dir() / "specs/blend.json").string(), "--watch", "--daemon",
+                       d.grpc_address(), "--timeout", "120"});
   ASSERT_EQ(submitted.code, 0) << submitted.out << submitted.err << d.log();
   const std::string id = submitted.out.substr(0, submitted.out.find('\n'));
   const v1::Job job = get_job(d, id);
@@ -201,10 +163,10 @@ TEST(DaemonDataBlend, SentencePieceDatasetsTrainWhenTheModelHasRoomForTheirVocab
   ASSERT_FALSE(model.empty());
   for (const std::string name : {"web", "books"}) {
     write_corpus(d.dir() / name, name == "web" ? 500 : 600);
-    const Cli prepared =
-        run_cli(d, {"--json", "data", "prepare", "--input", (d.dir() / name).string(), "--output",
-                    (d.dir() / "data" / name).string(), "--tokenizer", model.string(),
-                    "--valid-fraction", "0.2"});
+    const CliRun prepared = testing::run_cli(
+        d.dir().path(), {"--json", "data", "prepare", "--input", (d.dir() / name).string(),
+                         "--output", (d.dir() / "data" / name).string(), "--tokenizer",
+                         model.string(), "--valid-fraction", "0.2"});
     ASSERT_EQ(prepared.code, 0) << prepared.err;
     const json report = json::parse(prepared.out);
     EXPECT_EQ(report["tokenizer"]["type"], "sentencepiece");

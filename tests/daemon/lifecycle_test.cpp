@@ -19,48 +19,13 @@ namespace {
 
 namespace v1 = megacpp::v1;
 using nlohmann::json;
+using testing::cancel_job;
 using testing::Daemon;
+using testing::ended;
+using testing::get_job;
+using testing::submit;
+using testing::wait_for;
 using Clock = std::chrono::steady_clock;
-
-grpc::Status submit_spec(const Daemon& d, const v1::JobSpec& spec, v1::Job* job) {
-  grpc::ClientContext context;
-  v1::SubmitJobRequest request;
-  *request.mutable_spec() = spec;
-  v1::SubmitJobResponse response;
-  const grpc::Status s = d.jobs()->SubmitJob(&context, request, &response);
-  if (job) *job = response.job();
-  return s;
-}
-
-v1::Job job_of(const Daemon& d, const std::string& id) {
-  grpc::ClientContext context;
-  v1::GetJobRequest request;
-  request.set_id(id);
-  v1::Job job;
-  const grpc::Status s = d.jobs()->GetJob(&context, request, &job);
-  EXPECT_TRUE(s.ok()) << s.error_message();
-  return job;
-}
-
-bool ended(const v1::Job& j) {
-  return j.state() == v1::JOB_STATE_SUCCEEDED || j.state() == v1::JOB_STATE_FAILED ||
-         j.state() == v1::JOB_STATE_CANCELLED || j.state() == v1::JOB_STATE_REFUSED;
-}
-
-v1::Job await(const Daemon& d, const std::string& id,
-              const std::function<bool(const v1::Job&)>& done, int seconds = 120) {
-  const auto deadline = Clock::now() + std::chrono::seconds(seconds);
-  v1::Job job;
-  while (Clock::now() < deadline) {
-    job = job_of(d, id);
-    if (done(job)) return job;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  ADD_FAILURE() << "timed out waiting on " << id << ", state " << v1::JobState_Name(job.state())
-                << "\n"
-                << d.log();
-  return job;
-}
 
 // The job's one executor, once it has one.
 pid_t executor_of(const Daemon& d) {
@@ -76,14 +41,6 @@ pid_t executor_of(const Daemon& d) {
 
 bool gone(pid_t pid) {
   return ::kill(pid, 0) != 0;  // reaped by the daemon
-}
-
-grpc::Status cancel_job(const Daemon& d, const std::string& id) {
-  grpc::ClientContext context;
-  v1::CancelJobRequest request;
-  request.set_id(id);
-  v1::Job out;
-  return d.jobs()->CancelJob(&context, request, &out);
 }
 
 grpc::Status run_summary(const Daemon& d, const std::string& id) {
@@ -157,8 +114,8 @@ TEST(Lifecycle, EndIsPublishedOnlyAfterTheSummaryAndLastStepsAreCommitted) {
   spec.set_max_seconds(1);  // the executor ends by itself: time_limit, a success
   spec.set_checkpoint_interval(0);
   v1::Job job;
-  ASSERT_TRUE(submit_spec(d, spec, &job).ok());
-  await(d, job.id(), [](const v1::Job& j) { return j.step() >= 1; });
+  ASSERT_TRUE(submit(d, spec, &job).ok());
+  wait_for(d, job.id(), [](const v1::Job& j) { return j.step() >= 1; });
 
   // A watcher that reads the store the moment its stream ends, like `megacpp watch` followed
   // by `megacpp receipts runs`.
@@ -194,7 +151,7 @@ TEST(Lifecycle, EndIsPublishedOnlyAfterTheSummaryAndLastStepsAreCommitted) {
                          std::stoi(d.http_address().substr(colon + 1)));
     const auto watch_until = std::min(release_by, Clock::now() + std::chrono::milliseconds(1500));
     while (Clock::now() < watch_until) {
-      const v1::Job seen = job_of(d, job.id());
+      const v1::Job seen = get_job(d, job.id());
       if (ended(seen)) seen_ended.push_back("GetJob: " + v1::JobState_Name(seen.state()));
       grpc::ClientContext context;
       v1::ListJobsResponse listed;
@@ -224,7 +181,7 @@ TEST(Lifecycle, EndIsPublishedOnlyAfterTheSummaryAndLastStepsAreCommitted) {
   EXPECT_TRUE(seen_ended.empty()) << "the end was visible before it was committed: "
                                   << seen_ended.front();
 
-  const v1::Job done = await(d, job.id(), ended);
+  const v1::Job done = wait_for(d, job.id(), ended);
   EXPECT_EQ(done.state(), v1::JOB_STATE_SUCCEEDED) << done.error();
   // Visible now, so everything is in the store already: no waiting.
   EXPECT_TRUE(run_summary(d, job.id()).ok()) << run_summary(d, job.id()).error_message();
@@ -242,12 +199,12 @@ TEST(Lifecycle, WatchdogFailsAJobWhoseExecutorMakesNoProgress) {
   });
   ASSERT_EQ(d.start(), -1) << d.log();
   v1::Job job;
-  ASSERT_TRUE(submit_spec(d, d.small_job(1000000), &job).ok());
-  await(d, job.id(), [](const v1::Job& j) { return j.step() >= 2; });
+  ASSERT_TRUE(submit(d, d.small_job(1000000), &job).ok());
+  wait_for(d, job.id(), [](const v1::Job& j) { return j.step() >= 2; });
   const pid_t executor = executor_of(d);
   ASSERT_GT(executor, 0);
   ASSERT_EQ(::kill(executor, SIGSTOP), 0);
-  const v1::Job failed = await(d, job.id(), ended, 90);
+  const v1::Job failed = wait_for(d, job.id(), ended, 90);
   EXPECT_EQ(failed.state(), v1::JOB_STATE_FAILED);
   EXPECT_NE(failed.error().find("no progress"), std::string::npos) << failed.error();
   EXPECT_NE(failed.error().find("jobs.progress_timeout_seconds=5"), std::string::npos)
@@ -267,21 +224,21 @@ TEST(Lifecycle, CancelKillsAnExecutorThatDoesNotStopAfterTheGracePeriod) {
   Daemon d([](json& c) { c["jobs"] = {{"cancel_grace_seconds", 1}}; });
   ASSERT_EQ(d.start(), -1) << d.log();
   v1::Job job;
-  ASSERT_TRUE(submit_spec(d, d.small_job(1000000), &job).ok());
-  await(d, job.id(), [](const v1::Job& j) { return j.step() >= 2; });
+  ASSERT_TRUE(submit(d, d.small_job(1000000), &job).ok());
+  wait_for(d, job.id(), [](const v1::Job& j) { return j.step() >= 2; });
   const pid_t executor = executor_of(d);
   ASSERT_GT(executor, 0);
   ASSERT_EQ(::kill(executor, SIGSTOP), 0);  // SIGTERM stays pending: as good as ignored
   ASSERT_TRUE(cancel_job(d, job.id()).ok());
-  const v1::Job cancelled = await(d, job.id(), ended, 90);
+  const v1::Job cancelled = wait_for(d, job.id(), ended, 90);
   EXPECT_EQ(cancelled.state(), v1::JOB_STATE_CANCELLED);
   EXPECT_NE(cancelled.error().find("jobs.cancel_grace_seconds=1"), std::string::npos)
       << cancelled.error();
   EXPECT_TRUE(gone(executor));
   // The slot is free again.
   v1::Job next;
-  ASSERT_TRUE(submit_spec(d, d.small_job(3), &next).ok());
-  EXPECT_EQ(await(d, next.id(), ended).state(), v1::JOB_STATE_SUCCEEDED);
+  ASSERT_TRUE(submit(d, d.small_job(3), &next).ok());
+  EXPECT_EQ(wait_for(d, next.id(), ended).state(), v1::JOB_STATE_SUCCEEDED);
 }
 
 // Item: spec.max_seconds is enforced by the daemon too: an executor that cannot enforce it
@@ -296,12 +253,12 @@ TEST(Lifecycle, DaemonEnforcesMaxSecondsOnAnExecutorThatCannot) {
   v1::JobSpec spec = d.small_job(1000000);
   spec.set_max_seconds(4);
   v1::Job job;
-  ASSERT_TRUE(submit_spec(d, spec, &job).ok());
-  await(d, job.id(), [](const v1::Job& j) { return j.step() >= 1; });
+  ASSERT_TRUE(submit(d, spec, &job).ok());
+  wait_for(d, job.id(), [](const v1::Job& j) { return j.step() >= 1; });
   const pid_t executor = executor_of(d);
   ASSERT_GT(executor, 0);
   ASSERT_EQ(::kill(executor, SIGSTOP), 0);
-  const v1::Job failed = await(d, job.id(), ended, 90);
+  const v1::Job failed = wait_for(d, job.id(), ended, 90);
   EXPECT_EQ(failed.state(), v1::JOB_STATE_FAILED) << failed.error();
   EXPECT_NE(failed.error().find("spec.max_seconds=4"), std::string::npos) << failed.error();
   EXPECT_NE(failed.error().find("jobs.time_limit_grace_seconds=1"), std::string::npos)
@@ -319,7 +276,7 @@ TEST(Lifecycle, RestartsBackOffExponentiallyUpToTheCap) {
   spec.set_restart_policy(v1::RESTART_POLICY_ON_FAILURE);
   spec.set_max_restarts(3);
   v1::Job job;
-  ASSERT_TRUE(submit_spec(d, spec, &job).ok());
+  ASSERT_TRUE(submit(d, spec, &job).ok());
   std::set<pid_t> seen;
   std::vector<Clock::time_point> started, killed;
   for (int attempt = 1; attempt <= 4; ++attempt) {
@@ -337,7 +294,7 @@ TEST(Lifecycle, RestartsBackOffExponentiallyUpToTheCap) {
     ::kill(pid, SIGKILL);
     killed.push_back(Clock::now());
   }
-  const v1::Job failed = await(d, job.id(), ended);
+  const v1::Job failed = wait_for(d, job.id(), ended);
   EXPECT_EQ(failed.state(), v1::JOB_STATE_FAILED);
   EXPECT_EQ(failed.attempts(), 4);
   EXPECT_NE(failed.error().find("signal 9"), std::string::npos) << failed.error();
@@ -362,7 +319,7 @@ TEST(Lifecycle, MaxRestartsAboveTheBoundIsRefusedByName) {
   v1::JobSpec spec = d.small_job(1000000);
   spec.set_restart_policy(v1::RESTART_POLICY_ON_FAILURE);
   spec.set_max_restarts(1000000);
-  const grpc::Status refused = submit_spec(d, spec, nullptr);
+  const grpc::Status refused = submit(d, spec, nullptr);
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << refused.error_message();
   EXPECT_NE(refused.error_message().find("spec.max_restarts=1000000"), std::string::npos)
       << refused.error_message();
@@ -372,7 +329,7 @@ TEST(Lifecycle, MaxRestartsAboveTheBoundIsRefusedByName) {
   EXPECT_EQ(listed.jobs_size(), 0);
   spec.set_max_restarts(20);
   v1::Job accepted;
-  ASSERT_TRUE(submit_spec(d, spec, &accepted).ok());
+  ASSERT_TRUE(submit(d, spec, &accepted).ok());
   EXPECT_TRUE(cancel_job(d, accepted.id()).ok());
 }
 
@@ -386,8 +343,8 @@ TEST(Lifecycle, EventHistoryMemoryIsBoundedForALargeJob) {
   const int64_t rss_before = testing::process_status_kib(d.pid(), "VmRSS");
   ASSERT_GT(rss_before, 0);
   v1::Job job;
-  ASSERT_TRUE(submit_spec(d, spec, &job).ok()) << submit_spec(d, spec, nullptr).error_message();
-  const v1::Job done = await(d, job.id(), ended, 300);
+  ASSERT_TRUE(submit(d, spec, &job).ok()) << submit(d, spec, nullptr).error_message();
+  const v1::Job done = wait_for(d, job.id(), ended, 300);
   ASSERT_EQ(done.state(), v1::JOB_STATE_SUCCEEDED) << done.error();
   // A copy of the job per event would be 800 × 150 kB = 120 MB.
   const int64_t peak = testing::process_status_kib(d.pid(), "VmHWM");
@@ -408,7 +365,7 @@ TEST(Lifecycle, LateAndSlowWatchersGetEveryStepFromTheStore) {
   spec.set_eval_batches(1);
   spec.set_checkpoint_interval(100);
   v1::Job job;
-  ASSERT_TRUE(submit_spec(d, spec, &job).ok());
+  ASSERT_TRUE(submit(d, spec, &job).ok());
 
   // Slow: reads one event, then nothing until the job has ended.
   grpc::ClientContext slow_context;
@@ -422,7 +379,7 @@ TEST(Lifecycle, LateAndSlowWatchersGetEveryStepFromTheStore) {
   slow_watched.add(event);
 
   // Mid-run: the executor is held still while the watcher attaches, after step 1000.
-  await(d, job.id(), [](const v1::Job& j) { return j.step() >= 1000; });
+  wait_for(d, job.id(), [](const v1::Job& j) { return j.step() >= 1000; });
   const pid_t executor = executor_of(d);
   ASSERT_GT(executor, 0);
   ::kill(executor, SIGSTOP);
@@ -432,7 +389,7 @@ TEST(Lifecycle, LateAndSlowWatchersGetEveryStepFromTheStore) {
   ::kill(executor, SIGCONT);
   mid_watcher.join();
 
-  const v1::Job done = await(d, job.id(), ended);
+  const v1::Job done = wait_for(d, job.id(), ended);
   ASSERT_EQ(done.state(), v1::JOB_STATE_SUCCEEDED) << done.error();
   while (slow->Read(&event)) slow_watched.add(event);
   slow_watched.status = slow->Finish();
@@ -455,8 +412,8 @@ TEST(Lifecycle, WatchStreamsBeyondTheLimitAreRefusedAsResourceExhausted) {
   Daemon d([](json& c) { c["limits"] = {{"max_watch_streams", 2}}; });
   ASSERT_EQ(d.start(), -1) << d.log();
   v1::Job job;
-  ASSERT_TRUE(submit_spec(d, d.small_job(1000000), &job).ok());
-  await(d, job.id(), [](const v1::Job& j) { return j.step() >= 1; });
+  ASSERT_TRUE(submit(d, d.small_job(1000000), &job).ok());
+  wait_for(d, job.id(), [](const v1::Job& j) { return j.step() >= 1; });
   v1::WatchJobRequest request;
   request.set_id(job.id());
   v1::JobEvent event;
@@ -484,7 +441,7 @@ TEST(Lifecycle, WatchStreamsBeyondTheLimitAreRefusedAsResourceExhausted) {
     EXPECT_NE(s.error_message().find("limits.max_watch_streams=2"), std::string::npos)
         << s.error_message();
   }
-  EXPECT_EQ(job_of(d, job.id()).state(), v1::JOB_STATE_RUNNING);  // other RPCs still served
+  EXPECT_EQ(get_job(d, job.id()).state(), v1::JOB_STATE_RUNNING);  // other RPCs still served
   first_context.TryCancel();
   first->Finish();
   // The cancelled stream's place comes back once its handler notices (within a second or so).
@@ -514,7 +471,7 @@ TEST(Lifecycle, SubmitThatCannotBeWrittenLeavesNoPhantomJob) {
   std::filesystem::create_directories(d.state() / "jobs");
   std::ofstream(d.state() / "jobs" / "job-000001") << "in the way";
   v1::Job job;
-  const grpc::Status failed = submit_spec(d, d.small_job(4), &job);
+  const grpc::Status failed = submit(d, d.small_job(4), &job);
   EXPECT_FALSE(failed.ok());
   EXPECT_NE(failed.error_message().find("cannot create its directory"), std::string::npos)
       << failed.error_message();
@@ -525,7 +482,7 @@ TEST(Lifecycle, SubmitThatCannotBeWrittenLeavesNoPhantomJob) {
     EXPECT_EQ(listed.jobs_size(), 0) << listed.DebugString();
   }
   std::filesystem::remove(d.state() / "jobs" / "job-000001");
-  ASSERT_TRUE(submit_spec(d, d.small_job(4), &job).ok());
+  ASSERT_TRUE(submit(d, d.small_job(4), &job).ok());
   EXPECT_EQ(job.id(), "job-000001");
   EXPECT_TRUE(cancel_job(d, job.id()).ok());
 }

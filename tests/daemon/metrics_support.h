@@ -213,13 +213,10 @@ inline megacpp::v1::Job start_training(const Daemon& d, int64_t steps = 3) {
   megacpp::v1::JobSpec spec = d.small_job(1000000);
   // Checkpoints would only add disk traffic to a busy machine; SIGTERM still writes one.
   spec.set_checkpoint_interval(1000);
-  grpc::ClientContext context;
-  megacpp::v1::SubmitJobRequest request;
-  *request.mutable_spec() = spec;
-  megacpp::v1::SubmitJobResponse response;
-  const grpc::Status s = d.jobs()->SubmitJob(&context, request, &response);
+  megacpp::v1::Job submitted;
+  const grpc::Status s = submit(d, spec, &submitted);
   EXPECT_TRUE(s.ok()) << s.error_message();
-  const std::string id = response.job().id();
+  const std::string id = submitted.id();
   megacpp::v1::Job job;
   const bool ran = poll_until(
       [&] {
@@ -252,8 +249,9 @@ inline int free_loopback_port() {
 inline const char* kPrometheusBinary = "/usr/bin/prometheus";
 
 // A Prometheus server of its own: a temporary config and TSDB directory, a free loopback port,
-// scraping `target` (host:port) every second as scrape job "megacpp" with honor_labels, as
-// README's scrape config does (the daemon's per-job series carry a `job` label).
+// scraping `target` (host:port) every second as scrape job "megacpp", as README's scrape config
+// does: without honor_labels, so a per-job label that clashed with Prometheus's own `job` would
+// come back renamed `exported_job` and the tests' `job_id` selectors would find nothing.
 class PrometheusServer {
  public:
   explicit PrometheusServer(const std::string& target) {
@@ -264,7 +262,6 @@ class PrometheusServer {
                "  evaluation_interval: 1s\n"
                "scrape_configs:\n"
                "  - job_name: megacpp\n"
-               "    honor_labels: true\n"
                "    static_configs:\n"
                "      - targets: ['" +
                    target + "']\n");

@@ -42,14 +42,6 @@ const std::map<std::string, std::string> kFamilies = {
     {"megacpp_step_seconds", "histogram"},
 };
 
-void cancel(const Daemon& d, const std::string& id) {
-  grpc::ClientContext context;
-  v1::CancelJobRequest request;
-  request.set_id(id);
-  v1::Job out;
-  ASSERT_TRUE(d.jobs()->CancelJob(&context, request, &out).ok());
-}
-
 // The hand-written exposition this replaced announced megacpp_devices (with no TYPE) between
 // megacpp_devices_held's TYPE and its samples: the parser the tests below rely on refuses it.
 TEST(Metrics, ParserRefusesAFamilyWithoutTypeOrInterleavedWithAnother) {
@@ -74,7 +66,7 @@ TEST(Metrics, EveryFamilyHasHelpAndTypeAndTheHistogramCountsEveryStep) {
   ASSERT_EQ(d.start(), -1) << d.log();
   const v1::Job job = testing::start_training(d);
   ASSERT_FALSE(job.id().empty());
-  const std::map<std::string, std::string> by_job = {{"job", job.id()}};
+  const std::map<std::string, std::string> by_job = {{"job_id", job.id()}};
 
   // The first scrape after the job started running has its series.
   Exposition e;
@@ -127,7 +119,7 @@ TEST(Metrics, EveryFamilyHasHelpAndTypeAndTheHistogramCountsEveryStep) {
 
   // Once the job has ended its gauges go, as they always did; its histogram stays for the
   // scrapes that have not yet seen its last steps.
-  cancel(d, job.id());
+  ASSERT_TRUE(testing::cancel_job(d, job.id()).ok());
   ASSERT_TRUE(poll_until(
       [&] {
         e = parse_exposition(testing::fetch_metrics(d));
@@ -176,7 +168,8 @@ TEST(Metrics, PrometheusScrapesTheJobsThroughputStepsAndStepTimeQuantiles) {
   testing::PrometheusServer prometheus(d.http_address());
   ASSERT_TRUE(prometheus.ready()) << prometheus.log();
 
-  const std::string selector = "{job=\"" + job.id() + "\"}";
+  // The scrape job's own label and the megacpp job id side by side: neither renamed.
+  const std::string selector = "{job=\"megacpp\", job_id=\"" + job.id() + "\"}";
   std::optional<double> tokens, step;
   const bool scraped = poll_until(
       [&] {
@@ -200,7 +193,7 @@ TEST(Metrics, PrometheusScrapesTheJobsThroughputStepsAndStepTimeQuantiles) {
   // p50 and p99 from the histogram: rate() needs two scrapes of it within the window.
   std::optional<double> p50, p99;
   const std::string rate =
-      "sum by (le, job) (rate(megacpp_step_seconds_bucket" + selector + "[10s]))";
+      "sum by (le, job_id) (rate(megacpp_step_seconds_bucket" + selector + "[10s]))";
   EXPECT_TRUE(poll_until(
       [&] {
         p50 = prometheus.value("histogram_quantile(0.5, " + rate + ")");

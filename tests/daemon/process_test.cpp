@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -141,6 +142,51 @@ TEST(DaemonProcess, CheckExitsZeroAndRecordsACheckedBoot) {
   EXPECT_EQ(again.code, 0) << again.output;
   EXPECT_TRUE(status_ok(d));
   EXPECT_EQ(store.get_boot(ready_file(d)["boot_id"].get<int64_t>())->status, "serving");
+}
+
+// Its logs go to stderr (spdlog's default logger would write them to stdout, which is for what
+// megacppd is asked to print: the --check table): a daemon that starts, serves and stops with
+// every log at debug writes nothing on stdout.
+TEST(DaemonProcess, LogsGoToStderrAndLeaveStdoutEmpty) {
+  Daemon d;
+  const fs::path out = d.dir() / "stdout.txt", err = d.dir() / "stderr.txt";
+  const std::string bin = testing::kBinDir + "/megacppd", cfg = (d.dir() / "daemon.json").string();
+  std::vector<std::string> env = {"SPDLOG_LEVEL=debug"};
+  for (char** e = environ; *e != nullptr; ++e) {
+    if (!std::string_view(*e).starts_with("SPDLOG_LEVEL=")) env.emplace_back(*e);
+  }
+  std::vector<char*> envp;
+  for (auto& e : env) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  const char* argv[] = {bin.c_str(), "--config", cfg.c_str(), nullptr};
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::dup2(::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644), 1);
+    ::dup2(::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644), 2);
+    ::execve(bin.c_str(), const_cast<char**>(argv), envp.data());
+    ::_exit(127);
+  }
+  ASSERT_GT(pid, 0);
+  int status = 0;
+  bool exited = false;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (!fs::exists(d.state() / "daemon.json") && std::chrono::steady_clock::now() < deadline) {
+    if (::waitpid(pid, &status, WNOHANG) == pid) {
+      exited = true;
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  if (!exited) {
+    ::kill(pid, SIGTERM);
+    ::waitpid(pid, &status, 0);
+  }
+  const std::string printed = testing::read_bytes(out), logged = testing::read_bytes(err);
+  EXPECT_FALSE(exited) << "megacppd exited before serving; stderr:\n" << logged;
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status << "\n" << logged;
+  EXPECT_EQ(printed, "") << "stderr:\n" << logged;
+  EXPECT_NE(logged.find("serving gRPC"), std::string::npos) << logged;
+  EXPECT_NE(logged.find("stopped cleanly"), std::string::npos) << logged;
 }
 
 TEST(DaemonProcess, KilledDaemonsBootIsMarkedCrashedAtTheNextStart) {

@@ -95,10 +95,6 @@ std::pair<std::string, int> split(const std::string& address) {
   return {address.substr(0, colon), std::stoi(address.substr(colon + 1))};
 }
 
-std::string grpc_address(const Daemon& d) {
-  return nlohmann::json::parse(testing::read_bytes(d.state() / "daemon.json"))["grpc"];
-}
-
 TEST(DaemonSecurity, MalformedRequestsAnswerInvalidArgumentNamingTheMessage) {
   Daemon d;
   ASSERT_EQ(d.start(), -1) << d.log();
@@ -253,14 +249,6 @@ void make_certificate(const fs::path& dir, const std::string& name) {
       << testing::read_bytes(dir / (name + ".log"));
 }
 
-int run_cli(const std::vector<std::string>& args, const fs::path& log) {
-  std::string command = "'" + testing::kBinDir + "/megacpp'";
-  for (const auto& a : args) command += " '" + a + "'";
-  command += " >'" + log.string() + "' 2>&1";
-  const int status = std::system(command.c_str());
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-}
-
 TEST(DaemonSecurity, TlsServesGrpcHttpsAndTheCliWithATestCertificate) {
   testing::TempDir secrets;
   ASSERT_NO_FATAL_FAILURE(make_certificate(secrets.path(), "daemon"));
@@ -272,7 +260,7 @@ TEST(DaemonSecurity, TlsServesGrpcHttpsAndTheCliWithATestCertificate) {
                      {"tls_key_file", (secrets / "daemon.key").string()}};
   });
   ASSERT_EQ(d.start(), -1) << d.log();
-  const std::string address = grpc_address(d);
+  const std::string address = d.grpc_address();
 
   auto get_status = [&](const std::shared_ptr<grpc::ChannelCredentials>& credentials) {
     auto stub = v1::StatusService::NewStub(grpc::CreateChannel(address, credentials));
@@ -297,8 +285,10 @@ TEST(DaemonSecurity, TlsServesGrpcHttpsAndTheCliWithATestCertificate) {
       "--timeout", "20"};
   std::vector<std::string> with_ca = base;
   with_ca.insert(with_ca.end(), {"--tls-ca", (secrets / "daemon.pem").string()});
-  EXPECT_EQ(run_cli(with_ca, secrets / "cli.log"), 0) << testing::read_bytes(secrets / "cli.log");
-  EXPECT_EQ(run_cli(base, secrets / "cli2.log"), 5) << testing::read_bytes(secrets / "cli2.log");
+  const testing::CliRun trusting = testing::run_cli(secrets.path(), with_ca);
+  EXPECT_EQ(trusting.code, 0) << trusting.out << trusting.err;
+  const testing::CliRun without_ca = testing::run_cli(secrets.path(), base);
+  EXPECT_EQ(without_ca.code, 5) << without_ca.out << without_ca.err;
 
   // HTTPS with the same certificate, the token still required; plain HTTP gets nothing.
   const auto [host, port] = split(d.http_address());

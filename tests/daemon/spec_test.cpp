@@ -365,11 +365,7 @@ TEST(SpecDaemon, BadNumbersAreRefusedAtSubmitAndNothingIsQueued) {
   for (const Case& c : cases) {
     v1::JobSpec spec = d.small_job(5);
     c.breaks(spec);
-    grpc::ClientContext context;
-    v1::SubmitJobRequest request;
-    *request.mutable_spec() = spec;
-    v1::SubmitJobResponse response;
-    const grpc::Status status = d.jobs()->SubmitJob(&context, request, &response);
+    const grpc::Status status = testing::submit(d, spec);
     EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
         << c.name << ": " << status.error_message();
     EXPECT_NE(status.error_message().find(c.message), std::string::npos)
@@ -388,37 +384,16 @@ TEST(SpecDaemon, DatasetTruncatedUnderARunningJobFailsItNamingTheFile) {
   ASSERT_EQ(d.start(), -1) << d.log();
   v1::JobSpec spec = d.small_job(1000000);
   spec.clear_valid_data();
-  grpc::ClientContext submit_context;
-  v1::SubmitJobRequest request;
-  *request.mutable_spec() = spec;
-  v1::SubmitJobResponse response;
-  const grpc::Status submitted = d.jobs()->SubmitJob(&submit_context, request, &response);
-  ASSERT_TRUE(submitted.ok()) << submitted.error_message();
-  const std::string id = response.job().id();
-  const auto get = [&] {
-    grpc::ClientContext context;
-    v1::GetJobRequest get_request;
-    get_request.set_id(id);
-    v1::Job job;
-    EXPECT_TRUE(d.jobs()->GetJob(&context, get_request, &job).ok());
-    return job;
-  };
-  // Generous deadlines: the test machine may be busy.
-  const auto wait = [&](const std::function<bool(const v1::Job&)>& done) {
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-    v1::Job job = get();
-    while (!done(job) && std::chrono::steady_clock::now() < deadline) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      job = get();
-    }
-    return job;
-  };
-  v1::Job job = wait([](const v1::Job& j) { return j.step() >= 2; });
+  v1::Job submitted;
+  const grpc::Status s = testing::submit(d, spec, &submitted);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  const std::string id = submitted.id();
+  v1::Job job = testing::wait_for(d, id, [](const v1::Job& j) { return j.step() >= 2; });
   ASSERT_GE(job.step(), 2) << v1::JobState_Name(job.state()) << "\n" << d.log();
   // The daemon names the file by its canonical path.
   const std::string bin = std::filesystem::canonical(d.data("train") + ".bin").string();
   std::filesystem::resize_file(bin, 0);
-  job = wait([](const v1::Job& j) {
+  job = testing::wait_for(d, id, [](const v1::Job& j) {
     return j.state() != v1::JOB_STATE_RUNNING && j.state() != v1::JOB_STATE_QUEUED;
   });
   EXPECT_EQ(job.state(), v1::JOB_STATE_FAILED) << job.error();

@@ -360,8 +360,8 @@ class LoadsInMegacpp(unittest.TestCase):
             with open(os.path.join(root, "job.json"), "w") as f:
                 json.dump(job, f)
             out = megacpp("--json", "train", "--quiet", os.path.join(root, "job.json"))
-            # The CLI's log lines ("initialized from ...") share stdout with the JSON summary.
-            summary = json.loads(out[out.index("{"):])
+            # The whole of stdout: the CLI's log lines ("initialized from ...") go to stderr.
+            summary = json.loads(out)
             self.assertEqual(summary["first_step"], 1)
             self.assertTrue(math.isfinite(summary["final_loss"]))
 
