@@ -73,6 +73,15 @@ struct PlanCacheRepair {
 // or removed.
 std::vector<PlanCacheRepair> repair_plan_cache_dir(const std::filesystem::path& dir);
 
+// What a process's plan lookups came to: the trainer reads it to hold the job to its recompile
+// budget, the run summary reports it.
+struct PlanLedger {
+  uint64_t hits = 0;
+  uint64_t builds = 0;     // every plan made by the library's heuristic: misses and stale entries
+  uint64_t stale = 0;      // of the builds: a cached entry the library no longer accepted
+  std::string last_build;  // what the newest build was for (the GEMM and its shape)
+};
+
 class PlanCache {
  public:
   // Loads dir/plan_cache_file_name(scope) if it exists. Bad content is not an error: it is
