@@ -444,8 +444,16 @@ void plan_gemm(GemmPlans& plans, int gemm, const LinearShape& shape, cublasOpera
   }
   plan.algo = result.algo;
   if (cache != nullptr) {
+    // The workspace stored is what cublasLtMatmulAlgoCheck reports for the algorithm, the value
+    // a later lookup's check is compared with (the heuristic's own figure need not be the same).
+    uint64_t workspace = result.workspaceSize;
+    cublasLtMatmulHeuristicResult_t check{};
+    if (cublasLtMatmulAlgoCheck(plans.handle, plan.desc, plan.a, plan.b, plan.d, plan.d,
+                                &result.algo, &check) == CUBLAS_STATUS_SUCCESS &&
+        check.state == CUBLAS_STATUS_SUCCESS) {
+      workspace = check.workspaceSize;
+    }
     std::string value(reinterpret_cast<const char*>(&result.algo), sizeof(result.algo));
-    const uint64_t workspace = result.workspaceSize;
     value.append(reinterpret_cast<const char*>(&workspace), sizeof(workspace));
     std::ostringstream what;
     what << "LinearCuda " << name << " GEMM of LinearShape rows=" << shape.rows
