@@ -149,29 +149,11 @@ std::vector<TrainBlendEntry> parse_blend(const json& list, const std::string& wh
 
 TrainJob parse_train_job(const json& j, const std::string& source) {
   if (!j.is_object()) fail(ErrorKind::kInvalidArgument, "{}: a job must be a JSON object", source);
-  refuse_unknown_keys(j,
-                      {"model",
-                       "data",
-                       "steps",
-                       "batch",
-                       "seqlen",
-                       "grad_accum",
-                       "optimizer",
-                       "eval",
-                       "checkpoint",
-                       "init",
-                       "seed",
-                       "max_seconds",
-                       "scan",
-                       "threads",
-                       "log",
-                       "device",
-                       "gpu",
-                       "device_count",
-                       "tensor_parallel",
-                       "gpus",
-                       "plan_cache",
-                       "recompile_budget"},
+  refuse_unknown_keys(j, {"model",      "data",        "steps",        "tensor_parallel",  "seqlen",
+                          "grad_accum", "optimizer",   "eval",         "checkpoint",       "init",
+                          "seed",       "max_seconds", "scan",         "threads",          "log",
+                          "device",     "gpu",         "device_count", "recompile_budget", "gpus",
+                          "batch",      "plan_cache"},
                       source);
   TrainJob job;
   if (!j.contains("model") || !j["model"].is_object()) {
