@@ -212,7 +212,8 @@ std::string plan_cache_file_name(std::string_view scope) {
   return fmt::format("{}-{:08x}.plans", name, crc32(scope));
 }
 
-std::vector<PlanCacheRepair> repair_plan_cache_dir(const fs::path& dir) {
+std::vector<PlanCacheRepair> repair_plan_cache_dir(
+    const fs::path& dir, const std::function<bool(std::string_view scope)>& current) {
   std::vector<PlanCacheRepair> repairs;
   std::error_code error;
   if (!fs::is_directory(dir, error)) return repairs;
@@ -229,6 +230,13 @@ std::vector<PlanCacheRepair> repair_plan_cache_dir(const fs::path& dir) {
     std::string bytes;
     if (!read_if_exists(file, bytes)) continue;  // removed by another process meanwhile
     PlanCacheContent content = parse_plan_cache(file, bytes);
+    if (content.header_ok && current && !current(content.scope)) {
+      content.header_ok = false;
+      content.problems.push_back(
+          fmt::format("{}: header: scope \"{}\" is not this build's (another library version; "
+                      "stale, rebuilt)",
+                      file.string(), content.scope));
+    }
     repair.problems = content.problems;
     repair.records_kept = content.records.size();
     if (!content.header_ok) {

@@ -22,6 +22,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <string>
 #include <string_view>
@@ -68,10 +69,13 @@ struct PlanCacheRepair {
 };
 
 // Checks every "*.plans" file in `dir` (absent: nothing to check) under each file's lock:
-// a file whose header is bad is removed (its plans are rebuilt on demand), one with corrupt
+// a file whose header is bad, or whose scope `current` (when given) rejects, e.g. one made by
+// another library version, is removed (its plans are rebuilt on demand); one with corrupt
 // records is rewritten with the good ones. Throws Error(kIo) when a file cannot be read, written
 // or removed.
-std::vector<PlanCacheRepair> repair_plan_cache_dir(const std::filesystem::path& dir);
+std::vector<PlanCacheRepair> repair_plan_cache_dir(
+    const std::filesystem::path& dir,
+    const std::function<bool(std::string_view scope)>& current = {});
 
 // What a process's plan lookups came to: the trainer reads it to hold the job to its recompile
 // budget, the run summary reports it.

@@ -21,14 +21,19 @@ std::string GemmPlanKey::to_string() const {
   return out.str();
 }
 
+std::string cublaslt_scope_prefix() {
+  std::ostringstream prefix;
+  prefix << "cublaslt-" << cublasLtGetVersion() << "/";
+  return prefix.str();
+}
+
 GemmPlanCache::GemmPlanCache(const std::filesystem::path& dir, int device) : device_(device) {
   cudaDeviceProp props{};
   MEGACPP_CUDA_CHECK(cudaGetDeviceProperties(&props, device));
   std::ostringstream scope;
   // The library that chose the algorithms and the GPU they were chosen for: a plan from any
   // other pair is never read.
-  scope << "cublaslt-" << cublasLtGetVersion() << "/sm_" << props.major << props.minor << "/"
-        << props.name;
+  scope << cublaslt_scope_prefix() << "sm_" << props.major << props.minor << "/" << props.name;
   scope_ = scope.str();
   if (!dir.empty()) store_ = std::make_unique<PlanCache>(dir, scope_);
 }

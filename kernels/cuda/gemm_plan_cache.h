@@ -39,6 +39,11 @@ struct GemmPlanKey {
   std::string to_string() const;
 };
 
+// "cublaslt-<cublasLtGetVersion()>/": how every scope made by this build begins. A plan file
+// whose scope begins otherwise was made by another cuBLASLt and is stale (the daemon's startup
+// check removes it). Reads the library's version only: touches no device.
+std::string cublaslt_scope_prefix();
+
 class GemmPlanCache {
  public:
   // The cache of `device` (its cuBLASLt version, architecture and name make the scope), kept in

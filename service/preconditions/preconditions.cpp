@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -22,6 +23,7 @@
 
 #ifdef MEGACPP_HAVE_CUDA
 #include "kernels/cuda/device_query.h"
+#include "kernels/cuda/gemm_plan_cache.h"
 #endif
 
 namespace megacpp::preconditions {
@@ -337,8 +339,15 @@ HostEnvironment probe_host_environment() {
 CheckResult check_plan_cache(const std::string& name, const fs::path& dir,
                              std::string_view config_field) {
   std::vector<PlanCacheRepair> repairs;
+  std::function<bool(std::string_view)> current;
+#ifdef MEGACPP_HAVE_CUDA
+  // Plans chosen by another cuBLASLt are stale: removed here, rebuilt by the next job.
+  current = [prefix = cuda::cublaslt_scope_prefix()](std::string_view scope) {
+    return scope.starts_with(prefix);
+  };
+#endif
   try {
-    repairs = repair_plan_cache_dir(dir);
+    repairs = repair_plan_cache_dir(dir, current);
   } catch (const Error& e) {
     return failure(name, fmt::format("{}: {}", dir.string(), e.what()),
                    fmt::format("make {} readable and writable by the daemon's user, or remove it "

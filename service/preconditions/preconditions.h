@@ -61,9 +61,10 @@ std::vector<CheckResult> run_preconditions(const PreconditionConfig& config,
                                            const HostEnvironment& host);
 
 // The GEMM plan files in `dir` (base/plan_cache.h): a corrupt record is dropped and its file
-// rewritten, a file of another format or a broken header removed (its plans are rebuilt on
-// demand). Every repair passes, named in the detail with what was wrong; only a file that cannot
-// be read, written or removed fails. `config_field` names the cache directory in the fix.
+// rewritten, a file of another format, a broken header or (CUDA builds) another cuBLASLt
+// version's plans removed (its plans are rebuilt on demand). Every repair passes, named in the
+// detail with what was wrong; only a file that cannot be read, written or removed fails.
+// `config_field` names the cache directory in the fix.
 CheckResult check_plan_cache(const std::string& name, const std::filesystem::path& dir,
                              std::string_view config_field);
 

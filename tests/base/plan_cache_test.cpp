@@ -163,6 +163,34 @@ TEST(PlanCacheTest, GarbageFileIsRemovedAtRepair) {
   EXPECT_TRUE(repair_plan_cache_dir(dir / "absent").empty());
 }
 
+TEST(PlanCacheTest, RepairRemovesFilesOfAnotherLibraryVersion) {
+  TempDir dir;
+  for (const char* scope :
+       {"cublaslt-120803/sm_90/H100", "cublaslt-120900/sm_90/H100", "cublaslt-120900/sm_80/A100"}) {
+    PlanCache cache(dir.path(), scope);
+    cache.put("k", "v");
+    cache.flush();
+  }
+  const auto current = [](std::string_view scope) {
+    return scope.starts_with("cublaslt-120900/");
+  };
+  const auto repairs = repair_plan_cache_dir(dir.path(), current);
+  ASSERT_EQ(repairs.size(), 3u);
+  size_t removed = 0;
+  for (const auto& repair : repairs) {
+    if (repair.action == "removed") {
+      ++removed;
+      EXPECT_TRUE(any_problem_contains(repair.problems, "cublaslt-120803"));
+      EXPECT_TRUE(any_problem_contains(repair.problems, "another library version"));
+    } else {
+      EXPECT_EQ(repair.action, "ok");
+    }
+  }
+  EXPECT_EQ(removed, 1u);
+  EXPECT_FALSE(fs::exists(dir / plan_cache_file_name("cublaslt-120803/sm_90/H100")));
+  EXPECT_TRUE(fs::exists(dir / plan_cache_file_name("cublaslt-120900/sm_80/A100")));
+}
+
 TEST(PlanCacheTest, ScopesKeepDistinctFilesAndKeys) {
   TempDir dir;
   // The library version, the architecture and the device name each make another scope.
