@@ -884,11 +884,8 @@ RunSummary train(const TrainJob& job, TrainingObserver& observer, const TrainOpt
     observer.on_step(record);
     summary.final_loss = loss;
     summary.tokens += tokens_per_step;
+    // Acted on at the ranks' vote below: every rank stops, whichever of them broke it.
     violation = recompile_violation(*backend, job, builds_at_first_step, summary.first_step);
-    if (!violation.empty()) {
-      summary.stop_reason = "contract_violation";
-      break;
-    }
     checkpoint_current = false;
     if (job.eval_interval > 0 && step % job.eval_interval == 0 && step < job.steps) run_eval(step);
     if (job.checkpoint_interval > 0 && step % job.checkpoint_interval == 0) {
@@ -897,16 +894,32 @@ RunSummary train(const TrainJob& job, TrainingObserver& observer, const TrainOpt
     }
     const double elapsed = std::chrono::duration<double>(Clock::now() - run_start).count();
     if (options.stop_at > 0 && step >= options.stop_at && step < job.steps) {
-      summary.stop_reason = "stop_at";
+      summary.stop_reason = violation.empty() ? "stop_at" : "contract_violation";
       break;
     }
     // The ranks of a several-GPU job stop together or not at all (one stopping alone would
     // leave the others waiting in a collective): one vote each, counted over all of them.
+    // Each kind of vote has its own digits: up to kMaxDevices time votes stay below
+    // kContractVote, as many contract votes below kStopVote.
     constexpr int64_t kStopVote = int64_t{1} << 32;
+    constexpr int64_t kContractVote = int64_t{1} << 16;
+    static_assert(TrainJobLimits::kMaxDevices < kContractVote &&
+                  TrainJobLimits::kMaxDevices * kContractVote < kStopVote);
     const bool time_up = job.max_seconds > 0 && elapsed >= job.max_seconds;
     const bool stop_asked = options.stop_requested && options.stop_requested->load();
-    const int64_t votes = backend->sum_over_ranks((stop_asked ? kStopVote : 0) + (time_up ? 1 : 0));
-    if (votes % kStopVote > 0 && step < job.steps) {
+    const int64_t votes = backend->sum_over_ranks(
+        (stop_asked ? kStopVote : 0) + (violation.empty() ? 0 : kContractVote) + (time_up ? 1 : 0));
+    if (votes % kStopVote >= kContractVote) {
+      if (violation.empty()) {
+        violation = fmt::format(
+            "contract violation: another rank of the job built GEMM plans after step {}, over "
+            "recompile_budget={} (its log names them)",
+            summary.first_step, job.recompile_budget);
+      }
+      summary.stop_reason = "contract_violation";
+      break;
+    }
+    if (votes % kContractVote > 0 && step < job.steps) {
       summary.stop_reason = "time_limit";
       break;
     }
