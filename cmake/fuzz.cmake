@@ -1,6 +1,6 @@
 # libFuzzer targets for the parsers that read bytes from outside the process: the job-spec JSON
-# with the daemon's validation, the daemon config, the safetensors header, the Megatron index and
-# the executor event stream. bench/fuzz/run.sh configures, builds and runs them.
+# with the daemon's validation, the daemon config, the safetensors header, the Megatron index,
+# the executor event stream and the GEMM plan cache files. bench/fuzz/run.sh configures, builds and runs them.
 #
 #   cmake -S . -B build-fuzz -G Ninja -DCMAKE_CXX_COMPILER=clang++-14 -DMEGACPP_FUZZ=ON \
 #     -DMEGACPP_CUDA=OFF -DMEGACPP_BUILD_TESTS=OFF -DMEGACPP_BUILD_BENCH=OFF
@@ -48,7 +48,8 @@ set(MEGACPP_FUZZ_TARGETS
     indexed_dataset:megacpp_runtime
     daemon_config:megacpp_service
     event_stream:megacpp_service
-    job_spec:megacpp_service)
+    job_spec:megacpp_service
+    plan_cache:megacpp_base)
 add_custom_target(megacpp_fuzz)
 foreach(entry ${MEGACPP_FUZZ_TARGETS})
   string(REPLACE ":" ";" parts ${entry})

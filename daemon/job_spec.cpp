@@ -247,6 +247,12 @@ ValidatedJob validate_job_spec(const megacpp::v1::JobSpec& spec, const DaemonCon
     refuse("checkpoint_keep_last={} must be in [0, {}] (0 keeps every checkpoint)",
            spec.checkpoint_keep_last(), TrainJobLimits::kMaxKeepLast);
   }
+  if (spec.has_recompile_budget() &&
+      (spec.recompile_budget() < 0 ||
+       spec.recompile_budget() > TrainJobLimits::kMaxRecompileBudget)) {
+    refuse("recompile_budget={} must be in [0, {}] (plan builds allowed after the first step)",
+           spec.recompile_budget(), TrainJobLimits::kMaxRecompileBudget);
+  }
   check_memory(spec, model_config, out, cpu_slots, datasets, memory);
 
   const TrainJob defaults;
@@ -268,7 +274,8 @@ ValidatedJob validate_job_spec(const megacpp::v1::JobSpec& spec, const DaemonCon
                 {"batches", or_default(spec.eval_batches(), defaults.eval_batches)}}},
               {"seed", or_default(spec.seed(), defaults.seed)},
               {"max_seconds", spec.max_seconds()},
-              {"threads", spec.threads()}};
+              {"threads", spec.threads()},
+              {"recompile_budget", spec.recompile_budget()}};
   if (!valid.empty()) job["data"]["valid"] = valid;
   if (!spec.init_checkpoint().empty()) {
     job["init"] = {
@@ -297,6 +304,11 @@ ValidatedJob validate_job_spec(const megacpp::v1::JobSpec& spec, const DaemonCon
     // Checked after the gates so their decisions are recorded with the refusal.
 #ifdef MEGACPP_HAVE_CUDA
     out.train_job["device"] = "cuda";
+    // Checked and repaired at startup (service/preconditions): shared by every job of the
+    // daemon, merged under a lock when two write at once.
+    if (!config.cache_dirs.empty()) {
+      out.train_job["plan_cache"] = (config.cache_dirs[0] / "plans").string();
+    }
     if (tp > 1 || out.device_count > 1) {
       const int groups = model_config.ssm.ngroups;
       if (tp > 1 && groups % tp != 0 && groups != 1) {

@@ -11,6 +11,7 @@ import json
 import os
 import struct
 import sys
+import zlib
 
 
 def write(root, target, name, data):
@@ -188,6 +189,30 @@ def job_spec_seeds(root):
         "preset": "tiny", "train_data": "/etc/passwd", "steps": 1, "batch": 1, "seqlen": 2}))
 
 
+# --- plan cache (base/plan_cache.h) ---------------------------------------------------------------
+def plan_cache(scope, records, version=1, count=None):
+    """records: [(key bytes, value bytes)] in file order."""
+    scope = scope.encode()
+    header = struct.pack("<III", version, len(scope), len(records) if count is None else count)
+    header += scope
+    out = b"MCPPLAN1" + header + struct.pack("<I", zlib.crc32(header))
+    for key, value in records:
+        record = struct.pack("<II", len(key), len(value)) + key + value
+        out += record + struct.pack("<I", zlib.crc32(record))
+    return out
+
+
+def plan_cache_seeds(root):
+    algo = bytes(range(64)) + struct.pack("<Q", 1 << 20)
+    write(root, "plan_cache", "two_records", plan_cache(
+        "cublaslt-120803/sm_90/NVIDIA H100", [(b"op=1,0 mnk=8,8,8", algo), (b"op=0,0", b"")]))
+    write(root, "plan_cache", "empty", plan_cache("s", []))
+    write(root, "plan_cache", "count_says_more", plan_cache("s", [(b"k", b"v")], count=2))
+    write(root, "plan_cache", "other_version", plan_cache("s", [(b"k", b"v")], version=2))
+    good = plan_cache("s", [(b"a", b"first"), (b"b", b"second")])
+    write(root, "plan_cache", "flipped_byte", good[:-6] + b"X" + good[-5:])
+
+
 def main():
     root = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "corpus")
     safetensors_seeds(root)
@@ -195,6 +220,7 @@ def main():
     daemon_config_seeds(root)
     event_stream_seeds(root)
     job_spec_seeds(root)
+    plan_cache_seeds(root)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ seconds=${1:-20}
 shift || true
 targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then
-  targets=(job_spec daemon_config safetensors indexed_dataset event_stream)
+  targets=(job_spec daemon_config safetensors indexed_dataset event_stream plan_cache)
 fi
 
 launcher=()

@@ -115,10 +115,11 @@ size_t GatedMlpCuda::workspace_bytes(const GatedMlpShape& shape) {
   return fc1 > fc2 ? fc1 : fc2;
 }
 
-GatedMlpCuda::GatedMlpCuda(const GatedMlpShape& shape, void* workspace, size_t bytes)
+GatedMlpCuda::GatedMlpCuda(const GatedMlpShape& shape, void* workspace, size_t bytes,
+                           GemmPlanCache* cache)
     : shape_(shape),
-      fc1_(fc1_shape(shape), workspace, bytes),
-      fc2_(fc2_shape(shape), workspace, bytes) {}
+      fc1_(fc1_shape(shape), workspace, bytes, cache),
+      fc2_(fc2_shape(shape), workspace, bytes, cache) {}
 
 void GatedMlpCuda::forward(const uint16_t* x, const uint16_t* fc1, const uint16_t* fc2,
                            uint16_t* fc1_out, uint16_t* act, RowsOut y, void* stream) const {

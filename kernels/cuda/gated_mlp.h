@@ -38,8 +38,9 @@ class GatedMlpCuda {
   // share it, so it is the larger of theirs.
   static size_t workspace_bytes(const GatedMlpShape& shape);
   // Validates the shape (kInvalidArgument naming the field otherwise), takes `workspace` and has
-  // both linears pick their GEMM algorithms.
-  GatedMlpCuda(const GatedMlpShape& shape, void* workspace, size_t bytes);
+  // both linears pick their GEMM algorithms (through `cache` when given: linear.h).
+  GatedMlpCuda(const GatedMlpShape& shape, void* workspace, size_t bytes,
+               GemmPlanCache* cache = nullptr);
 
   // x bf16 [rows, dim]; fc1 bf16 [2·hidden, dim]; fc2 bf16 [dim, hidden]. Writes fc1_out bf16
   // [rows, 2·hidden] and act bf16 [rows, hidden] (kept for backward) and y [rows, dim].

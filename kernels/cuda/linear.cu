@@ -19,12 +19,16 @@
 
 #include <array>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <mutex>
+#include <sstream>
+#include <string>
 #include <type_traits>
 #include <vector>
 
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/gemm_plan_cache.h"
 #include "kernels/cuda/linear.h"
 
 namespace megacpp::cuda {
@@ -295,13 +299,69 @@ uint32_t algo_alignment(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoCapA
   return value;
 }
 
+// Why `algo` does not fit the plan (empty when it does): a workspace over cuBLASLt's share, or an
+// alignment above what the matrices promise. A fresh choice and a cached one meet the same rules.
+std::string unmet_need(const GemmPlans::Plan& plan, const cublasLtMatmulAlgo_t& algo,
+                       size_t workspace, const char* name) {
+  std::ostringstream out;
+  if (workspace > kGemmWorkspaceBytes) {
+    out << "needs " << workspace << " bytes of workspace, over the " << kGemmWorkspaceBytes
+        << " it was allowed";
+    return out.str();
+  }
+  const struct {
+    cublasLtMatmulAlgoCapAttributes_t cap;
+    uint32_t promised;
+    const char* matrix;
+  } needs[] = {{CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_A_BYTES, plan.align_a, "A"},
+               {CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_B_BYTES, plan.align_b, "B"},
+               {CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_C_BYTES, plan.align_d, "C"},
+               {CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_D_BYTES, plan.align_d, "D"}};
+  for (const auto& need : needs) {
+    const uint32_t required = algo_alignment(algo, need.cap, name);
+    if (required > need.promised) {
+      out << "needs " << required << "-byte aligned " << need.matrix << ", where only "
+          << need.promised << " bytes were promised";
+      return out.str();
+    }
+  }
+  return {};
+}
+
+// Takes a cached algorithm (its 64 bytes and the workspace it was chosen with) when cuBLASLt
+// still accepts it for this plan's descriptors (cublasLtMatmulAlgoCheck) and it meets the rules a
+// fresh choice must; false: stale (another library build, a tampered or foreign record).
+bool use_cached(const GemmPlans& plans, GemmPlans::Plan& plan, const std::string& stored) {
+  cublasLtMatmulAlgo_t algo{};
+  uint64_t workspace = 0;
+  if (stored.size() != sizeof(algo) + sizeof(workspace)) return false;
+  std::memcpy(&algo, stored.data(), sizeof(algo));
+  std::memcpy(&workspace, stored.data() + sizeof(algo), sizeof(workspace));
+  cublasLtMatmulHeuristicResult_t check{};
+  if (cublasLtMatmulAlgoCheck(plans.handle, plan.desc, plan.a, plan.b, plan.d, plan.d, &algo,
+                              &check) != CUBLAS_STATUS_SUCCESS ||
+      check.state != CUBLAS_STATUS_SUCCESS || check.workspaceSize != workspace) {
+    return false;
+  }
+  // A cached algorithm whose capabilities cannot even be read is as stale as one that fails.
+  try {
+    if (!unmet_need(plan, algo, check.workspaceSize, plan.name).empty()) return false;
+  } catch (const Error&) {
+    return false;
+  }
+  plan.algo = algo;
+  return true;
+}
+
 // Describes D = op_a(A) · op_b(B) (C laid out as D) and picks its algorithm: cuBLASLt's first
 // choice for this problem, within cuBLASLt's share of the workspace and the alignment the
-// matrices can promise.
+// matrices can promise. With a cache, a cached choice that still passes is taken instead and a
+// fresh one is stored.
 void plan_gemm(GemmPlans& plans, int gemm, const LinearShape& shape, cublasOperation_t op_a,
-               const Matrix& a, cublasOperation_t op_b, const Matrix& b, const Matrix& d,
-               bool bias) {
+               const Matrix& a, cublasOperation_t op_b, const Matrix& b, const Matrix& d, bool bias,
+               GemmPlanCache* cache) {
   auto& plan = plans.plans[static_cast<size_t>(gemm)];
+  bool stale = false;
   const char* name = gemm_name(gemm);
   plan.name = name;
   MEGACPP_CUBLASLT_CHECK(cublasLtMatmulDescCreate(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F),
@@ -333,6 +393,34 @@ void plan_gemm(GemmPlans& plans, int gemm, const LinearShape& shape, cublasOpera
   set_preference(raw, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, plan.align_d, name);
   set_preference(raw, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, plan.align_d, name);
 
+  GemmPlanKey key;
+  if (cache != nullptr) {
+    key = GemmPlanKey{
+        static_cast<int>(op_a),
+        static_cast<int>(op_b),
+        static_cast<int>(a.type),
+        static_cast<int>(b.type),
+        static_cast<int>(d.type),
+        static_cast<int>(CUBLAS_COMPUTE_32F),
+        d.rows,
+        d.columns,
+        op_a == CUBLAS_OP_N ? a.columns : a.rows,
+        a.ld,
+        b.ld,
+        d.ld,
+        plan.align_a,
+        plan.align_b,
+        plan.align_d,
+        static_cast<uint32_t>(bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT),
+        uint64_t{kGemmWorkspaceBytes}};
+    const std::string stored = cache->find(key);
+    if (!stored.empty() && use_cached(plans, plan, stored)) {
+      cache->record_hit();
+      return;
+    }
+    stale = !stored.empty();
+  }
+
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
   const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
@@ -345,32 +433,34 @@ void plan_gemm(GemmPlans& plans, int gemm, const LinearShape& shape, cublasOpera
   }
   MEGACPP_CUBLASLT_CHECK(status, name);
   MEGACPP_CUBLASLT_CHECK(result.state, name);
-  if (result.workspaceSize > kGemmWorkspaceBytes) {
+  // The heuristic was told the workspace limit and what alignment the matrices promise; check
+  // the algorithm it chose asks for no more, rather than trusting it.
+  const std::string unmet = unmet_need(plan, result.algo, result.workspaceSize, name);
+  if (!unmet.empty()) {
     refuse(ErrorKind::kInternal,
-           "LinearCuda: cuBLASLt chose an algorithm for the {} GEMM that needs {} bytes of "
-           "workspace, over the {} it was allowed",
-           name, result.workspaceSize, kGemmWorkspaceBytes);
-  }
-  // The heuristic was told what alignment the matrices promise; check the algorithm it chose
-  // asks for no more, rather than trusting it.
-  const struct {
-    cublasLtMatmulAlgoCapAttributes_t cap;
-    uint32_t promised;
-    const char* matrix;
-  } needs[] = {{CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_A_BYTES, plan.align_a, "A"},
-               {CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_B_BYTES, plan.align_b, "B"},
-               {CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_C_BYTES, plan.align_d, "C"},
-               {CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_D_BYTES, plan.align_d, "D"}};
-  for (const auto& need : needs) {
-    const uint32_t required = algo_alignment(result.algo, need.cap, name);
-    if (required > need.promised) {
-      refuse(ErrorKind::kInternal,
-             "LinearCuda: cuBLASLt chose an algorithm for the {} GEMM of LinearShape rows={}, "
-             "in={}, out={} that needs {}-byte aligned {}, where only {} bytes were promised",
-             name, shape.rows, shape.in, shape.out, required, need.matrix, need.promised);
-    }
+           "LinearCuda: cuBLASLt chose an algorithm for the {} GEMM of LinearShape rows={}, "
+           "in={}, out={} that {}",
+           name, shape.rows, shape.in, shape.out, unmet);
   }
   plan.algo = result.algo;
+  if (cache != nullptr) {
+    // The workspace stored is what cublasLtMatmulAlgoCheck reports for the algorithm, the value
+    // a later lookup's check is compared with (the heuristic's own figure need not be the same).
+    uint64_t workspace = result.workspaceSize;
+    cublasLtMatmulHeuristicResult_t check{};
+    if (cublasLtMatmulAlgoCheck(plans.handle, plan.desc, plan.a, plan.b, plan.d, plan.d,
+                                &result.algo, &check) == CUBLAS_STATUS_SUCCESS &&
+        check.state == CUBLAS_STATUS_SUCCESS) {
+      workspace = check.workspaceSize;
+    }
+    std::string value(reinterpret_cast<const char*>(&result.algo), sizeof(result.algo));
+    value.append(reinterpret_cast<const char*>(&workspace), sizeof(workspace));
+    std::ostringstream what;
+    what << "LinearCuda " << name << " GEMM of LinearShape rows=" << shape.rows
+         << ", in=" << shape.in << ", out=" << shape.out << " (m=" << key.m << ", n=" << key.n
+         << ", k=" << key.k << ")";
+    cache->record_build(key, std::move(value), what.str(), stale);
+  }
 }
 
 void require_aligned(const void* pointer, uint32_t alignment, const char* gemm, const char* what) {
@@ -405,7 +495,8 @@ size_t LinearCuda::workspace_bytes(const LinearShape& shape) {
   return kGemmWorkspaceBytes + partials_bytes(shape);
 }
 
-LinearCuda::LinearCuda(const LinearShape& shape, void* workspace, size_t bytes)
+LinearCuda::LinearCuda(const LinearShape& shape, void* workspace, size_t bytes,
+                       GemmPlanCache* cache)
     : shape_(shape), workspace_(workspace), workspace_bytes_(bytes) {
   validate(shape);
   const size_t needed = workspace_bytes(shape);
@@ -420,6 +511,11 @@ LinearCuda::LinearCuda(const LinearShape& shape, void* workspace, size_t bytes)
            kWorkspaceAlignment, workspace);
   }
   MEGACPP_CUDA_CHECK(cudaGetDevice(&device_));
+  if (cache != nullptr && cache->device() != device_) {
+    refuse(ErrorKind::kInvalidArgument,
+           "LinearCuda: the plan cache is device {}'s (scope {}), the op is on device {}",
+           cache->device(), cache->scope(), device_);
+  }
   auto plans = std::make_unique<Plans>();
   plans->handle = handle_for(device_);
   const int64_t rows = shape.rows, in = shape.in, out = shape.out;
@@ -429,14 +525,14 @@ LinearCuda::LinearCuda(const LinearShape& shape, void* workspace, size_t bytes)
   for (const bool f32 : {false, true}) {
     const cudaDataType_t type = f32 ? CUDA_R_32F : CUDA_R_16BF;
     plan_gemm(*plans, f32 ? kForwardF32 : kForwardBf16, shape, CUBLAS_OP_T, w, CUBLAS_OP_N, x,
-              Matrix{type, out, rows, out}, false);
+              Matrix{type, out, rows, out}, false, cache);
     plan_gemm(*plans, f32 ? kDxF32 : kDxBf16, shape, CUBLAS_OP_N, w, CUBLAS_OP_N, dy,
-              Matrix{type, in, rows, in}, false);
+              Matrix{type, in, rows, in}, false, cache);
   }
   plan_gemm(*plans, kForwardF32Bias, shape, CUBLAS_OP_T, w, CUBLAS_OP_N, x,
-            Matrix{CUDA_R_32F, out, rows, out}, true);
+            Matrix{CUDA_R_32F, out, rows, out}, true, cache);
   plan_gemm(*plans, kDweight, shape, CUBLAS_OP_N, x, CUBLAS_OP_T, dy,
-            Matrix{CUDA_R_32F, in, out, in}, false);
+            Matrix{CUDA_R_32F, in, out, in}, false, cache);
   plans_ = plans.release();
 }
 

@@ -14,12 +14,15 @@
 //             has D's type), by a small kernel after it for a bf16 y.
 //   backward  dx = dy · W (one GEMM), dW (+)= dyᵀ · x (one GEMM, beta 1 when accumulating), db
 //             (+)= the column sums of dy (fixed-order, no atomics).
-// The algorithm of each GEMM is chosen once, in the constructor, and kept: the same call gives
-// the same bits every time (cuBLASLt is deterministic for a fixed algorithm and workspace).
+// The algorithm of each GEMM is chosen once, in the constructor (or taken from a plan cache), and
+// kept: the same call gives the same bits every time (cuBLASLt is deterministic for a fixed
+// algorithm and workspace).
 #include <cstddef>
 #include <cstdint>
 
 namespace megacpp::cuda {
+
+class GemmPlanCache;
 
 struct LinearShape {
   int rows = 0;  // batch · seqlen (or a chunk of it)
@@ -40,8 +43,12 @@ class LinearCuda {
   // (pass the largest of their sizes to each).
   static size_t workspace_bytes(const LinearShape& shape);
   // Validates the shape (kInvalidArgument naming the field otherwise), takes `workspace` and
-  // picks the GEMM algorithms for this shape and both output types.
-  LinearCuda(const LinearShape& shape, void* workspace, size_t bytes);
+  // picks the GEMM algorithms for this shape and both output types. With `cache` (the current
+  // device's, kept by the caller only while constructing), a cached algorithm that still passes
+  // cuBLASLt's check is taken instead of the heuristic's, and each one built is stored and
+  // counted (gemm_plan_cache.h); null: the heuristic every time.
+  LinearCuda(const LinearShape& shape, void* workspace, size_t bytes,
+             GemmPlanCache* cache = nullptr);
   ~LinearCuda();
   LinearCuda(const LinearCuda&) = delete;
   LinearCuda& operator=(const LinearCuda&) = delete;

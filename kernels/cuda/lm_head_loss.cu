@@ -257,7 +257,8 @@ size_t LmHeadLossCuda::workspace_bytes(const LmHeadLossShape& shape) {
   return layout_of(shape).total;
 }
 
-LmHeadLossCuda::LmHeadLossCuda(const LmHeadLossShape& shape, void* workspace, size_t bytes)
+LmHeadLossCuda::LmHeadLossCuda(const LmHeadLossShape& shape, void* workspace, size_t bytes,
+                               GemmPlanCache* cache)
     : shape_(shape) {
   validate(shape);
   const Layout l = layout_of(shape);
@@ -280,10 +281,10 @@ LmHeadLossCuda::LmHeadLossCuda(const LmHeadLossShape& shape, void* workspace, si
   MEGACPP_CUDA_CHECK(cudaGetDevice(&device_));
   void* linear = at<void>(workspace, l.linear);
   full_ = std::make_unique<LinearCuda>(LinearShape{l.chunk, shape.dim, shape.vocab_padded}, linear,
-                                       l.linear_bytes);
+                                       l.linear_bytes, cache);
   if (l.tail > 0) {
     tail_ = std::make_unique<LinearCuda>(LinearShape{l.tail, shape.dim, shape.vocab_padded}, linear,
-                                         l.linear_bytes);
+                                         l.linear_bytes, cache);
   }
 }
 

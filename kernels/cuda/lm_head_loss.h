@@ -62,8 +62,9 @@ class LmHeadLossCuda {
   // Validates the shape (kInvalidArgument naming the field otherwise), takes `workspace`, at
   // least workspace_bytes(shape) bytes, 256-byte aligned (refused otherwise; cudaMalloc's are),
   // that stays the op's while it lives, and builds the chunk GEMMs (their
-  // algorithms are picked here, once).
-  LmHeadLossCuda(const LmHeadLossShape& shape, void* workspace, size_t bytes);
+  // algorithms are picked here, once, through `cache` when given: linear.h).
+  LmHeadLossCuda(const LmHeadLossShape& shape, void* workspace, size_t bytes,
+                 GemmPlanCache* cache = nullptr);
   ~LmHeadLossCuda();
   LmHeadLossCuda(const LmHeadLossCuda&) = delete;
   LmHeadLossCuda& operator=(const LmHeadLossCuda&) = delete;

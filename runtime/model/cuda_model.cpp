@@ -392,7 +392,7 @@ void CudaModel::Impl::gather_to_host(const float* local, float* global) const {
 
 CudaModel::CudaModel(const Model<float>& host, int batch, int seqlen,
                      const OptimizerConfig& optimizer, int device,
-                     const CudaModelParallel& parallel)
+                     const CudaModelParallel& parallel, cuda::GemmPlanCache* plan_cache)
     : impl_(std::make_unique<Impl>()) {
   Impl& m = *impl_;
   if (batch <= 0 || seqlen <= 0) {
@@ -589,14 +589,14 @@ CudaModel::CudaModel(const Model<float>& host, int batch, int seqlen,
   const size_t wsb = m.op_workspace_bytes;
   m.embedding_op = std::make_unique<cuda::EmbeddingCuda>(embedding_shape, ws, wsb);
   m.norm_op = std::make_unique<cuda::ResidualRmsNormCuda>(norm_shape, ws, wsb);
-  m.lm_head_op = std::make_unique<cuda::LmHeadLossCuda>(lm_head_shape, ws, wsb);
+  m.lm_head_op = std::make_unique<cuda::LmHeadLossCuda>(lm_head_shape, ws, wsb, plan_cache);
   for (Impl::Block& b : m.blocks) {
     if (b.attention) {
       Impl::AttentionLayer& l = *b.attention;
       l.in_linear = std::make_unique<cuda::LinearCuda>(
-          cuda::LinearShape{m.rows, c.d_model, l.width}, ws, wsb);
+          cuda::LinearShape{m.rows, c.d_model, l.width}, ws, wsb, plan_cache);
       l.out_linear = std::make_unique<cuda::LinearCuda>(
-          cuda::LinearShape{m.rows, l.q_heads * l.head_dim, c.d_model}, ws, wsb);
+          cuda::LinearShape{m.rows, l.q_heads * l.head_dim, c.d_model}, ws, wsb, plan_cache);
       l.attention = std::make_unique<cuda::CausalAttentionCuda>(
           cuda::AttentionShape{batch, seqlen, l.q_heads, l.kv_heads, l.head_dim,
                                c.attn_softmax_scale()},
@@ -605,9 +605,9 @@ CudaModel::CudaModel(const Model<float>& host, int batch, int seqlen,
     if (b.mamba) {
       Impl::MambaLayer& l = *b.mamba;
       l.in_linear = std::make_unique<cuda::LinearCuda>(
-          cuda::LinearShape{m.rows, c.d_model, l.shape.columns()}, ws, wsb);
+          cuda::LinearShape{m.rows, c.d_model, l.shape.columns()}, ws, wsb, plan_cache);
       l.out_linear = std::make_unique<cuda::LinearCuda>(
-          cuda::LinearShape{m.rows, l.shape.d_inner(), c.d_model}, ws, wsb);
+          cuda::LinearShape{m.rows, l.shape.d_inner(), c.d_model}, ws, wsb, plan_cache);
       l.preprocess = std::make_unique<cuda::Mamba3PreprocessCuda>(l.shape);
       // The layers' backwards run one after another: they share the scan's temporaries.
       l.scan = std::make_unique<cuda::Mamba3ScanCuda>(
@@ -616,7 +616,7 @@ CudaModel::CudaModel(const Model<float>& host, int batch, int seqlen,
     }
     if (b.mlp) {
       b.mlp->mlp = std::make_unique<cuda::GatedMlpCuda>(
-          cuda::GatedMlpShape{m.rows, c.d_model, geo.mlp_hidden.count}, ws, wsb);
+          cuda::GatedMlpShape{m.rows, c.d_model, geo.mlp_hidden.count}, ws, wsb, plan_cache);
     }
   }
   grad_refs.clear();

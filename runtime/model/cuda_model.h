@@ -33,6 +33,9 @@ namespace megacpp {
 namespace parallel {
 class CudaCommunicator;
 }
+namespace cuda {
+class GemmPlanCache;
+}
 
 // Where a CudaModel sits in a tensor- and data-parallel job (runtime/parallel/shard_plan.h): its
 // rank in its TP group and the groups' communicators. The default is one GPU alone.
@@ -71,8 +74,11 @@ class CudaModel {
   // kFailedPrecondition when the device lacks memory. With tensor or data parallelism the
   // constructor and every method below are collective: each rank of the groups calls them in
   // the same order (the forward and backward all-reduce inside).
+  // plan_cache: the GEMM algorithms of every linear are looked up and stored there
+  // (kernels/cuda/gemm_plan_cache.h); null: cuBLASLt's heuristic for each.
   CudaModel(const Model<float>& host, int batch, int seqlen, const OptimizerConfig& optimizer,
-            int device = 0, const CudaModelParallel& parallel = {});
+            int device = 0, const CudaModelParallel& parallel = {},
+            cuda::GemmPlanCache* plan_cache = nullptr);
   ~CudaModel();
   CudaModel(const CudaModel&) = delete;
   CudaModel& operator=(const CudaModel&) = delete;

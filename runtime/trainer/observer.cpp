@@ -39,21 +39,24 @@ nlohmann::json to_json(const KernelRecord& r) {
 }
 
 nlohmann::json to_json(const RunSummary& r) {
-  return {{"first_step", r.first_step},
-          {"last_step", r.last_step},
-          {"total_steps", r.total_steps},
-          {"tokens", r.tokens},
-          {"wall_seconds", r.wall_seconds},
-          {"final_loss", r.final_loss},
-          {"final_val_loss", r.final_val_loss},
-          {"median_step_ms", r.median_step_ms},
-          {"tokens_per_s", r.tokens_per_s},
-          {"flops_per_step", r.flops_per_step},
-          {"flops_per_s", r.flops_per_s},
-          {"stop_reason", r.stop_reason},
-          {"device", r.device},
-          {"device_bytes", r.device_bytes},
-          {"seconds_to_first_step", r.seconds_to_first_step}};
+  nlohmann::json out = {{"first_step", r.first_step},
+                        {"last_step", r.last_step},
+                        {"total_steps", r.total_steps},
+                        {"tokens", r.tokens},
+                        {"wall_seconds", r.wall_seconds},
+                        {"final_loss", r.final_loss},
+                        {"final_val_loss", r.final_val_loss},
+                        {"median_step_ms", r.median_step_ms},
+                        {"tokens_per_s", r.tokens_per_s},
+                        {"flops_per_step", r.flops_per_step},
+                        {"flops_per_s", r.flops_per_s},
+                        {"stop_reason", r.stop_reason},
+                        {"device", r.device},
+                        {"device_bytes", r.device_bytes},
+                        {"seconds_to_first_step", r.seconds_to_first_step}};
+  if (!r.error.empty()) out["error"] = r.error;
+  if (!r.plan_cache.is_null()) out["plan_cache"] = r.plan_cache;
+  return out;
 }
 
 JsonLinesObserver::JsonLinesObserver(const std::filesystem::path& file, bool print_progress)

@@ -38,14 +38,20 @@ struct RunSummary {
   double median_step_ms = 0;
   double tokens_per_s = 0;  // median over the run's steps (its last 2^20 at most)
   double flops_per_step = 0;
-  double flops_per_s = 0;   // at the median step time
-  std::string stop_reason;  // "completed", "time_limit", "stop_at", "stopped"
-  std::string device;       // "cpu", or "cuda:N" with the GPU's name
+  double flops_per_s = 0;  // at the median step time
+  // "completed", "time_limit", "stop_at", "stopped", "contract_violation" (the run fails; the
+  // rule it broke is in `error`)
+  std::string stop_reason;
+  std::string error;
+  std::string device;  // "cpu", or "cuda:N" with the GPU's name
   // Device memory the model held after its first step (the planned arena, the ops' own
   // workspaces, library handles); 0 on the CPU.
   uint64_t device_bytes = 0;
   // From the start of train() to the end of the first step: loading, planning, first kernels.
   double seconds_to_first_step = 0;
+  // A cuda run's GEMM plans: {path, hits, builds, stale, builds_after_first_step, budget}; null
+  // on the CPU.
+  nlohmann::json plan_cache;
 };
 
 // One kernel, or one op of several kernels, of a GPU step: what the device says about it

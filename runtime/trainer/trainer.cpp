@@ -9,9 +9,11 @@
 #include <fstream>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "base/error.h"
+#include "base/plan_cache.h"
 #include "base/version.h"
 #include "kernels/cpu/grad_clip.h"
 #include "runtime/checkpoint/checkpoint.h"
@@ -25,6 +27,7 @@
 
 #include "base/atomic_file.h"
 #include "kernels/cuda/device_query.h"
+#include "kernels/cuda/gemm_plan_cache.h"
 #include "runtime/model/cuda_model.h"
 #include "runtime/parallel/cuda_communicator.h"
 #endif
@@ -146,10 +149,11 @@ std::vector<TrainBlendEntry> parse_blend(const json& list, const std::string& wh
 
 TrainJob parse_train_job(const json& j, const std::string& source) {
   if (!j.is_object()) fail(ErrorKind::kInvalidArgument, "{}: a job must be a JSON object", source);
-  refuse_unknown_keys(j, {"model",      "data",        "steps",        "batch",           "seqlen",
-                          "grad_accum", "optimizer",   "eval",         "checkpoint",      "init",
-                          "seed",       "max_seconds", "scan",         "threads",         "log",
-                          "device",     "gpu",         "device_count", "tensor_parallel", "gpus"},
+  refuse_unknown_keys(j, {"model",      "data",        "steps",        "tensor_parallel",  "seqlen",
+                          "grad_accum", "optimizer",   "eval",         "checkpoint",       "init",
+                          "seed",       "max_seconds", "scan",         "threads",          "log",
+                          "device",     "gpu",         "device_count", "recompile_budget", "gpus",
+                          "batch",      "plan_cache"},
                       source);
   TrainJob job;
   if (!j.contains("model") || !j["model"].is_object()) {
@@ -319,6 +323,8 @@ TrainJob parse_train_job(const json& j, const std::string& source) {
          device);
   }
   job.gpu = static_cast<int>(top("gpu", 0, 0, L::kMaxGpu));
+  job.plan_cache = read_field<std::string>(j, "plan_cache", source, "");
+  job.recompile_budget = top("recompile_budget", 0, 0, L::kMaxRecompileBudget);
   job.device_count = static_cast<int>(top("device_count", 1, 1, L::kMaxDevices));
   job.tensor_parallel = static_cast<int>(top("tensor_parallel", 1, 1, L::kMaxDevices));
   if (j.contains("gpus")) {
@@ -386,6 +392,9 @@ class StepBackend {
   virtual int64_t sum_over_ranks(int64_t value) { return value; }
   // Whether this rank writes the job's files (checkpoints): world rank 0 alone.
   virtual bool writes_files() const { return true; }
+  // The GEMM plan lookups so far and the file they are kept in (cuda); none on the CPU.
+  virtual std::optional<PlanLedger> plan_ledger() const { return std::nullopt; }
+  virtual std::string plan_cache_file() const { return {}; }
 };
 
 class CpuBackend final : public StepBackend {
@@ -480,7 +489,28 @@ class CudaBackend final : public StepBackend {
       rows_ = job.batch;
     }
     writes_files_ = rank == 0;
-    model_ = std::make_unique<CudaModel>(host, rows_, job.seqlen, job.optimizer, gpu, par);
+    if (options.plan_cache != nullptr) {
+      plans_ = options.plan_cache;
+      if (plans_->device() != gpu) {
+        fail(ErrorKind::kInvalidArgument,
+             "the plan cache passed to train() is GPU {}'s (scope {}), the job runs on gpu={}",
+             plans_->device(), plans_->scope(), gpu);
+      }
+    } else {
+      // Without a directory the cache lives in memory: the ledger still counts every build.
+      own_plans_ = std::make_unique<cuda::GemmPlanCache>(job.plan_cache, gpu);
+      plans_ = own_plans_.get();
+    }
+    for (const std::string& problem : plans_->problems()) {
+      spdlog::warn("plan cache: {} (the plans are rebuilt)", problem);
+    }
+    model_ = std::make_unique<CudaModel>(host, rows_, job.seqlen, job.optimizer, gpu, par, plans_);
+    try {
+      // Now, not at the end: a job that fails later still leaves its plans for the next one.
+      plans_->flush();
+    } catch (const Error& e) {
+      spdlog::warn("plan cache not written (the next run builds its plans again): {}", e.what());
+    }
     model_->upload(host.parameters(), &optimizer);
   }
   void zero_grad() override { model_->zero_grad(); }
@@ -493,6 +523,8 @@ class CudaBackend final : public StepBackend {
     return world_ ? world_->sum_over_ranks(value) : value;
   }
   bool writes_files() const override { return writes_files_; }
+  std::optional<PlanLedger> plan_ledger() const override { return plans_->ledger(); }
+  std::string plan_cache_file() const override { return plans_->file().string(); }
   double update(double lr) override { return model_->optimizer_step(lr); }
   void sync_host() override { model_->download(host_.parameters(), &optimizer_); }
   std::string device() const override { return device_; }
@@ -546,6 +578,8 @@ class CudaBackend final : public StepBackend {
   std::string device_;
   // Declared before the model, which uses them: destroyed after it.
   std::unique_ptr<parallel::CudaCommunicator> world_, tensor_group_, data_group_;
+  std::unique_ptr<cuda::GemmPlanCache> own_plans_;
+  cuda::GemmPlanCache* plans_ = nullptr;
   std::unique_ptr<CudaModel> model_;
 };
 #endif
@@ -563,6 +597,21 @@ std::unique_ptr<StepBackend> make_backend(const TrainJob& job, Model<float>& mod
   fail(ErrorKind::kFailedPrecondition,
        "device=cuda: this build of megacpp has no CUDA backend (built without the CUDA toolkit)");
 #endif
+}
+
+// Why the job broke its recompile budget (empty while it holds): plan builds after the run's
+// first step, beyond job.recompile_budget.
+std::string recompile_violation(const StepBackend& backend, const TrainJob& job,
+                                uint64_t builds_at_first_step, int64_t first_step) {
+  const auto ledger = backend.plan_ledger();
+  if (!ledger) return {};
+  const uint64_t after = ledger->builds - builds_at_first_step;
+  if (after <= static_cast<uint64_t>(job.recompile_budget)) return {};
+  return fmt::format(
+      "contract violation: {} GEMM plan(s) built after step {}, over recompile_budget={} (the "
+      "job's shapes are fixed, so its plans are all made before the first step ends); the last: "
+      "{}",
+      after, first_step, job.recompile_budget, ledger->last_build);
 }
 
 double mean_eval_loss(StepBackend& model, const data::IndexedDataset& dataset, int seqlen,
@@ -791,6 +840,8 @@ RunSummary train(const TrainJob& job, TrainingObserver& observer, const TrainOpt
   bool checkpoint_current = false;
   summary.device = backend->device();
   constexpr int64_t kProfiledSteps = 3;
+  uint64_t builds_at_first_step = 0;
+  std::string violation;
   while (step < job.steps) {
     const auto t0 = Clock::now();
     ++step;
@@ -813,6 +864,7 @@ RunSummary train(const TrainJob& job, TrainingObserver& observer, const TrainOpt
       summary.seconds_to_first_step =
           std::chrono::duration<double>(Clock::now() - train_start).count();
       summary.device_bytes = backend->device_bytes();
+      if (const auto ledger = backend->plan_ledger()) builds_at_first_step = ledger->builds;
     }
     const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
     if (step_ms.size() < kTimedSteps) {
@@ -832,6 +884,8 @@ RunSummary train(const TrainJob& job, TrainingObserver& observer, const TrainOpt
     observer.on_step(record);
     summary.final_loss = loss;
     summary.tokens += tokens_per_step;
+    // Acted on at the ranks' vote below: every rank stops, whichever of them broke it.
+    violation = recompile_violation(*backend, job, builds_at_first_step, summary.first_step);
     checkpoint_current = false;
     if (job.eval_interval > 0 && step % job.eval_interval == 0 && step < job.steps) run_eval(step);
     if (job.checkpoint_interval > 0 && step % job.checkpoint_interval == 0) {
@@ -840,16 +894,32 @@ RunSummary train(const TrainJob& job, TrainingObserver& observer, const TrainOpt
     }
     const double elapsed = std::chrono::duration<double>(Clock::now() - run_start).count();
     if (options.stop_at > 0 && step >= options.stop_at && step < job.steps) {
-      summary.stop_reason = "stop_at";
+      summary.stop_reason = violation.empty() ? "stop_at" : "contract_violation";
       break;
     }
     // The ranks of a several-GPU job stop together or not at all (one stopping alone would
     // leave the others waiting in a collective): one vote each, counted over all of them.
+    // Each kind of vote has its own digits: up to kMaxDevices time votes stay below
+    // kContractVote, as many contract votes below kStopVote.
     constexpr int64_t kStopVote = int64_t{1} << 32;
+    constexpr int64_t kContractVote = int64_t{1} << 16;
+    static_assert(TrainJobLimits::kMaxDevices < kContractVote &&
+                  TrainJobLimits::kMaxDevices * kContractVote < kStopVote);
     const bool time_up = job.max_seconds > 0 && elapsed >= job.max_seconds;
     const bool stop_asked = options.stop_requested && options.stop_requested->load();
-    const int64_t votes = backend->sum_over_ranks((stop_asked ? kStopVote : 0) + (time_up ? 1 : 0));
-    if (votes % kStopVote > 0 && step < job.steps) {
+    const int64_t votes = backend->sum_over_ranks(
+        (stop_asked ? kStopVote : 0) + (violation.empty() ? 0 : kContractVote) + (time_up ? 1 : 0));
+    if (votes % kStopVote >= kContractVote) {
+      if (violation.empty()) {
+        violation = fmt::format(
+            "contract violation: another rank of the job built GEMM plans after step {}, over "
+            "recompile_budget={} (its log names them)",
+            summary.first_step, job.recompile_budget);
+      }
+      summary.stop_reason = "contract_violation";
+      break;
+    }
+    if (votes % kContractVote > 0 && step < job.steps) {
       summary.stop_reason = "time_limit";
       break;
     }
@@ -859,9 +929,11 @@ RunSummary train(const TrainJob& job, TrainingObserver& observer, const TrainOpt
     }
   }
   summary.last_step = step;
-  if (summary.stop_reason != "stopped") run_eval(step);
+  // A job that broke its contract fails: it is neither evaluated nor checkpointed further.
+  const bool failed = !violation.empty();
+  if (summary.stop_reason != "stopped" && !failed) run_eval(step);
   summary.final_val_loss = last_val;
-  if (!checkpoint_current && step >= summary.first_step) save_checkpoint(step);
+  if (!checkpoint_current && step >= summary.first_step && !failed) save_checkpoint(step);
   summary.wall_seconds = std::chrono::duration<double>(Clock::now() - run_start).count();
   if (!step_ms.empty()) {
     std::vector<double> sorted = step_ms;
@@ -871,7 +943,18 @@ RunSummary train(const TrainJob& job, TrainingObserver& observer, const TrainOpt
     summary.tokens_per_s = static_cast<double>(tokens_per_step) / (summary.median_step_ms / 1000.0);
     summary.flops_per_s = flops_per_step / (summary.median_step_ms / 1000.0);
   }
+  if (const auto ledger = backend->plan_ledger()) {
+    summary.plan_cache = {{"path", backend->plan_cache_file()},
+                          {"hits", ledger->hits},
+                          {"builds", ledger->builds},
+                          {"stale", ledger->stale},
+                          {"builds_after_first_step",
+                           step >= summary.first_step ? ledger->builds - builds_at_first_step : 0},
+                          {"budget", job.recompile_budget}};
+  }
+  summary.error = violation;
   observer.on_finish(summary);
+  if (failed) fail(ErrorKind::kFailedPrecondition, "{}", violation);
   return summary;
 }
 

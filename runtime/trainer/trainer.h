@@ -14,6 +14,10 @@
 
 namespace megacpp {
 
+namespace cuda {
+class GemmPlanCache;
+}
+
 // A training job, as a JSON file:
 // {"model": {"preset": "tiny"} | {"config": {...}} | {"config_file": "path"},
 //  "data": {"train": "PREFIX_train", "valid": "PREFIX_valid"},
@@ -26,7 +30,8 @@ namespace megacpp {
 //  "init": {"checkpoint": "DIR"},
 //  "seed": 1234, "max_seconds": 0, "scan": "chunked"|"recurrent", "threads": 0,
 //  "log": "runs/x/steps.jsonl", "device": "cpu"|"cuda", "gpu": 0,
-//  "device_count": 1, "tensor_parallel": 1, "gpus": [0, 1, ...]}
+//  "device_count": 1, "tensor_parallel": 1, "gpus": [0, 1, ...],
+//  "plan_cache": "DIR", "recompile_budget": 0}
 // Where the steps run: the CPU runtime (float), or the CUDA backend (runtime/model/cuda_model.h,
 // mixed precision) on GPU ordinal `gpu`; or, with device_count > 1 (cuda only), one process per
 // GPU rank (world rank r on GPU gpus[r]), tensor_parallel ranks per model replica and
@@ -37,7 +42,12 @@ namespace megacpp {
 // init.checkpoint starts the run from a model checkpoint's weights (config.json +
 // model.safetensors, e.g. one converted from the official model by python/megacpp_checkpoint)
 // instead of a random init: step 0, a fresh optimizer, the job's own schedule and data. The
-// checkpoint's config must equal the job's model ({"model": {"config_file": "DIR/config.json"}}
+// plan_cache keeps a cuda job's cuBLASLt algorithm choices across runs
+// (kernels/cuda/gemm_plan_cache.h); empty: chosen afresh in every run. Plans built after the run's
+// first step are counted against recompile_budget: one more than it allows stops the job with
+// stop_reason "contract_violation" (its shapes are fixed, so a rebuild is a bug or a leak).
+//
+// The checkpoint's config must equal the job's model ({"model": {"config_file": "DIR/config.json"}}
 // takes it as is). A run that resumes from checkpoint.dir/latest ignores init: the resumed
 // weights and optimizer are newer than the ones the run started from.
 enum class TrainDevice { kCpu, kCuda };
@@ -80,7 +90,9 @@ struct TrainJob {
   int gpu = 0;  // the CUDA device ordinal a cuda job runs on
   int device_count = 1;
   int tensor_parallel = 1;
-  std::vector<int> gpus;  // per world rank; empty: gpu, gpu + 1, ...
+  std::vector<int> gpus;             // per world rank; empty: gpu, gpu + 1, ...
+  std::filesystem::path plan_cache;  // cuda jobs' GEMM plan directory; empty: none
+  int64_t recompile_budget = 0;      // plan builds allowed after the first step
   int data_parallel() const { return device_count / tensor_parallel; }
   int gpu_of(int world_rank) const {
     return gpus.empty() ? gpu + world_rank : gpus[static_cast<size_t>(world_rank)];
@@ -106,6 +118,7 @@ struct TrainJobLimits {
   static constexpr int kMaxGpu = 1023;
   static constexpr int kMaxDevices = 1024;
   static constexpr int kMaxBlendDatasets = 1024;
+  static constexpr int64_t kMaxRecompileBudget = 1'000'000;
 };
 
 // Validates every field; errors name the field (e.g. "job.json: batch=0 must be positive").
@@ -121,6 +134,9 @@ struct TrainOptions {
   int world_rank = 0;
   std::filesystem::path rendezvous = {};
   double rendezvous_timeout_seconds = 120;
+  // A cuda job's plan cache owned by the caller (a test or benchmark that inspects it), used
+  // instead of one opened from job.plan_cache; it must be the job's GPU's.
+  cuda::GemmPlanCache* plan_cache = nullptr;
 };
 
 // Runs the job; returns its summary (also passed to the observer).

@@ -11,13 +11,19 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "base/error.h"
+#include "base/plan_cache.h"
 
 #ifdef MEGACPP_HAVE_CUDA
 #include "kernels/cuda/device_query.h"
+#include "kernels/cuda/gemm_plan_cache.h"
 #endif
 
 namespace megacpp::preconditions {
@@ -330,6 +336,44 @@ HostEnvironment probe_host_environment() {
   return host;
 }
 
+CheckResult check_plan_cache(const std::string& name, const fs::path& dir,
+                             std::string_view config_field) {
+  std::vector<PlanCacheRepair> repairs;
+  std::function<bool(std::string_view)> current;
+#ifdef MEGACPP_HAVE_CUDA
+  // Plans chosen by another cuBLASLt are stale: removed here, rebuilt by the next job.
+  current = [prefix = cuda::cublaslt_scope_prefix()](std::string_view scope) {
+    return scope.starts_with(prefix);
+  };
+#endif
+  try {
+    repairs = repair_plan_cache_dir(dir, current);
+  } catch (const Error& e) {
+    return failure(name, fmt::format("{}: {}", dir.string(), e.what()),
+                   fmt::format("make {} readable and writable by the daemon's user, or remove it "
+                               "(plans are rebuilt); it lies in {}",
+                               dir.string(), config_field));
+  }
+  if (repairs.empty()) return pass(name, fmt::format("{}: no plan cache yet", dir.string()));
+  std::vector<std::string> parts;
+  size_t ok = 0;
+  for (const PlanCacheRepair& r : repairs) {
+    if (r.action == "ok") {
+      ++ok;
+      continue;
+    }
+    // Each repair with what was wrong, so the receipt says why the plans are being rebuilt.
+    parts.push_back(fmt::format("{} {} ({} record(s) kept): {}", r.action,
+                                r.file.filename().string(), r.records_kept,
+                                fmt::join(r.problems, "; ")));
+  }
+  if (parts.empty()) {
+    return pass(name, fmt::format("{}: ok, {} plan file(s) intact", dir.string(), ok));
+  }
+  return pass(name, fmt::format("{}: {} plan file(s) intact; {}", dir.string(), ok,
+                                fmt::join(parts, "; ")));
+}
+
 CheckResult check_nvls(const HostEnvironment& host, bool allow_nvls) {
   const char* name = "nccl_nvls";
   const std::string value =
@@ -369,6 +413,10 @@ std::vector<CheckResult> run_preconditions(const PreconditionConfig& config,
   for (size_t i = 0; i < config.cache_dirs.size(); ++i) {
     const std::string field = fmt::format("cache_dirs[{}]", i);
     results.push_back(check_writable_dir(field, config.cache_dirs[i], field, min_free));
+    if (results.back().status == Status::kPass) {
+      results.push_back(check_plan_cache(fmt::format("plan_cache[{}]", i),
+                                         config.cache_dirs[i] / "plans", field));
+    }
   }
   for (size_t i = 0; i < config.data_roots.size(); ++i) {
     results.push_back(check_readable_dir(fmt::format("data_roots[{}]", i), config.data_roots[i]));

@@ -50,14 +50,23 @@ HostEnvironment probe_host_environment();
 int count_nvidia_gpus(const std::filesystem::path& proc_gpus_dir,
                       const std::filesystem::path& dev_dir);
 
-// Runs every check, in order: (a) directories (state_dir, checkpoint_root, cache_dirs, then
-// data_roots), (b) the store's directory and the store file, (c) NCCL_NVLS_ENABLE on multi-GPU
-// hosts, (d) CUDA driver/runtime, per-GPU kernel images and NCCL. (d) is reported as skipped
-// when any earlier check failed, when check_cuda is off, when the build has no CUDA, or when the
-// host has no NVIDIA GPU. Creates missing state, checkpoint, cache and store directories.
+// Runs every check, in order: (a) directories (state_dir, checkpoint_root, cache_dirs each
+// followed by plan_cache[i], the check and repair of its plans/ folder, then data_roots), (b) the
+// store's directory and the store file, (c) NCCL_NVLS_ENABLE on multi-GPU hosts, (d) CUDA
+// driver/runtime, per-GPU kernel images and NCCL. (d) is reported as skipped when any earlier check
+// failed, when check_cuda is off, when the build has no CUDA, or when the host has no NVIDIA GPU.
+// Creates missing state, checkpoint, cache and store directories.
 std::vector<CheckResult> run_preconditions(const PreconditionConfig& config);
 std::vector<CheckResult> run_preconditions(const PreconditionConfig& config,
                                            const HostEnvironment& host);
+
+// The GEMM plan files in `dir` (base/plan_cache.h): a corrupt record is dropped and its file
+// rewritten, a file of another format, a broken header or (CUDA builds) another cuBLASLt
+// version's plans removed (its plans are rebuilt on demand). Every repair passes, named in the
+// detail with what was wrong; only a file that cannot be read, written or removed fails.
+// `config_field` names the cache directory in the fix.
+CheckResult check_plan_cache(const std::string& name, const std::filesystem::path& dir,
+                             std::string_view config_field);
 
 // The NVLS check alone: on a host with more than one GPU, NCCL_NVLS_ENABLE must be "0" unless
 // allow_nvls.

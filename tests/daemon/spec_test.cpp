@@ -46,6 +46,7 @@ class SpecTest : public ::testing::Test {
     config_.data_roots = {std::filesystem::canonical(dir_ / "data")};
     config_.checkpoint_root = dir_ / "checkpoints";
     config_.min_free_bytes = 12345678;
+    config_.cache_dirs = {dir_ / "cache"};
   }
 
   v1::JobSpec small_job() const {
@@ -139,6 +140,10 @@ TEST_F(SpecTest, EveryNumericFieldIsBoundedAndFinite) {
        "max_restarts=1000000 must be in [0, 100]"},
       {"max_restarts negative", [](v1::JobSpec& s) { s.set_max_restarts(-1); },
        "max_restarts=-1 must be in [0, 100]"},
+      {"recompile_budget negative", [](v1::JobSpec& s) { s.set_recompile_budget(-1); },
+       "recompile_budget=-1 must be in [0, 1000000]"},
+      {"recompile_budget high", [](v1::JobSpec& s) { s.set_recompile_budget(int64_t{1} << 40); },
+       "recompile_budget=1099511627776 must be in [0, 1000000]"},
       {"restart_policy",
        [](v1::JobSpec& s) { s.set_restart_policy(static_cast<v1::RestartPolicy>(99)); },
        "restart_policy=99 is not a RestartPolicy value"},
@@ -164,6 +169,7 @@ TEST_F(SpecTest, EveryNumericFieldIsBoundedAndFinite) {
   edge.set_threads(TrainJobLimits::kMaxThreads);
   edge.set_restart_policy(v1::RESTART_POLICY_ON_FAILURE);
   edge.set_max_restarts(daemon::kMaxRestarts);
+  edge.set_recompile_budget(TrainJobLimits::kMaxRecompileBudget);
   EXPECT_EQ(refusal(edge), "");
 }
 
@@ -228,6 +234,8 @@ TEST_F(SpecTest, ACudaJobRunsOnTheGpuOrIsRefusedWithTheReason) {
 #ifdef MEGACPP_HAVE_CUDA
   EXPECT_EQ(decision_of(one).decision, gates::Decision::kOn);
   EXPECT_EQ(one.train_job["device"], "cuda");
+  // The daemon's first cache directory keeps the job's GEMM plans.
+  EXPECT_EQ(one.train_job["plan_cache"], (config_.cache_dirs.at(0) / "plans").string());
   // Several GPUs: one rank per GPU, the geometry handed to the trainer.
   cuda.set_device_count(2);
   cuda.set_tensor_parallel(2);
@@ -292,6 +300,27 @@ TEST_F(SpecTest, CheckpointFloorAndRetentionReachTheTrainJob) {
   v1::JobSpec five = small_job();
   five.set_checkpoint_keep_last(5);
   EXPECT_EQ(parse_train_job(validate(five).train_job, "job.json").keep_last, 5);
+}
+
+// The recompile budget reaches the trainer: 0 unless the spec sets it.
+TEST_F(SpecTest, RecompileBudgetReachesTheTrainJob) {
+  EXPECT_EQ(parse_train_job(validate(small_job()).train_job, "job.json").recompile_budget, 0);
+  v1::JobSpec three = small_job();
+  three.set_recompile_budget(3);
+  EXPECT_EQ(parse_train_job(validate(three).train_job, "job.json").recompile_budget, 3);
+  // The trainer's own parse refuses what a job file could hold past the spec's checks.
+  json job = validate(small_job()).train_job;
+  job["recompile_budget"] = -2;
+  try {
+    parse_train_job(job, "job.json");
+    ADD_FAILURE() << "recompile_budget=-2 was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("job.json: recompile_budget=-2 must be >= 0"),
+              std::string::npos)
+        << e.what();
+  }
+  job["recompile_budget"] = "none";
+  EXPECT_THROW(parse_train_job(job, "job.json"), Error);
 }
 
 // init_checkpoint: a model checkpoint inside the data roots (the directory and both files,

@@ -9,8 +9,14 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <vector>
 
+#include <cuda_runtime.h>
+
+#include "base/error.h"
+#include "kernels/cuda/gemm_plan_cache.h"
+#include "kernels/cuda/linear.h"
 #include "runtime/data/prepare.h"
 #include "runtime/trainer/trainer.h"
 #include "tests/support/gpu.h"
@@ -137,6 +143,95 @@ TEST_F(CudaTraining, ACpuCheckpointResumesOnTheGpu) {
   train(job("straight", "cpu"), straight);
   // Step 11 on the GPU starts from the CPU's step-10 weights and moments: its loss is the CPU's.
   EXPECT_NEAR(gpu_part.steps.front().loss, straight.steps[10].loss, 0.01 * straight.steps[10].loss);
+}
+
+// Passes everything to a RecordingObserver; after step `at` builds one more linear (a shape the
+// model has none of) through `cache`: a plan build after the first step, as a leak would make.
+class RebuildingObserver final : public TrainingObserver {
+ public:
+  RebuildingObserver(cuda::GemmPlanCache& cache, int64_t at) : cache_(cache), at_(at) {}
+  void on_start(const nlohmann::json& info) override { record.on_start(info); }
+  void on_step(const StepRecord& r) override {
+    record.on_step(r);
+    if (r.step != at_) return;
+    const cuda::LinearShape shape{40, 24, 56};
+    const size_t bytes = cuda::LinearCuda::workspace_bytes(shape);
+    void* workspace = nullptr;
+    ASSERT_EQ(cudaMalloc(&workspace, bytes), cudaSuccess);
+    { const cuda::LinearCuda extra(shape, workspace, bytes, &cache_); }
+    cudaFree(workspace);
+  }
+  void on_eval(const EvalRecord& r) override { record.on_eval(r); }
+  void on_checkpoint(int64_t step, const std::filesystem::path& dir) override {
+    record.on_checkpoint(step, dir);
+  }
+  void on_finish(const RunSummary& s) override { record.on_finish(s); }
+  RecordingObserver record;
+
+ private:
+  cuda::GemmPlanCache& cache_;
+  int64_t at_;
+};
+
+// A second run of a job on the plan cache the first one filled builds no plan: every GEMM's
+// algorithm is a hit. A plan built after the first step breaks a budget of 0: the job stops as a
+// contract violation naming the GEMM, its shape and the budget, with the summary recorded.
+TEST_F(CudaTraining, WarmPlanCacheBuildsNothingAndARebuildAfterStepOneBreaksTheBudget) {
+  steps_ = 3;
+  const auto small = [&](const std::string& run) {
+    TrainJob j = job(run, "cuda");
+    j.eval_interval = 0;
+    j.valid_data.clear();
+    j.plan_cache = dir_ / "plans";
+    return j;
+  };
+  RecordingObserver cold, warm;
+  train(small("cold"), cold);
+  const json& cold_plans = cold.summary.plan_cache;
+  ASSERT_TRUE(cold_plans.is_object()) << "no plan_cache block in the run summary";
+  EXPECT_GT(cold_plans["builds"].get<uint64_t>(), 0u);
+  EXPECT_EQ(cold_plans["builds_after_first_step"], 0);
+  EXPECT_EQ(cold_plans["budget"], 0);
+  train(small("warm"), warm);
+  const json& warm_plans = warm.summary.plan_cache;
+  EXPECT_EQ(warm_plans["builds"], 0) << warm_plans.dump();
+  EXPECT_EQ(warm_plans["hits"].get<uint64_t>(),
+            cold_plans["hits"].get<uint64_t>() + cold_plans["builds"].get<uint64_t>());
+  EXPECT_EQ(warm_plans["path"], cold_plans["path"]);
+  EXPECT_EQ(warm.summary.stop_reason, "completed");
+  // Cached plans run the heuristic's algorithms: the same losses, bit for bit.
+  ASSERT_EQ(warm.steps.size(), cold.steps.size());
+  for (size_t i = 0; i < warm.steps.size(); ++i) EXPECT_EQ(warm.steps[i].loss, cold.steps[i].loss);
+
+  cuda::GemmPlanCache cache(dir_ / "plans", 0);
+  TrainOptions options;
+  options.plan_cache = &cache;
+  RebuildingObserver leaking(cache, 1);
+  try {
+    train(small("leak"), leaking, options);
+    ADD_FAILURE() << "a plan built after step 1 with recompile_budget=0 was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kFailedPrecondition);
+    const std::string message = e.what();
+    EXPECT_NE(message.find("recompile_budget=0"), std::string::npos) << message;
+    EXPECT_NE(message.find("rows=40, in=24, out=56"), std::string::npos) << message;
+  }
+  const RunSummary& failed = leaking.record.summary;
+  EXPECT_EQ(failed.stop_reason, "contract_violation");
+  EXPECT_EQ(failed.last_step, 1);
+  EXPECT_NE(failed.error.find("recompile_budget=0"), std::string::npos) << failed.error;
+  EXPECT_EQ(failed.plan_cache["builds_after_first_step"], 6);  // the six GEMMs of one linear
+  EXPECT_EQ(failed.plan_cache["budget"], 0);
+
+  // The same rebuild within a budget of 6 is allowed.
+  cuda::GemmPlanCache fresh(dir_ / "plans-budget", 0);
+  options.plan_cache = &fresh;
+  TrainJob allowed = small("allowed");
+  allowed.recompile_budget = 6;
+  RebuildingObserver within(fresh, 1);
+  train(allowed, within, options);
+  EXPECT_EQ(within.record.summary.stop_reason, "completed");
+  EXPECT_EQ(within.record.summary.plan_cache["builds_after_first_step"], 6);
 }
 
 }  // namespace

@@ -304,6 +304,25 @@ TEST_F(TrainerTest, ACudaJobWithoutAUsableGpuFailsInsteadOfFallingBack) {
   EXPECT_FALSE(std::filesystem::exists(dir_ / "cuda/step-00000020"));
 }
 
+// The run summary's JSON (what the daemon records) has the plan_cache block and the error only
+// where a run has them: a CPU run builds no GEMM plans, a run that completed broke no contract.
+TEST(RunSummaryJson, CarriesPlanCacheAndErrorOnlyWhenSet) {
+  RunSummary s;
+  s.stop_reason = "completed";
+  const json plain = to_json(s);
+  EXPECT_FALSE(plain.contains("plan_cache"));
+  EXPECT_FALSE(plain.contains("error"));
+  s.stop_reason = "contract_violation";
+  s.error = "contract violation: 6 GEMM plan(s) built after step 1, over recompile_budget=0";
+  s.plan_cache = {{"path", "/cache/plans/x.plans"}, {"hits", 3},  {"builds", 7}, {"stale", 0},
+                  {"builds_after_first_step", 6},   {"budget", 0}};
+  const json j = to_json(s);
+  EXPECT_EQ(j["stop_reason"], "contract_violation");
+  EXPECT_EQ(j["error"], s.error);
+  EXPECT_EQ(j["plan_cache"]["builds_after_first_step"], 6);
+  EXPECT_EQ(j["plan_cache"]["budget"], 0);
+}
+
 // Retention: the newest keep_last checkpoints (and the final one) stay, older ones go;
 // a resumed run still matches an uninterrupted one bit for bit.
 TEST_F(TrainerTest, OldCheckpointsArePrunedToKeepLast) {

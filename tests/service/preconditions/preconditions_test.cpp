@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "base/plan_cache.h"
 #include "tests/support/temp_dir.h"
 
 namespace megacpp::preconditions {
@@ -74,11 +75,13 @@ class PreconditionsTest : public ::testing::Test {
 TEST_F(PreconditionsTest, AllPassInATempDirAndCreateMissingDirectories) {
   const auto results = run_preconditions(config_, kNoGpus);
   EXPECT_TRUE(all_passed(results)) << format_report(results);
-  EXPECT_EQ(names(results), (std::vector<std::string>{
-                                "state_dir", "checkpoint_root", "cache_dirs[0]", "cache_dirs[1]",
-                                "data_roots[0]", "store_dir", "store_quick_check", "nccl_nvls",
-                                "cuda_driver", "cuda_kernel_image", "nccl_library"}));
-  for (size_t i = 0; i < 8; ++i) EXPECT_EQ(results[i].status, Status::kPass) << results[i].name;
+  EXPECT_EQ(names(results),
+            (std::vector<std::string>{
+                "state_dir", "checkpoint_root", "cache_dirs[0]", "plan_cache[0]", "cache_dirs[1]",
+                "plan_cache[1]", "data_roots[0]", "store_dir", "store_quick_check", "nccl_nvls",
+                "cuda_driver", "cuda_kernel_image", "nccl_library"}));
+  for (size_t i = 0; i < 10; ++i) EXPECT_EQ(results[i].status, Status::kPass) << results[i].name;
+  EXPECT_TRUE(contains(find(results, "plan_cache[0]").detail, "no plan cache yet"));
   EXPECT_TRUE(fs::is_directory(config_.state_dir));
   EXPECT_TRUE(fs::is_directory(config_.checkpoint_root));
   EXPECT_TRUE(fs::is_directory(config_.cache_dirs[1]));
@@ -151,7 +154,7 @@ TEST_F(PreconditionsTest, UnwritableStateDirFailsWithAFixAndSkipsCuda) {
   const std::string report = format_report(results);
   EXPECT_TRUE(contains(report, "FAIL"));
   EXPECT_TRUE(contains(report, state.fix));
-  EXPECT_TRUE(contains(report, "1 of 11 checks failed"));
+  EXPECT_TRUE(contains(report, "1 of 13 checks failed"));
 }
 
 TEST_F(PreconditionsTest, ExistingDirectoryThatRefusesWritesFails) {
@@ -347,6 +350,60 @@ TEST(Report, IsATableWithEveryRowAndAllPassedIgnoresSkips) {
   EXPECT_FALSE(all_passed(results));
   EXPECT_TRUE(all_passed({results[0], results[2]}));
   EXPECT_TRUE(all_passed({}));
+}
+
+// Plan caches under each cache directory's plans/ are checked before any job: intact files pass
+// as "ok", a corrupt record is dropped and its file rewritten, a stale-format file removed, each
+// named in its row with what was wrong.
+TEST_F(PreconditionsTest, PlanCachesAreCheckedAndRepairedAtStartup) {
+  const fs::path plans = config_.cache_dirs[1] / "plans";
+  {
+    PlanCache intact(plans, "scope-intact");
+    intact.put("k", "v");
+    intact.flush();
+    PlanCache damaged(plans, "scope-damaged");
+    damaged.put("a", "first-value");
+    damaged.put("b", "second-value");
+    damaged.flush();
+  }
+  const fs::path damaged_file = plans / plan_cache_file_name("scope-damaged");
+  std::string bytes = testing::read_bytes(damaged_file);
+  bytes[bytes.find("first-value")] = 'F';
+  write_text(damaged_file, bytes);
+  std::string stale = serialize_plan_cache("scope-stale", {{"k", "v"}});
+  stale[8] = static_cast<char>(kPlanCacheFormatVersion + 1);
+  write_text(plans / plan_cache_file_name("scope-stale"), stale);
+
+  const auto results = run_preconditions(config_, kNoGpus);
+  EXPECT_TRUE(all_passed(results)) << format_report(results);
+  EXPECT_TRUE(contains(find(results, "plan_cache[0]").detail, "no plan cache yet"));
+  const CheckResult& row = find(results, "plan_cache[1]");
+  EXPECT_EQ(row.status, Status::kPass);
+  EXPECT_TRUE(contains(row.detail, "1 plan file(s) intact"));
+  EXPECT_TRUE(contains(row.detail, "repaired " + damaged_file.filename().string()));
+  EXPECT_TRUE(contains(row.detail, "record 0"));
+  EXPECT_TRUE(contains(row.detail, "CRC32 mismatch"));
+  EXPECT_TRUE(contains(row.detail, "removed " + plan_cache_file_name("scope-stale")));
+  EXPECT_TRUE(contains(row.detail, "format version 2"));
+  EXPECT_FALSE(fs::exists(plans / plan_cache_file_name("scope-stale")));
+  EXPECT_TRUE(parse_plan_cache(damaged_file, testing::read_bytes(damaged_file)).problems.empty());
+
+  // Repaired once: the next start finds every file intact.
+  const auto again = run_preconditions(config_, kNoGpus);
+  EXPECT_TRUE(contains(find(again, "plan_cache[1]").detail, "ok, 2 plan file(s) intact"))
+      << find(again, "plan_cache[1]").detail;
+}
+
+// A plan file the daemon cannot read (here a directory by that name, which even root cannot read
+// as a file) fails its row with the fix.
+TEST_F(PreconditionsTest, UnreadablePlanCacheFails) {
+  const fs::path plans = config_.cache_dirs[0] / "plans";
+  fs::create_directories(plans / "x.plans");
+  const auto results = run_preconditions(config_, kNoGpus);
+  const CheckResult& row = find(results, "plan_cache[0]");
+  EXPECT_EQ(row.status, Status::kFail) << row.detail;
+  EXPECT_TRUE(contains(row.detail, "x.plans"));
+  EXPECT_TRUE(contains(row.fix, "cache_dirs[0]"));
 }
 
 }  // namespace

@@ -1,0 +1,98 @@
+// cuBLASLt plan cache: see gemm_plan_cache.h. Host code only; libfmt's compiled part is not
+// linked into this library (check.h), so strings are built with iostreams.
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <iostream>
+#include <sstream>
+#include <utility>
+
+#include "kernels/cuda/check.h"
+#include "kernels/cuda/gemm_plan_cache.h"
+
+namespace megacpp::cuda {
+
+std::string GemmPlanKey::to_string() const {
+  std::ostringstream out;
+  out << "op=" << op_a << "," << op_b << " types=" << type_a << "," << type_b << "," << type_d
+      << " compute=" << compute << " mnk=" << m << "," << n << "," << k << " ld=" << ld_a << ","
+      << ld_b << "," << ld_d << " align=" << align_a << "," << align_b << "," << align_d
+      << " epilogue=" << epilogue << " workspace=" << workspace_limit;
+  return out.str();
+}
+
+std::string cublaslt_scope_prefix() {
+  std::ostringstream prefix;
+  prefix << "cublaslt-" << cublasLtGetVersion() << "/";
+  return prefix.str();
+}
+
+GemmPlanCache::GemmPlanCache(const std::filesystem::path& dir, int device) : device_(device) {
+  cudaDeviceProp props{};
+  MEGACPP_CUDA_CHECK(cudaGetDeviceProperties(&props, device));
+  std::ostringstream scope;
+  // The library that chose the algorithms and the GPU they were chosen for: a plan from any
+  // other pair is never read.
+  scope << cublaslt_scope_prefix() << "sm_" << props.major << props.minor << "/" << props.name;
+  scope_ = scope.str();
+  if (!dir.empty()) store_ = std::make_unique<PlanCache>(dir, scope_);
+}
+
+GemmPlanCache::~GemmPlanCache() {
+  try {
+    flush();
+  } catch (const std::exception& e) {
+    // The plans are rebuilt next time; losing them is no reason to fail a finished job.
+    std::cerr << "plan cache not written: " << e.what() << "\n";
+  }
+}
+
+std::filesystem::path GemmPlanCache::file() const {
+  return store_ ? store_->file() : std::filesystem::path();
+}
+
+std::vector<std::string> GemmPlanCache::problems() const {
+  const std::lock_guard<std::mutex> lock(mutex_);
+  return store_ ? store_->problems() : std::vector<std::string>();
+}
+
+PlanLedger GemmPlanCache::ledger() const {
+  const std::lock_guard<std::mutex> lock(mutex_);
+  return ledger_;
+}
+
+void GemmPlanCache::flush() {
+  const std::lock_guard<std::mutex> lock(mutex_);
+  if (store_) store_->flush();
+}
+
+std::string GemmPlanCache::find(const GemmPlanKey& key) const {
+  const std::lock_guard<std::mutex> lock(mutex_);
+  const std::string text = key.to_string();
+  if (store_) {
+    const std::string* value = store_->find(text);
+    return value == nullptr ? std::string() : *value;
+  }
+  const auto it = memory_.find(text);
+  return it == memory_.end() ? std::string() : it->second;
+}
+
+void GemmPlanCache::record_hit() {
+  const std::lock_guard<std::mutex> lock(mutex_);
+  ++ledger_.hits;
+}
+
+void GemmPlanCache::record_build(const GemmPlanKey& key, std::string value, const std::string& what,
+                                 bool stale) {
+  const std::lock_guard<std::mutex> lock(mutex_);
+  ++ledger_.builds;
+  if (stale) ++ledger_.stale;
+  ledger_.last_build = what;
+  if (store_) {
+    store_->put(key.to_string(), std::move(value));
+  } else {
+    memory_[key.to_string()] = std::move(value);
+  }
+}
+
+}  // namespace megacpp::cuda
