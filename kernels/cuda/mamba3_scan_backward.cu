@@ -350,15 +350,15 @@ __global__ void __launch_bounds__(kBackwardThreads)
     finish_qk_grad(d, pos, hg == 0, cosv, sinv, q_rot, ld_qk, d_qk, ld_mn, d_theta, qb_partial,
                    w.dq_acc);
 
-    // Exit state: dS = dL/d(exit state). dL/dl_last += e^{l_last} <dS, E>.
+    // Exit state: dS = dL/d(exit state). dL/dl_last += e^{l_last} <dS, E>, with E still in
+    // `state` (each element is read by the thread that then overwrites it with dS).
     {
-      const float* g_exit = w.gstates + bhc * matrix;
-      const float* entry = w.states + bhc * matrix;
       float local = 0.f;
-      for (int idx = threadIdx.x; idx < P * N; idx += blockDim.x) {
-        local += g_exit[idx] * entry[idx];
-        state[(d.by_state.div(idx)) * ld_state + d.by_state.mod(idx)] = g_exit[idx];
-      }
+      for_each_state_element(d, w.gstates + bhc * matrix, [&](int p, int n, float d_exit) {
+        float& element = state[p * ld_state + n];
+        local += d_exit * element;
+        element = d_exit;
+      });
       const float total = block_sum(local, sum_scratch);
       if (threadIdx.x == 0) {
         sc[kDLog * C + pos.len - 1] += sc[kEntryDecay * C + pos.len - 1] * total;

@@ -497,12 +497,34 @@ static __device__ __forceinline__ SmemStrides strides_of(const SmemPlan& plan) {
   }
 }
 
+// For each element (p, n) of a [P][N] fp32 state in global memory, at(p, n, value). Fixed shapes
+// load four elements of a row at once (N % 4 == 0, and each state starts 16-byte aligned: the
+// workspace parts are 256-byte aligned and a state is P·N floats), so a thread's elements of a
+// 64 × 64 state arrive in one batch of loads rather than two.
+template <class D, class At>
+static __device__ __forceinline__ void for_each_state_element(const D& d, const float* src, At at) {
+  if constexpr (D::kFixed) {
+    static_assert(D::state % 4 == 0);
+    for_each_batched<kLoadBatch>(
+        D::headdim * D::state / 4, [&](int v) { return reinterpret_cast<const float4*>(src)[v]; },
+        [&](int v, const float4& x) {
+          const int p = d.by_state.div(4 * v), n = d.by_state.mod(4 * v);
+          at(p, n, x.x);
+          at(p, n + 1, x.y);
+          at(p, n + 2, x.z);
+          at(p, n + 3, x.w);
+        });
+  } else {
+    for_each_batched<kLoadBatch>(
+        d.headdim * d.state, [&](int idx) { return src[idx]; },
+        [&](int idx, float value) { at(d.by_state.div(idx), d.by_state.mod(idx), value); });
+  }
+}
+
 // A [P][N] fp32 state from global memory into rows of stride ld.
 template <class D>
 static __device__ void load_state(const D& d, const float* src, float* dst, int ld) {
-  for_each_batched<kLoadBatch>(
-      d.headdim * d.state, [&](int idx) { return src[idx]; },
-      [&](int idx, float value) { dst[d.by_state.div(idx) * ld + d.by_state.mod(idx)] = value; });
+  for_each_state_element(d, src, [&](int p, int n, float value) { dst[p * ld + n] = value; });
 }
 
 // Calls f(dims) with the shape's FixedDims when it is one of the compiled shapes, else with the
