@@ -7,7 +7,9 @@
 #include <algorithm>
 #include <array>
 #include <cerrno>
+#include <chrono>
 #include <system_error>
+#include <thread>
 #include <utility>
 
 #include "base/atomic_file.h"
@@ -50,20 +52,35 @@ std::string describe_errno(int error_number) {
 }
 
 // An exclusive flock on "<file>.lock", held for its lifetime. The lock is on a sibling rather
-// than the file itself because each write renames a new inode over the file.
+// than the file itself because each write renames a new inode over the file. A holder keeps it
+// for one read-merge-write of a small file, so a lock still held after kLockWait belongs to a
+// stuck process: waiting on it forever would hang the daemon's startup check or a job with no
+// word of why, so the wait ends in an error naming the lock file.
 class FileLock {
  public:
+  static constexpr std::chrono::seconds kLockWait{30};
+
   explicit FileLock(const fs::path& file) {
     const fs::path lock = fs::path(file.string() + ".lock");
     while ((fd_ = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0666)) < 0 && errno == EINTR) {
     }
     if (fd_ < 0) fail(ErrorKind::kIo, "cannot open {}: {}", lock.string(), describe_errno(errno));
-    while (::flock(fd_, LOCK_EX) != 0) {
-      if (errno != EINTR) {
-        const int flock_errno = errno;
-        ::close(fd_);
-        fail(ErrorKind::kIo, "cannot lock {}: {}", lock.string(), describe_errno(flock_errno));
+    const auto deadline = std::chrono::steady_clock::now() + kLockWait;
+    while (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+      const int flock_errno = errno;
+      if (flock_errno == EINTR) continue;
+      if (flock_errno == EWOULDBLOCK && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        continue;
       }
+      ::close(fd_);
+      if (flock_errno == EWOULDBLOCK) {
+        fail(ErrorKind::kIo,
+             "{} is still locked after {} s: another megacpp process holds it (stuck?); stop it, "
+             "or remove the lock file if no process uses this plan cache",
+             lock.string(), kLockWait.count());
+      }
+      fail(ErrorKind::kIo, "cannot lock {}: {}", lock.string(), describe_errno(flock_errno));
     }
   }
   FileLock(const FileLock&) = delete;
@@ -74,7 +91,7 @@ class FileLock {
   int fd_ = -1;
 };
 
-// The file's content, or an empty optional-like flag when it does not exist.
+// Reads the file into `bytes`; false when it does not exist.
 bool read_if_exists(const fs::path& file, std::string& bytes) {
   try {
     bytes = read_file(file);
@@ -216,10 +233,19 @@ std::vector<PlanCacheRepair> repair_plan_cache_dir(
     const fs::path& dir, const std::function<bool(std::string_view scope)>& current) {
   std::vector<PlanCacheRepair> repairs;
   std::error_code error;
-  if (!fs::is_directory(dir, error)) return repairs;
+  if (!fs::is_directory(dir, error)) {
+    // Absent is "no cache yet"; anything else (EACCES on a parent, say) must not pass as that.
+    if (error && error != std::errc::no_such_file_or_directory) {
+      fail(ErrorKind::kIo, "cannot inspect {}: {}", dir.string(), error.message());
+    }
+    return repairs;
+  }
   std::vector<fs::path> files;
-  for (const auto& entry : fs::directory_iterator(dir, error)) {
-    if (entry.path().extension() == ".plans") files.push_back(entry.path());
+  // error_code forms throughout: the range-for's increment would throw filesystem_error, which
+  // callers (the daemon's startup check) do not expect from here.
+  fs::directory_iterator entries(dir, error);
+  for (; !error && entries != fs::directory_iterator(); entries.increment(error)) {
+    if (entries->path().extension() == ".plans") files.push_back(entries->path());
   }
   if (error) fail(ErrorKind::kIo, "cannot list {}: {}", dir.string(), error.message());
   std::sort(files.begin(), files.end());
@@ -259,6 +285,10 @@ std::vector<PlanCacheRepair> repair_plan_cache_dir(
 
 PlanCache::PlanCache(fs::path dir, std::string scope)
     : dir_(std::move(dir)), scope_(std::move(scope)) {
+  if (scope_.size() > kPlanCacheMaxKeyBytes) {
+    fail(ErrorKind::kInvalidArgument, "plan cache scope of {} bytes; the limit is {} bytes",
+         scope_.size(), kPlanCacheMaxKeyBytes);
+  }
   file_ = dir_ / plan_cache_file_name(scope_);
   std::string bytes;
   if (!read_if_exists(file_, bytes)) return;
@@ -279,6 +309,14 @@ const std::string* PlanCache::find(const std::string& key) const {
 }
 
 void PlanCache::put(const std::string& key, std::string value) {
+  // The reader drops a record past these limits, and everything after it: refuse to write one.
+  if (key.size() > kPlanCacheMaxKeyBytes || value.size() > kPlanCacheMaxValueBytes) {
+    fail(ErrorKind::kInvalidArgument,
+         "plan cache {}: record \"{}\" has a {}-byte key and a {}-byte value; the limits are {} "
+         "and {} bytes",
+         file_.string(), key.substr(0, 80), key.size(), value.size(), kPlanCacheMaxKeyBytes,
+         kPlanCacheMaxValueBytes);
+  }
   records_[key] = value;
   pending_[key] = std::move(value);
 }

@@ -105,7 +105,7 @@ int main(int argc, char** argv) {
         store->insert_preconditions(to_receipts(checks, id));
       }
       if (!passed) {
-        spdlog::error("a startup precondition failed: not serving (see the table above)");
+        spdlog::error("a startup precondition failed: not serving (see the table on stdout)");
         return 3;
       }
       return 0;

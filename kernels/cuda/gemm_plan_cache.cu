@@ -27,6 +27,11 @@ std::string cublaslt_scope_prefix() {
   return prefix.str();
 }
 
+bool is_current_cublaslt_scope(std::string_view scope) {
+  const std::string prefix = cublaslt_scope_prefix();
+  return scope.substr(0, prefix.size()) == prefix;  // device code is C++17: no starts_with
+}
+
 GemmPlanCache::GemmPlanCache(const std::filesystem::path& dir, int device) : device_(device) {
   cudaDeviceProp props{};
   MEGACPP_CUDA_CHECK(cudaGetDeviceProperties(&props, device));

@@ -19,6 +19,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "base/plan_cache.h"
@@ -43,6 +44,8 @@ struct GemmPlanKey {
 // whose scope begins otherwise was made by another cuBLASLt and is stale (the daemon's startup
 // check removes it). Reads the library's version only: touches no device.
 std::string cublaslt_scope_prefix();
+// Whether a plan file's scope was written by this build's cuBLASLt (else its plans are stale).
+bool is_current_cublaslt_scope(std::string_view scope);
 
 class GemmPlanCache {
  public:

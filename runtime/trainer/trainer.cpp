@@ -395,6 +395,9 @@ class StepBackend {
   // The GEMM plan lookups so far and the file they are kept in (cuda); none on the CPU.
   virtual std::optional<PlanLedger> plan_ledger() const { return std::nullopt; }
   virtual std::string plan_cache_file() const { return {}; }
+  // What was wrong with the plan cache when it was read or written: the receipt of why a run
+  // built plans a warm cache should have held.
+  virtual std::vector<std::string> plan_cache_problems() const { return {}; }
 };
 
 class CpuBackend final : public StepBackend {
@@ -501,7 +504,8 @@ class CudaBackend final : public StepBackend {
       own_plans_ = std::make_unique<cuda::GemmPlanCache>(job.plan_cache, gpu);
       plans_ = own_plans_.get();
     }
-    for (const std::string& problem : plans_->problems()) {
+    plan_cache_problems_ = plans_->problems();
+    for (const std::string& problem : plan_cache_problems_) {
       spdlog::warn("plan cache: {} (the plans are rebuilt)", problem);
     }
     model_ = std::make_unique<CudaModel>(host, rows_, job.seqlen, job.optimizer, gpu, par, plans_);
@@ -509,6 +513,8 @@ class CudaBackend final : public StepBackend {
       // Now, not at the end: a job that fails later still leaves its plans for the next one.
       plans_->flush();
     } catch (const Error& e) {
+      // The job trains on (its plans are built); the run summary says why none were kept.
+      plan_cache_problems_.push_back(fmt::format("not written: {}", e.what()));
       spdlog::warn("plan cache not written (the next run builds its plans again): {}", e.what());
     }
     model_->upload(host.parameters(), &optimizer);
@@ -524,6 +530,7 @@ class CudaBackend final : public StepBackend {
   }
   bool writes_files() const override { return writes_files_; }
   std::optional<PlanLedger> plan_ledger() const override { return plans_->ledger(); }
+  std::vector<std::string> plan_cache_problems() const override { return plan_cache_problems_; }
   std::string plan_cache_file() const override { return plans_->file().string(); }
   double update(double lr) override { return model_->optimizer_step(lr); }
   void sync_host() override { model_->download(host_.parameters(), &optimizer_); }
@@ -580,6 +587,7 @@ class CudaBackend final : public StepBackend {
   std::unique_ptr<parallel::CudaCommunicator> world_, tensor_group_, data_group_;
   std::unique_ptr<cuda::GemmPlanCache> own_plans_;
   cuda::GemmPlanCache* plans_ = nullptr;
+  std::vector<std::string> plan_cache_problems_;
   std::unique_ptr<CudaModel> model_;
 };
 #endif
@@ -929,7 +937,8 @@ RunSummary train(const TrainJob& job, TrainingObserver& observer, const TrainOpt
     }
   }
   summary.last_step = step;
-  // A job that broke its contract fails: it is neither evaluated nor checkpointed further.
+  // A job that broke its contract fails: no final evaluation or checkpoint. (The interval ones
+  // of the step it broke it on have run: every rank runs those alike, before the ranks' vote.)
   const bool failed = !violation.empty();
   if (summary.stop_reason != "stopped" && !failed) run_eval(step);
   summary.final_val_loss = last_val;
@@ -950,7 +959,8 @@ RunSummary train(const TrainJob& job, TrainingObserver& observer, const TrainOpt
                           {"stale", ledger->stale},
                           {"builds_after_first_step",
                            step >= summary.first_step ? ledger->builds - builds_at_first_step : 0},
-                          {"budget", job.recompile_budget}};
+                          {"budget", job.recompile_budget},
+                          {"problems", backend->plan_cache_problems()}};
   }
   summary.error = violation;
   observer.on_finish(summary);

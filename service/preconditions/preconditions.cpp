@@ -342,9 +342,7 @@ CheckResult check_plan_cache(const std::string& name, const fs::path& dir,
   std::function<bool(std::string_view)> current;
 #ifdef MEGACPP_HAVE_CUDA
   // Plans chosen by another cuBLASLt are stale: removed here, rebuilt by the next job.
-  current = [prefix = cuda::cublaslt_scope_prefix()](std::string_view scope) {
-    return scope.starts_with(prefix);
-  };
+  current = cuda::is_current_cublaslt_scope;
 #endif
   try {
     repairs = repair_plan_cache_dir(dir, current);

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "base/atomic_file.h"
+#include "base/error.h"
 #include "tests/support/temp_dir.h"
 
 namespace megacpp {
@@ -189,6 +190,33 @@ TEST(PlanCacheTest, RepairRemovesFilesOfAnotherLibraryVersion) {
   EXPECT_EQ(removed, 1u);
   EXPECT_FALSE(fs::exists(dir / plan_cache_file_name("cublaslt-120803/sm_90/H100")));
   EXPECT_TRUE(fs::exists(dir / plan_cache_file_name("cublaslt-120900/sm_80/A100")));
+}
+
+// A record the reader would drop (and every record after it) is refused when it is put, naming
+// the limit; a scope the header cannot hold is refused at construction.
+TEST(PlanCacheTest, RefusesRecordsAndScopesPastTheFormatsLimits) {
+  TempDir dir;
+  PlanCache cache(dir.path(), kScope);
+  try {
+    cache.put(std::string(kPlanCacheMaxKeyBytes + 1, 'k'), "v");
+    FAIL() << "an oversized key was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find(std::to_string(kPlanCacheMaxKeyBytes)), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(cache.put("k", std::string(kPlanCacheMaxValueBytes + 1, 'v')), Error);
+  EXPECT_EQ(cache.find("k"), nullptr);
+  EXPECT_THROW(PlanCache(dir.path(), std::string(kPlanCacheMaxKeyBytes + 1, 's')), Error);
+}
+
+// A cache directory that cannot be inspected is an error, never "no plan cache yet".
+TEST(PlanCacheTest, RepairOfAnUninspectableDirectoryFails) {
+  TempDir dir;
+  write_text(dir.path() / "file", "x");
+  // A path through a regular file: ENOTDIR, not ENOENT.
+  EXPECT_THROW(repair_plan_cache_dir(dir.path() / "file" / "plans", {}), Error);
+  EXPECT_TRUE(repair_plan_cache_dir(dir.path() / "absent", {}).empty());
 }
 
 TEST(PlanCacheTest, ScopesKeepDistinctFilesAndKeys) {

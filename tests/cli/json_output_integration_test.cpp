@@ -126,7 +126,8 @@ TEST(CliJsonOutput, StdoutIsOnlyJsonWithDebugLoggingOn) {
   const std::vector<std::string> train = {"train", (work / "train.json").string()};
   const CliRun trained = megacpp_json(work.path(), train);
   EXPECT_EQ(trained.code, 0) << describe(train, trained);
-  EXPECT_NE(trained.err.find("step"), std::string::npos)
+  // The per-step progress line (runtime/trainer/observer.cpp): "step     1  loss ...".
+  EXPECT_NE(trained.err.find("  loss "), std::string::npos)
       << "no step log on stderr: " << describe(train, trained);
   const json summary = json::parse(trained.out, nullptr, false);
   EXPECT_FALSE(summary.is_discarded()) << describe(train, trained);

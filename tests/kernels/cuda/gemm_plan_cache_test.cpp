@@ -165,7 +165,7 @@ TEST_F(GemmPlanCacheTest, CorruptRecordIsDroppedAndRebuilt) {
   EXPECT_EQ(repaired.ledger().builds, 0u);
 }
 
-TEST_F(GemmPlanCacheTest, StaleRecordFailsTheCheckAndIsRebuilt) {
+TEST_F(GemmPlanCacheTest, ARecordWhoseWorkspaceDisagreesIsStaleAndRebuilt) {
   std::string cold_bits;
   std::filesystem::path file;
   std::string scope;

@@ -11,6 +11,9 @@
 #include <vector>
 
 #include "base/plan_cache.h"
+#ifdef MEGACPP_HAVE_CUDA
+#include "kernels/cuda/gemm_plan_cache.h"
+#endif
 #include "tests/support/temp_dir.h"
 
 namespace megacpp::preconditions {
@@ -352,21 +355,30 @@ TEST(Report, IsATableWithEveryRowAndAllPassedIgnoresSkips) {
   EXPECT_TRUE(all_passed({}));
 }
 
+// A scope this build's daemon keeps: a CUDA build removes plan files of another cuBLASLt.
+std::string current_scope(const std::string& tail) {
+#ifdef MEGACPP_HAVE_CUDA
+  return cuda::cublaslt_scope_prefix() + tail;
+#else
+  return tail;
+#endif
+}
+
 // Plan caches under each cache directory's plans/ are checked before any job: intact files pass
 // as "ok", a corrupt record is dropped and its file rewritten, a stale-format file removed, each
 // named in its row with what was wrong.
 TEST_F(PreconditionsTest, PlanCachesAreCheckedAndRepairedAtStartup) {
   const fs::path plans = config_.cache_dirs[1] / "plans";
   {
-    PlanCache intact(plans, "scope-intact");
+    PlanCache intact(plans, current_scope("scope-intact"));
     intact.put("k", "v");
     intact.flush();
-    PlanCache damaged(plans, "scope-damaged");
+    PlanCache damaged(plans, current_scope("scope-damaged"));
     damaged.put("a", "first-value");
     damaged.put("b", "second-value");
     damaged.flush();
   }
-  const fs::path damaged_file = plans / plan_cache_file_name("scope-damaged");
+  const fs::path damaged_file = plans / plan_cache_file_name(current_scope("scope-damaged"));
   std::string bytes = testing::read_bytes(damaged_file);
   bytes[bytes.find("first-value")] = 'F';
   write_text(damaged_file, bytes);
@@ -393,6 +405,26 @@ TEST_F(PreconditionsTest, PlanCachesAreCheckedAndRepairedAtStartup) {
   EXPECT_TRUE(contains(find(again, "plan_cache[1]").detail, "ok, 2 plan file(s) intact"))
       << find(again, "plan_cache[1]").detail;
 }
+
+#ifdef MEGACPP_HAVE_CUDA
+// Plans chosen by another cuBLASLt are stale in a CUDA build: the file is removed, and said so.
+TEST_F(PreconditionsTest, PlanFilesOfAnotherCublasLtAreRemoved) {
+  const fs::path plans = config_.cache_dirs[0] / "plans";
+  {
+    PlanCache old_library(plans, "cublaslt-1/sm_90/old device");
+    old_library.put("k", "v");
+    old_library.flush();
+  }
+  const fs::path file = plans / plan_cache_file_name("cublaslt-1/sm_90/old device");
+  ASSERT_TRUE(fs::exists(file));
+  const auto results = run_preconditions(config_, kNoGpus);
+  const CheckResult& row = find(results, "plan_cache[0]");
+  EXPECT_EQ(row.status, Status::kPass) << row.detail;
+  EXPECT_TRUE(contains(row.detail, "removed " + file.filename().string())) << row.detail;
+  EXPECT_TRUE(contains(row.detail, "another library version")) << row.detail;
+  EXPECT_FALSE(fs::exists(file));
+}
+#endif
 
 // A plan file the daemon cannot read (here a directory by that name, which even root cannot read
 // as a file) fails its row with the fix.
