@@ -127,17 +127,19 @@ __device__ void finish_qk_grad(const D& d, const ChunkPos& pos, bool first_head,
     for (int i = 0; i < pos.len; ++i) sum += d_qk[(i * R + r) * ld_d_qk + n];
     bias_partial[idx] = sum;
   }
-  const auto acc_index = [&](int idx) {
-    const int row = d.by_state.div(idx), n = d.by_state.mod(idx);
-    const int i = d.by_rank.div(row), r = d.by_rank.mod(row);
-    return (((static_cast<size_t>(pos.b) * d.seqlen + pos.t0 + i) * R + r) * d.groups + pos.g) * N +
-           n;
-  };
+  // The chunk's rows (i, r) lie group-stride apart in the accumulator's [B, T, R, G, N] layout:
+  // one 64-bit base per chunk, 32-bit offsets per element.
+  float* acc_chunk =
+      acc + ((static_cast<size_t>(pos.b) * d.seqlen + pos.t0) * R * d.groups + pos.g) * N;
+  const int row_stride = d.groups * N;
   for_each_batched<kLoadBatch>(
-      pos.len * R * N, [&](int idx) { return first_head ? 0.f : acc[acc_index(idx)]; },
+      pos.len * R * N,
+      [&](int idx) {
+        return first_head ? 0.f : acc_chunk[d.by_state.div(idx) * row_stride + d.by_state.mod(idx)];
+      },
       [&](int idx, float before) {
         const int row = d.by_state.div(idx), n = d.by_state.mod(idx);
-        acc[acc_index(idx)] = before + d_qk[row * ld_d_qk + n];
+        acc_chunk[row * row_stride + n] = before + d_qk[row * ld_d_qk + n];
       });
   __syncthreads();
 }

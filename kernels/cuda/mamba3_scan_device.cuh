@@ -394,6 +394,10 @@ static __device__ void load_rotated(const D& d, const bf16* src, const bf16* bia
   struct Pair {
     bf16 a, b, a_bias, b_bias;
   };
+  // Rows (i, r) of the chunk lie G·N apart in the [B, T, R, G, N] input.
+  const bf16* chunk_src =
+      src + ((static_cast<size_t>(pos.b) * d.seqlen + pos.t0) * R * d.groups + pos.g) * N;
+  const int row_stride = d.groups * N;
   for_each_batched<kLoadBatch>(
       d.rows * half,
       [&](int idx) {
@@ -402,11 +406,8 @@ static __device__ void load_rotated(const D& d, const bf16* src, const bf16* bia
         const bf16 zero = __float2bfloat16(0.f);
         Pair pair{zero, zero, zero, zero};
         if (i < pos.len) {
-          const int t = pos.t0 + i;
-          const size_t base =
-              ((static_cast<size_t>(pos.b) * d.seqlen + t) * R + r) * d.groups + pos.g;
-          const bf16* in_row = src + base * N;
-          const bf16* bias_row = bias + (static_cast<size_t>(pos.h) * R + r) * N;
+          const bf16* in_row = chunk_src + row * row_stride;
+          const bf16* bias_row = bias + (pos.h * R + r) * N;
           pair = {in_row[n], in_row[n + half], bias_row[n], bias_row[n + half]};
         }
         return pair;
