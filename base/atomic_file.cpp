@@ -19,11 +19,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// std::strerror is not thread-safe; the error category's message is.
-std::string describe_errno(int error_number) {
-  return std::generic_category().message(error_number);
-}
-
 [[noreturn]] void fail_write(const fs::path& path, std::string_view step, int error_number) {
   fail(ErrorKind::kIo, "cannot write {}: {}: {}", path.string(), step,
        describe_errno(error_number));

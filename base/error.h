@@ -6,6 +6,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <system_error>
 #include <utility>
 
 namespace megacpp {
@@ -32,6 +33,12 @@ class Error : public std::runtime_error {
 template <typename... Args>
 [[noreturn]] void fail(ErrorKind kind, fmt::format_string<Args...> format, Args&&... args) {
   throw Error(kind, fmt::format(format, std::forward<Args>(args)...));
+}
+
+// The operating system's words for an errno value, for messages. (std::strerror is not
+// thread-safe; the error category's message is.)
+inline std::string describe_errno(int error_number) {
+  return std::generic_category().message(error_number);
 }
 
 }  // namespace megacpp

@@ -55,14 +55,23 @@ class Mt19937_64 {
 
   // The text form of libstdc++'s std::mt19937_64 (the 312 state words, then the position in
   // them), so a saved state reads back into either engine.
+  // Decimal whatever the stream's flags, as libstdc++ writes and reads it: a stream left in hex
+  // would otherwise write a state that reads back as another.
   friend std::ostream& operator<<(std::ostream& out, const Mt19937_64& engine) {
+    const std::ios_base::fmtflags flags = out.flags(std::ios_base::dec | std::ios_base::left);
+    const char fill = out.fill(' ');
     for (uint64_t word : engine.words_) out << word << ' ';
-    return out << engine.next_;
+    out << engine.next_;
+    out.flags(flags);
+    out.fill(fill);
+    return out;
   }
   friend std::istream& operator>>(std::istream& in, Mt19937_64& engine) {
+    const std::ios_base::fmtflags flags = in.flags(std::ios_base::dec | std::ios_base::skipws);
     Mt19937_64 read;
     for (uint64_t& word : read.words_) in >> word;
     in >> read.next_;
+    in.flags(flags);
     if (!in || read.next_ < 0 || read.next_ > kStateWords) {
       in.setstate(std::ios::failbit);
       return in;

@@ -47,10 +47,6 @@ uint32_t get_u32(std::string_view bytes, size_t at) {
   return value;
 }
 
-std::string describe_errno(int error_number) {
-  return std::generic_category().message(error_number);
-}
-
 // An exclusive flock on "<file>.lock", held for its lifetime. The lock is on a sibling rather
 // than the file itself because each write renames a new inode over the file. A holder keeps it
 // for one read-merge-write of a small file, so a lock still held after kLockWait belongs to a

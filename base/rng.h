@@ -8,6 +8,7 @@
 #include <sstream>
 #include <string>
 
+#include "base/error.h"
 #include "base/mt19937_64.h"
 
 namespace megacpp {
@@ -33,9 +34,15 @@ class Rng {
     out << engine_;
     return out.str();
   }
+  // Refuses (kInvalidArgument) a state that is not a saved engine's text; the engine is then
+  // unchanged.
   void restore(const std::string& state) {
     std::istringstream in(state);
     in >> engine_;
+    if (in.fail()) {
+      fail(ErrorKind::kInvalidArgument,
+           "random state: not a saved mt19937_64 state (312 words and a position 0..312)");
+    }
   }
 
  private:

@@ -47,10 +47,6 @@ constexpr DtypeInfo kLoadableDtypes[] = {{"F32", Dtype::kF32, 4},
                                          {"F16", Dtype::kF16, 2},
                                          {"BF16", Dtype::kBF16, 2}};
 
-std::string describe_errno(int error_number) {
-  return std::generic_category().message(error_number);
-}
-
 // Exact: every binary16 value, subnormals, infinities and NaN payloads included, is a float.
 float half_to_float(uint16_t half) {
   const uint32_t sign = static_cast<uint32_t>(half & 0x8000u) << 16;

@@ -5,6 +5,9 @@
 #include <random>
 #include <sstream>
 
+#include "base/error.h"
+#include "base/rng.h"
+
 namespace megacpp {
 namespace {
 
@@ -49,6 +52,29 @@ TEST(Mt19937_64, ItsTextStateReadsBackIntoEitherEngine) {
     ASSERT_EQ(standard(), expected);
     ASSERT_EQ(reread(), expected);
   }
+}
+
+TEST(Mt19937_64, ItsTextIsDecimalWhateverTheStreamsFlags) {
+  Mt19937_64 ours(11);
+  std::stringstream decimal, hex;
+  decimal << ours;
+  hex << std::hex << ours;
+  EXPECT_EQ(hex.str(), decimal.str());
+  EXPECT_TRUE(hex.flags() & std::ios_base::hex);  // the caller's flags are left as they were
+  Mt19937_64 reread(1);
+  std::stringstream in(decimal.str());
+  in >> std::hex >> reread;
+  EXPECT_TRUE(reread == ours);
+}
+
+TEST(Mt19937_64, RngRefusesAStateThatIsNotOne) {
+  Rng rng(5);
+  Rng copy = rng;
+  EXPECT_THROW(rng.restore("not a state"), Error);
+  EXPECT_EQ(rng.next(), copy.next());
+  Rng restored(1);
+  restored.restore(rng.save());
+  EXPECT_EQ(restored.next(), rng.next());
 }
 
 TEST(Mt19937_64, RefusesATruncatedOrOutOfRangeState) {
