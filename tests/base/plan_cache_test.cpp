@@ -28,6 +28,14 @@ bool any_problem_contains(const std::vector<std::string>& problems, const std::s
   return false;
 }
 
+// A plan file under dir holding the record "a" -> "value"; returns its path.
+fs::path write_one_record(const fs::path& dir) {
+  PlanCache cache(dir, kScope);
+  cache.put("a", "value");
+  cache.flush();
+  return cache.file();
+}
+
 TEST(PlanCacheTest, Crc32MatchesTheStandardCheckValue) {
   // The CRC-32/ISO-HDLC check value of "123456789".
   EXPECT_EQ(crc32("123456789"), 0xCBF43926u);
@@ -97,13 +105,7 @@ TEST(PlanCacheTest, CorruptRecordIsReportedDroppedAndRepaired) {
 
 TEST(PlanCacheTest, FlushRepairsADamagedFileItLoaded) {
   TempDir dir;
-  fs::path file;
-  {
-    PlanCache cache(dir.path(), kScope);
-    cache.put("a", "value");
-    cache.flush();
-    file = cache.file();
-  }
+  const fs::path file = write_one_record(dir.path());
   std::string bytes = read_bytes(file);
   write_text(file, bytes.substr(0, bytes.size() - 3));
   PlanCache damaged(dir.path(), kScope);
@@ -132,13 +134,7 @@ TEST(PlanCacheTest, TruncatedFilesNeverCrashAndNameWhatIsMissing) {
 
 TEST(PlanCacheTest, WrongFormatVersionIsStaleAndRemovedAtRepair) {
   TempDir dir;
-  fs::path file;
-  {
-    PlanCache cache(dir.path(), kScope);
-    cache.put("a", "value");
-    cache.flush();
-    file = cache.file();
-  }
+  const fs::path file = write_one_record(dir.path());
   std::string bytes = read_bytes(file);
   bytes[8] = static_cast<char>(kPlanCacheFormatVersion + 1);  // the version's low byte
   write_text(file, bytes);
