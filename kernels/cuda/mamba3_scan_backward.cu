@@ -121,12 +121,12 @@ __device__ void finish_qk_grad(const D& d, const ChunkPos& pos, bool first_head,
     d_theta[i * A + n] += dl_dtheta;
   }
   __syncthreads();
-  for (int idx = threadIdx.x; idx < R * N; idx += blockDim.x) {
-    const int r = d.by_state.div(idx), n = d.by_state.mod(idx);
-    float sum = 0.f;
-    for (int i = 0; i < pos.len; ++i) sum += d_qk[(i * R + r) * ld_d_qk + n];
-    bias_partial[idx] = sum;
-  }
+  token_sums<1>(
+      R * N, pos.len,
+      [&](int i, int item, float* acc) {
+        acc[0] += d_qk[(i * R + d.by_state.div(item)) * ld_d_qk + d.by_state.mod(item)];
+      },
+      [&](int item, const float* acc) { bias_partial[item] = acc[0]; });
   // The chunk's rows (i, r) lie group-stride apart in the accumulator's [B, T, R, G, N] layout:
   // one 64-bit base per chunk, 32-bit offsets per element.
   float* acc_chunk =
@@ -277,22 +277,23 @@ __global__ void __launch_bounds__(kBackwardThreads)
       }
       grads.z[th * P + p] = __float2bfloat16(dz);
     }
-    for (int idx = threadIdx.x; idx < R * P; idx += blockDim.x) {
-      const int r = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
-      const size_t wr = (static_cast<size_t>(h) * R + r) * P + p;
-      const float mz = to_f(in.mimo_z[wr]), mo = to_f(in.mimo_o[wr]);
-      float d_mo = 0.f, d_mz = 0.f;
-      for (int i = 0; i < pos.len; ++i) {
-        const size_t th = token_head(d, pos.b, pos.t0 + i, h);
-        const float z = to_f(in.z[th * P + p]), g_out = to_f(dy[th * P + p]);
-        const float o_ir = o[(i * R + r) * ld_mp + p];
-        const float gate = z * mz, sg = sigmoidf(gate);
-        d_mo += g_out * o_ir * gate * sg;
-        d_mz += g_out * o_ir * mo * sg * (1.f + gate * (1.f - sg)) * z;
-      }
-      mo_partial[idx] = d_mo;
-      mz_partial[idx] = d_mz;
-    }
+    token_sums<2>(
+        R * P, pos.len,
+        [&](int i, int item, float* acc) {
+          const int r = d.by_headdim.div(item), p = d.by_headdim.mod(item);
+          const size_t wr = (static_cast<size_t>(h) * R + r) * P + p;
+          const size_t th = token_head(d, pos.b, pos.t0 + i, h);
+          const float z = to_f(in.z[th * P + p]), g_out = to_f(dy[th * P + p]);
+          const float mz = to_f(in.mimo_z[wr]), mo = to_f(in.mimo_o[wr]);
+          const float o_ir = o[(i * R + r) * ld_mp + p];
+          const float gate = z * mz, sg = sigmoidf(gate);
+          acc[0] += g_out * o_ir * gate * sg;
+          acc[1] += g_out * o_ir * mo * sg * (1.f + gate * (1.f - sg)) * z;
+        },
+        [&](int item, const float* acc) {
+          mo_partial[item] = acc[0];
+          mz_partial[item] = acc[1];
+        });
     {
       float local = 0.f;
       for (int idx = threadIdx.x; idx < M * P; idx += blockDim.x) {
@@ -322,17 +323,25 @@ __global__ void __launch_bounds__(kBackwardThreads)
       weighted[i * ld_sw + j] = __float2bfloat16(d_scores[i * ld_mm + j] *
                                                  weights[d.by_rank.div(i) * C + d.by_rank.div(j)]);
     }
-    for (int i = threadIdx.x; i < C; i += blockDim.x) {
-      float d_log = sc[kScratch * C + i], d_kappa = 0.f;
-      for (int j = 0; j < i; ++j) d_log += d_weights[i * C + j] * weights[i * C + j];
-      for (int ti = i + 1; ti < C; ++ti) {
-        const float weight_term = d_weights[ti * C + i];
-        d_kappa += weight_term * expf(sc[kLog * C + ti] - sc[kLog * C + i]);
-        d_log -= weight_term * weights[ti * C + i];
+    // A warp per token i, its lanes over the other tokens j.
+    for (int i = warp; i < C; i += warps) {
+      float d_log = 0.f, d_kappa = 0.f;
+      for (int j = lane; j < C; j += 32) {
+        if (j < i) {
+          d_log += d_weights[i * C + j] * weights[i * C + j];
+        } else if (j > i) {
+          const float weight_term = d_weights[j * C + i];
+          d_kappa += weight_term * expf(sc[kLog * C + j] - sc[kLog * C + i]);
+          d_log -= weight_term * weights[j * C + i];
+        }
       }
-      sc[kDLog * C + i] = d_log;
-      sc[kDKappa * C + i] = d_kappa;
-      sc[kDGamma * C + i] = d_weights[i * C + i];
+      d_log = warp_sum(d_log);
+      d_kappa = warp_sum(d_kappa);
+      if (lane == 0) {
+        sc[kDLog * C + i] = sc[kScratch * C + i] + d_log;
+        sc[kDKappa * C + i] = d_kappa;
+        sc[kDGamma * C + i] = d_weights[i * C + i];
+      }
     }
     __syncthreads();
 
@@ -404,10 +413,11 @@ __global__ void __launch_bounds__(kBackwardThreads)
       d_psiv[at] += sc[kExitScale * C + d.by_rank.div(d.by_headdim.div(idx))] * o[at];
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
+    if (warp == 0) {
       float sum = 0.f;
-      for (int j = 0; j < C; ++j) sum += sc[kScratch * C + j];
-      sc[kDLog * C + pos.len - 1] += sum;
+      for (int j = lane; j < C; j += 32) sum += sc[kScratch * C + j];
+      sum = warp_sum(sum);
+      if (lane == 0) sc[kDLog * C + pos.len - 1] += sum;
     }
     finish_qk_grad(d, pos, hg == 0, cosv, sinv, k_rot, ld_qk, d_qk, ld_mn, d_theta, kb_partial,
                    w.dk_acc);
@@ -422,38 +432,35 @@ __global__ void __launch_bounds__(kBackwardThreads)
               to_f(in.mimo_x[(static_cast<size_t>(h) * R + r) * P + p]);
       grads.v[th * P + p] = __float2bfloat16(dx);
     }
-    for (int idx = threadIdx.x; idx < R * P; idx += blockDim.x) {
-      const int r = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
-      float sum = 0.f;
-      for (int i = 0; i < pos.len; ++i) {
-        const size_t th = token_head(d, pos.b, pos.t0 + i, h);
-        sum += d_psiv[(i * R + r) * ld_mp + p] * to_f(in.v[th * P + p]);
-      }
-      mx_partial[idx] = sum;
-    }
+    token_sums<1>(
+        R * P, pos.len,
+        [&](int i, int item, float* acc) {
+          const int r = d.by_headdim.div(item), p = d.by_headdim.mod(item);
+          const size_t th = token_head(d, pos.b, pos.t0 + i, h);
+          acc[0] += d_psiv[(i * R + r) * ld_mp + p] * to_f(in.v[th * P + p]);
+        },
+        [&](int item, const float* acc) { mx_partial[item] = acc[0]; });
     // Per-token coefficient gradients; dL/dADT_u = Σ_{i ≥ u} dL/dl_i inside the chunk.
-    if (threadIdx.x == 0) {
-      float suffix = 0.f;
-      for (int i = pos.len - 1; i >= 0; --i) {
-        suffix += sc[kDLog * C + i];
-        const size_t th = token_head(d, pos.b, pos.t0 + i, h);
-        const float both = sc[kDGamma * C + i] + sc[kDKappa * C + i];
-        w.tok_dadt[th] = suffix;
-        w.tok_ddt[th] = both * sc[kTau * C + i];
-        w.tok_dtau[th] = both * sc[kDt * C + i];
-        w.tok_dkappa[th] = sc[kDKappa * C + i];
-      }
+    if (warp == 0) {
+      warp_scan(
+          pos.len, true, false, 0.f, [&](int i) { return sc[kDLog * C + i]; },
+          [&](int i, float suffix) {
+            const size_t th = token_head(d, pos.b, pos.t0 + i, h);
+            const float both = sc[kDGamma * C + i] + sc[kDKappa * C + i];
+            w.tok_dadt[th] = suffix;
+            w.tok_ddt[th] = both * sc[kTau * C + i];
+            w.tok_dtau[th] = both * sc[kDt * C + i];
+            w.tok_dkappa[th] = sc[kDKappa * C + i];
+          });
     }
-    for (int j = threadIdx.x; j < A; j += blockDim.x) {
-      const size_t bh = static_cast<size_t>(pos.b) * d.heads + h;
-      float total = 0.f;
-      for (int i = 0; i < pos.len; ++i) {
-        const float value = d_theta[i * A + j];
-        w.dtheta[(bh * d.seqlen + pos.t0 + i) * A + j] = value;
-        total += value;
-      }
-      w.dtheta_tot[(bh * d.chunks + pos.c) * A + j] = total;
+    const size_t bh = static_cast<size_t>(pos.b) * d.heads + h;
+    float* dtheta_chunk = w.dtheta + (bh * d.seqlen + pos.t0) * A;
+    for (int idx = threadIdx.x; idx < pos.len * A; idx += blockDim.x) {
+      dtheta_chunk[idx] = d_theta[idx];
     }
+    token_sums<1>(
+        A, pos.len, [&](int i, int j, float* acc) { acc[0] += d_theta[i * A + j]; },
+        [&](int j, const float* acc) { w.dtheta_tot[(bh * d.chunks + pos.c) * A + j] = acc[0]; });
     __syncthreads();
   }
 }
@@ -461,14 +468,11 @@ __global__ void __launch_bounds__(kBackwardThreads)
 // The dθ sum over later chunks: reverse exclusive prefix over chunk totals.
 __global__ void dtheta_offsets_kernel(Dims d, Work w) {
   const size_t bh = blockIdx.x;
-  for (int j = threadIdx.x; j < d.angles; j += blockDim.x) {
-    float later = 0.f;
-    for (int c = d.chunks - 1; c >= 0; --c) {
-      float* at = w.dtheta_tot + (bh * d.chunks + c) * d.angles + j;
-      const float chunk_total = *at;
-      *at = later;
-      later += chunk_total;
-    }
+  float* totals = w.dtheta_tot + bh * d.chunks * d.angles;
+  for (int j = threadIdx.x / 32; j < d.angles; j += blockDim.x / 32) {
+    warp_scan(
+        d.chunks, true, true, 0.f, [&](int c) { return totals[c * d.angles + j]; },
+        [&](int c, float later) { totals[c * d.angles + j] = later; });
   }
 }
 

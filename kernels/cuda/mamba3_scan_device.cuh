@@ -316,6 +316,61 @@ static __device__ __forceinline__ void for_each_batched(int items, Load load, St
 }
 constexpr int kLoadBatch = 4;
 
+// For each of `items` outputs, kOutputs sums over the chunk's tokens i < len, taken by the whole
+// block: `slices` neighbouring lanes of one warp share an output, lane s adding tokens s,
+// s + slices, ... through term(i, item, acc) (which adds into acc[0 … kOutputs)), and a butterfly
+// over those lanes (a fixed order: deterministic) combines them before the first calls
+// store(item, acc). One thread per output walking every token left most of the block waiting
+// at the next barrier where the outputs are few (R·P = 64 per-head parameters in SISO).
+template <int kOutputs, class Term, class Store>
+static __device__ __forceinline__ void token_sums(int items, int len, Term term, Store store) {
+  int slices = 1;
+  while (slices < 32 && items * slices * 2 <= static_cast<int>(blockDim.x)) slices *= 2;
+  const int per_pass = static_cast<int>(blockDim.x) / slices;
+  const int slice = static_cast<int>(threadIdx.x) & (slices - 1);
+  for (int first = 0; first < items; first += per_pass) {
+    const int item = first + static_cast<int>(threadIdx.x) / slices;
+    float acc[kOutputs];
+#pragma unroll
+    for (int o = 0; o < kOutputs; ++o) acc[o] = 0.f;
+    if (item < items) {
+      for (int i = slice; i < len; i += slices) term(i, item, acc);
+    }
+    for (int offset = slices / 2; offset > 0; offset >>= 1) {
+#pragma unroll
+      for (int o = 0; o < kOutputs; ++o) acc[o] += __shfl_xor_sync(0xffffffffu, acc[o], offset);
+    }
+    if (slice == 0 && item < items) store(item, acc);
+  }
+}
+
+// A prefix sum over count values by one whole warp, 32 at a time (shuffles within each group,
+// the running total carried between groups): emit(k, initial + value_0 + … + value_k), or
+// without value_k when exclusive; with reverse the order is count − 1, …, 0 (suffix sums).
+// One thread walking the values serially was a chain of dependent shared-memory adds while the
+// rest of the block waited.
+template <class Load, class Emit>
+static __device__ __forceinline__ void warp_scan(int count, bool reverse, bool exclusive,
+                                                 float initial, Load load, Emit emit) {
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  float carry = initial;
+  for (int base = 0; base < count; base += 32) {
+    const int k = base + lane;
+    const int at = reverse ? count - 1 - k : k;
+    const float own = k < count ? load(at) : 0.f;
+    float inclusive = own;
+#pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+      const float other = __shfl_up_sync(0xffffffffu, inclusive, offset);
+      if (lane >= offset) inclusive += other;
+    }
+    float before = __shfl_up_sync(0xffffffffu, inclusive, 1);
+    if (lane == 0) before = 0.f;
+    if (k < count) emit(at, carry + (exclusive ? before : inclusive));
+    carry += __shfl_sync(0xffffffffu, inclusive, 31);
+  }
+}
+
 // Per-token scalars and rotation cos/sin of head pos.h for the chunk. Padded tokens
 // (i ≥ len) get zero coefficients, so they contribute nothing anywhere. Only the two prefix
 // sums (l over tokens, θ over tokens per rotation pair) run serially; every load, exponential
@@ -338,6 +393,7 @@ static __device__ void load_scalars(const D& d, const DevInputs& in, const Work&
       }
     }
     sc[kAdt * C + i] = adt;
+    sc[kLog * C + i] = adt;  // summed in place below
     sc[kDt * C + i] = dt;
     sc[kTau * C + i] = tau;
     sc[kGamma * C + i] = tau * dt;
@@ -355,19 +411,21 @@ static __device__ void load_scalars(const D& d, const DevInputs& in, const Work&
     cosv[item] = increment;
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    float running = 0.f;
-    for (int i = 0; i < C; ++i) {
-      running += sc[kAdt * C + i];
-      sc[kLog * C + i] = running;
-    }
-  }
-  for (int j = threadIdx.x; j < A; j += blockDim.x) {
-    const size_t bh = static_cast<size_t>(pos.b) * d.heads + pos.h;
-    float theta = w.theta0[(bh * d.chunks + pos.c) * A + j];
-    for (int i = 0; i < C; ++i) {
-      theta += cosv[i * A + j];
-      cosv[i * A + j] = theta;
+  // The prefixes, a warp each: task 0 is l over tokens, task 1 + j is θ of rotation pair j.
+  const int warps = static_cast<int>(blockDim.x) / 32;
+  for (int task = static_cast<int>(threadIdx.x) / 32; task <= A; task += warps) {
+    if (task == 0) {
+      float* log = sc + kLog * C;
+      warp_scan(
+          C, false, false, 0.f, [&](int i) { return log[i]; },
+          [&](int i, float value) { log[i] = value; });
+    } else {
+      const int j = task - 1;
+      const size_t bh = static_cast<size_t>(pos.b) * d.heads + pos.h;
+      warp_scan(
+          C, false, false, w.theta0[(bh * d.chunks + pos.c) * A + j],
+          [&](int i) { return cosv[i * A + j]; },
+          [&](int i, float value) { cosv[i * A + j] = value; });
     }
   }
   __syncthreads();

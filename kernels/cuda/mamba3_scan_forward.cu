@@ -21,13 +21,11 @@ __global__ void angle_prefix_kernel(Dims d, DevInputs in, Work w) {
     theta0[item] = sum;
   }
   __syncthreads();
-  for (int j = threadIdx.x; j < A; j += blockDim.x) {
-    float running = 0.f;
-    for (int c = 0; c < d.chunks; ++c) {
-      const float chunk_sum = theta0[c * A + j];
-      theta0[c * A + j] = running;
-      running += chunk_sum;
-    }
+  // A warp per rotation pair.
+  for (int j = threadIdx.x / 32; j < A; j += blockDim.x / 32) {
+    warp_scan(
+        d.chunks, false, true, 0.f, [&](int c) { return theta0[c * A + j]; },
+        [&](int c, float before) { theta0[c * A + j] = before; });
   }
 }
 
