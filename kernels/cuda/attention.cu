@@ -70,20 +70,40 @@ __device__ __forceinline__ void mma(float* c, const uint32_t* a, uint32_t b0, ui
 #endif
 }
 
-// Elements (r, c) and (r, c + 1) of a shared tile with row stride ld, c even: one 32-bit word.
-__device__ __forceinline__ uint32_t pair_in_row(const uint16_t* tile, int ld, int r, int c) {
-  return *reinterpret_cast<const uint32_t*>(tile + r * ld + c);
+// The copies of global tiles into shared memory are asynchronous (cp.async, 16 bytes each): a
+// kernel starts the next key or query tile's copy before it computes on the current one, and
+// waits for it (wait_copies, then a barrier) only once that compute is done.
+__device__ __forceinline__ void copy_16_async(uint16_t* dst, const uint16_t* src, bool valid) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  // A source size of 0 reads nothing and fills the 16 bytes with zeros.
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                   static_cast<unsigned>(__cvta_generic_to_shared(dst))),
+               "l"(src), "r"(valid ? 16 : 0));
+#else
+  (void)dst, (void)src, (void)valid;
+#endif
 }
 
-// Elements (r, c) and (r + 1, c), packed as pair_in_row packs its two.
-__device__ __forceinline__ uint32_t pair_in_column(const uint16_t* tile, int ld, int r, int c) {
-  return static_cast<uint32_t>(tile[r * ld + c]) |
-         (static_cast<uint32_t>(tile[(r + 1) * ld + c]) << 16);
+// Closes the group of copies started since the last call.
+__device__ __forceinline__ void commit_copies() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+
+// Waits until at most kPending of this thread's committed groups are still in flight. Other
+// threads' copies are visible after the barrier that follows.
+template <int kPending>
+__device__ __forceinline__ void wait_copies() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+#endif
 }
 
 // Rows [row0, row0 + rows) of one head, row t at base + t·stride, into a shared tile [rows][ld]
-// with ld = D + 8 (the padding spreads a fragment's rows over all banks). Rows at or past seqlen
-// are zero, so that they give finite scores and add nothing.
+// with ld = D + 8 (the padding puts the eight rows of an ldmatrix on distinct banks). Rows at or
+// past seqlen are zero, so that they give finite scores and add nothing. With vec, asynchronous
+// copies of 16 bytes (see commit_copies); otherwise element by element.
 template <int D>
 __device__ void load_tile(uint16_t* tile, const uint16_t* base, int stride, int row0, int rows,
                           int seqlen, bool vec) {
@@ -93,11 +113,9 @@ __device__ void load_tile(uint16_t* tile, const uint16_t* base, int stride, int 
     for (int i = threadIdx.x; i < rows * kChunks; i += blockDim.x) {
       const int r = i / kChunks, c = (i % kChunks) * 8;
       const int row = row0 + r;
-      uint4 value = make_uint4(0u, 0u, 0u, 0u);
-      if (row < seqlen) {
-        value = *reinterpret_cast<const uint4*>(base + static_cast<int64_t>(row) * stride + c);
-      }
-      *reinterpret_cast<uint4*>(tile + r * kLd + c) = value;
+      const bool valid = row < seqlen;
+      copy_16_async(tile + r * kLd + c, base + (valid ? static_cast<int64_t>(row) * stride + c : 0),
+                    valid);
     }
   } else {
     for (int i = threadIdx.x; i < rows * D; i += blockDim.x) {
@@ -118,31 +136,48 @@ __device__ __forceinline__ void store_pair(uint16_t* p, float x, float y, bool v
   }
 }
 
-// acc[16, N] += A·Bᵀ for the warp: A = rows [a_row0, a_row0 + 16) of a_tile, B = rows [0, N) of
-// b_tile, both [.., K] in shared memory. k ascends: a fixed order.
+__device__ __forceinline__ const bf16* as_bf16(const uint16_t* p) {
+  return reinterpret_cast<const bf16*>(p);
+}
+
+// The A fragments of rows [row0, row0 + 16) × [0, K) of a shared tile, one ldmatrix per 16 of k.
+template <int K>
+__device__ __forceinline__ void load_a(uint32_t (&a)[K / 16][4], const uint16_t* tile, int ld,
+                                       int row0, int lane) {
+  // Lane l addresses row l % 8 of matrix l / 8: (rows 0-7 | 8-15) × (k 0-7 | 8-15) = a0 … a3.
+  const int row = row0 + lane % 8 + 8 * ((lane / 8) % 2), col = 8 * (lane / 16);
+#pragma unroll
+  for (int kk = 0; kk < K / 16; ++kk)
+    ldmatrix_x4<false>(a[kk], as_bf16(tile + row * ld + kk * 16 + col));
+}
+
+// acc[16, N] += A·Bᵀ for the warp: A in fragments (load_a), B = rows [0, N) of b_tile [.., K] in
+// shared memory, two 8-column slices per ldmatrix. k ascends: a fixed order.
 template <int K, int N>
-__device__ __forceinline__ void warp_abt(float (&acc)[N / 8][4], const uint16_t* a_tile, int a_row0,
-                                         const uint16_t* b_tile, int ld, int g, int t) {
+__device__ __forceinline__ void warp_abt(float (&acc)[N / 8][4], const uint32_t (&a)[K / 16][4],
+                                         const uint16_t* b_tile, int ld, int lane) {
+  // Matrices: (columns 0-7, k 0-7), (0-7, k 8-15), (8-15, k 0-7), (8-15, k 8-15).
+  const int row = lane % 8 + 8 * (lane / 16), col = 8 * ((lane / 8) % 2);
 #pragma unroll
-  for (int k0 = 0; k0 < K; k0 += 16) {
-    uint32_t a[4];
-    a[0] = pair_in_row(a_tile, ld, a_row0 + g, k0 + 2 * t);
-    a[1] = pair_in_row(a_tile, ld, a_row0 + g + 8, k0 + 2 * t);
-    a[2] = pair_in_row(a_tile, ld, a_row0 + g, k0 + 2 * t + 8);
-    a[3] = pair_in_row(a_tile, ld, a_row0 + g + 8, k0 + 2 * t + 8);
+  for (int kk = 0; kk < K / 16; ++kk) {
 #pragma unroll
-    for (int nt = 0; nt < N / 8; ++nt) {
-      mma(acc[nt], a, pair_in_row(b_tile, ld, nt * 8 + g, k0 + 2 * t),
-          pair_in_row(b_tile, ld, nt * 8 + g, k0 + 2 * t + 8));
+    for (int np = 0; np < N / 16; ++np) {
+      uint32_t b[4];
+      ldmatrix_x4<false>(b, as_bf16(b_tile + (np * 16 + row) * ld + kk * 16 + col));
+      mma(acc[2 * np], a[kk], b[0], b[1]);
+      mma(acc[2 * np + 1], a[kk], b[2], b[3]);
     }
   }
 }
 
 // acc[16, D] += P·B for the warp: P [16, N] in C fragments (rounded to bf16 here), B = rows
-// [0, N) of b_tile [.., D] in shared memory. k ascends: a fixed order.
+// [0, N) of b_tile [.., D] in shared memory, fetched transposed, two 8-column slices per
+// ldmatrix. k ascends: a fixed order.
 template <int N, int D>
 __device__ __forceinline__ void warp_pb(float (&acc)[D / 8][4], const float (&p)[N / 8][4],
-                                        const uint16_t* b_tile, int ld, int g, int t) {
+                                        const uint16_t* b_tile, int ld, int lane) {
+  // Matrices: (k 0-7, columns 0-7), (k 8-15, 0-7), (k 0-7, 8-15), (k 8-15, 8-15), transposed.
+  const int row = lane % 8 + 8 * ((lane / 8) % 2), col = 8 * (lane / 16);
 #pragma unroll
   for (int kk = 0; kk < N / 16; ++kk) {
     uint32_t a[4];
@@ -151,9 +186,11 @@ __device__ __forceinline__ void warp_pb(float (&acc)[D / 8][4], const float (&p)
     a[2] = pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]);
     a[3] = pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3]);
 #pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt) {
-      mma(acc[dt], a, pair_in_column(b_tile, ld, kk * 16 + 2 * t, dt * 8 + g),
-          pair_in_column(b_tile, ld, kk * 16 + 2 * t + 8, dt * 8 + g));
+    for (int dp = 0; dp < D / 16; ++dp) {
+      uint32_t b[4];
+      ldmatrix_x4<true>(b, as_bf16(b_tile + (kk * 16 + row) * ld + dp * 16 + col));
+      mma(acc[2 * dp], a, b[0], b[1]);
+      mma(acc[2 * dp + 1], a, b[2], b[3]);
     }
   }
 }
@@ -165,42 +202,58 @@ __device__ __forceinline__ int heavy_first_tile() {
 }
 
 // Block (tile, h, b): query rows [tile·64, tile·64 + 64) of q head h. Dynamic shared memory:
-// Q, K, V tiles [64][D + 8] bf16.
+// the Q tile, then two stages of (K, V) tiles, [64][D + 8] bf16 each: the next key tile's copy
+// runs while the current one is computed on.
 template <int D>
 __global__ void __launch_bounds__(kThreads) forward_kernel(Params p) {
-  constexpr int kLd = D + 8;
+  constexpr int kLd = D + 8, kTileSize = kTile * kLd;
   extern __shared__ uint4 smem[];
   uint16_t* sq = reinterpret_cast<uint16_t*>(smem);
-  uint16_t* sk = sq + kTile * kLd;
-  uint16_t* sv = sk + kTile * kLd;
+  uint16_t* stages = sq + kTileSize;  // stage s: K at 2s, V at 2s + 1
   const int tile = heavy_first_tile(), h = blockIdx.y, b = blockIdx.z;
   const int seqlen = p.seqlen, row0 = tile * kTile;
   const int64_t token0 = static_cast<int64_t>(b) * seqlen;
   const int kv_col = (h / p.group) * D;
   const uint16_t* k_head = p.k + token0 * p.kv_stride + kv_col;
   const uint16_t* v_head = p.v + token0 * p.kv_stride + kv_col;
+  const auto load_keys = [&](int kt) {
+    uint16_t* stage = stages + (kt % 2) * 2 * kTileSize;
+    load_tile<D>(stage, k_head, p.kv_stride, kt * kTile, kTile, seqlen, p.vec);
+    load_tile<D>(stage + kTileSize, v_head, p.kv_stride, kt * kTile, kTile, seqlen, p.vec);
+    commit_copies();
+  };
   load_tile<D>(sq, p.q + token0 * p.q_stride + h * D, p.q_stride, row0, kTile, seqlen, p.vec);
+  load_keys(0);
 
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, t = lane % 4;
   const int wrow = warp * 16;
-  const int rows[2] = {row0 + wrow + g, row0 + wrow + g + 8};
+  const int rows[2] = {row0 + wrow + lane / 4, row0 + wrow + lane / 4 + 8};
+  uint32_t qf[D / 16][4];  // this warp's Q rows, for every key tile
   float o[D / 8][4] = {};
   float m[2] = {-INFINITY, -INFINITY};  // running max of x per row
   float l[2] = {0.f, 0.f};              // running Σ 2^(x − m) per row
   for (int kt = 0; kt <= tile; ++kt) {
-    const int key0 = kt * kTile;
-    __syncthreads();  // the previous key tile is no longer read
-    load_tile<D>(sk, k_head, p.kv_stride, key0, kTile, seqlen, p.vec);
-    load_tile<D>(sv, v_head, p.kv_stride, key0, kTile, seqlen, p.vec);
+    if (kt < tile) {
+      load_keys(kt + 1);  // its stage was last read before the previous iteration's barrier
+      wait_copies<1>();
+    } else {
+      wait_copies<0>();
+    }
     __syncthreads();
+    if (kt == 0) load_a<D>(qf, sq, kLd, wrow, lane);
+    const uint16_t* sk = stages + (kt % 2) * 2 * kTileSize;
+    const uint16_t* sv = sk + kTileSize;
+    const int key0 = kt * kTile;
     float s[kTile / 8][4] = {};
-    warp_abt<D, kTile>(s, sq, wrow, sk, kLd, g, t);
+    warp_abt<D, kTile>(s, qf, sk, kLd, lane);
+    // Only the diagonal tile holds keys after a row (and, at the end, keys past seqlen).
+    const bool diagonal = kt == tile;
 #pragma unroll
     for (int nt = 0; nt < kTile / 8; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int key = key0 + nt * 8 + 2 * t + (e & 1);
-        s[nt][e] = key <= rows[e / 2] ? s[nt][e] * p.scale_log2 : -INFINITY;
+        s[nt][e] = !diagonal || key <= rows[e / 2] ? s[nt][e] * p.scale_log2 : -INFINITY;
       }
     }
 #pragma unroll
@@ -232,7 +285,8 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(Params p) {
         o[dt][2 * i + 1] *= alpha;
       }
     }
-    warp_pb<kTile, D>(o, s, sv, kLd, g, t);
+    warp_pb<kTile, D>(o, s, sv, kLd, lane);
+    __syncthreads();  // this stage is refilled two iterations on
   }
 
   const int out_stride = p.q_heads * D;
@@ -278,15 +332,14 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // Block (tile, h, b): dQ of query rows [tile·64, tile·64 + 64) of q head h. Dynamic shared
-// memory: Q, dO, K, V tiles [64][D + 8] bf16.
+// memory: Q and dO tiles, then two stages of (K, V) tiles, [64][D + 8] bf16 each.
 template <int D>
 __global__ void __launch_bounds__(kThreads) dq_kernel(Params p) {
-  constexpr int kLd = D + 8;
+  constexpr int kLd = D + 8, kTileSize = kTile * kLd;
   extern __shared__ uint4 smem[];
   uint16_t* sq = reinterpret_cast<uint16_t*>(smem);
-  uint16_t* sdo = sq + kTile * kLd;
-  uint16_t* sk = sdo + kTile * kLd;
-  uint16_t* sv = sk + kTile * kLd;
+  uint16_t* sdo = sq + kTileSize;
+  uint16_t* stages = sdo + kTileSize;  // stage s: K at 2s, V at 2s + 1
   const int tile = heavy_first_tile(), h = blockIdx.y, b = blockIdx.z;
   const int seqlen = p.seqlen, row0 = tile * kTile;
   const int64_t token0 = static_cast<int64_t>(b) * seqlen;
@@ -294,43 +347,64 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(Params p) {
   const int out_stride = p.q_heads * D;
   const uint16_t* k_head = p.k + token0 * p.kv_stride + kv_col;
   const uint16_t* v_head = p.v + token0 * p.kv_stride + kv_col;
+  const auto load_keys = [&](int kt) {
+    uint16_t* stage = stages + (kt % 2) * 2 * kTileSize;
+    load_tile<D>(stage, k_head, p.kv_stride, kt * kTile, kTile, seqlen, p.vec);
+    load_tile<D>(stage + kTileSize, v_head, p.kv_stride, kt * kTile, kTile, seqlen, p.vec);
+    commit_copies();
+  };
   load_tile<D>(sq, p.q + token0 * p.q_stride + h * D, p.q_stride, row0, kTile, seqlen, p.vec);
   load_tile<D>(sdo, p.dout + token0 * out_stride + h * D, out_stride, row0, kTile, seqlen, p.vec);
+  load_keys(0);
 
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, t = lane % 4;
   const int wrow = warp * 16;
-  const int rows[2] = {row0 + wrow + g, row0 + wrow + g + 8};
+  const int rows[2] = {row0 + wrow + lane / 4, row0 + wrow + lane / 4 + 8};
   const int64_t stats = (static_cast<int64_t>(b) * p.q_heads + h) * seqlen;
   float lse2[2], dl[2];
+  bool valid[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const bool valid = rows[i] < seqlen;
-    lse2[i] = valid ? p.lse_in[stats + rows[i]] * kLog2e : 0.f;
-    dl[i] = valid ? p.delta[stats + rows[i]] : 0.f;
+    valid[i] = rows[i] < seqlen;
+    lse2[i] = valid[i] ? p.lse_in[stats + rows[i]] * kLog2e : 0.f;
+    dl[i] = valid[i] ? p.delta[stats + rows[i]] : 0.f;
   }
+  uint32_t qf[D / 16][4], dof[D / 16][4];  // this warp's Q and dO rows, for every key tile
   float dq[D / 8][4] = {};
   for (int kt = 0; kt <= tile; ++kt) {
+    if (kt < tile) {
+      load_keys(kt + 1);
+      wait_copies<1>();
+    } else {
+      wait_copies<0>();
+    }
+    __syncthreads();
+    if (kt == 0) {
+      load_a<D>(qf, sq, kLd, wrow, lane);
+      load_a<D>(dof, sdo, kLd, wrow, lane);
+    }
+    const uint16_t* sk = stages + (kt % 2) * 2 * kTileSize;
+    const uint16_t* sv = sk + kTileSize;
     const int key0 = kt * kTile;
-    __syncthreads();
-    load_tile<D>(sk, k_head, p.kv_stride, key0, kTile, seqlen, p.vec);
-    load_tile<D>(sv, v_head, p.kv_stride, key0, kTile, seqlen, p.vec);
-    __syncthreads();
     float s[kTile / 8][4] = {};
-    warp_abt<D, kTile>(s, sq, wrow, sk, kLd, g, t);
+    warp_abt<D, kTile>(s, qf, sk, kLd, lane);
     float dp[kTile / 8][4] = {};
-    warp_abt<D, kTile>(dp, sdo, wrow, sv, kLd, g, t);
+    warp_abt<D, kTile>(dp, dof, sv, kLd, lane);
+    const bool diagonal = kt == tile;
 #pragma unroll
     for (int nt = 0; nt < kTile / 8; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = e / 2;
         const int key = key0 + nt * 8 + 2 * t + (e & 1);
-        const float prob =
-            key <= rows[i] && rows[i] < seqlen ? exp2f(s[nt][e] * p.scale_log2 - lse2[i]) : 0.f;
+        const float prob = (!diagonal || key <= rows[i]) && valid[i]
+                               ? exp2f(s[nt][e] * p.scale_log2 - lse2[i])
+                               : 0.f;
         s[nt][e] = prob * (dp[nt][e] - dl[i]);  // dS without the scale
       }
     }
-    warp_pb<kTile, D>(dq, s, sk, kLd, g, t);
+    warp_pb<kTile, D>(dq, s, sk, kLd, lane);
+    __syncthreads();  // this stage is refilled two iterations on
   }
 
 #pragma unroll
@@ -348,18 +422,18 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(Params p) {
 // Block (tile, kv head, b): dK and dV of keys [tile·64, tile·64 + 64). Each warp owns 16 keys and
 // works on the transposed products (keys as rows), visiting the group's q heads in order and, for
 // each, the query tiles of kRows rows from the one holding the block's first key to the end.
-// Dynamic shared memory: K, V tiles [64][D + 8], Q, dO tiles [kRows][D + 8] bf16, then the query
-// tile's lse·log2(e) and delta, fp32 [kRows] each.
+// Dynamic shared memory: K, V tiles [64][D + 8], then two stages of (Q, dO tiles [kRows][D + 8]
+// bf16, the query tile's lse·log2(e) and delta fp32 [kRows] each): the next query tile's copy
+// runs while the current one is computed on.
 template <int D, int kRows>
 __global__ void __launch_bounds__(kThreads) dkdv_kernel(Params p) {
   constexpr int kLd = D + 8;
+  constexpr int kStageBytes = 2 * kRows * kLd * 2 + 2 * kRows * 4;
+  static_assert(kStageBytes % 16 == 0);
   extern __shared__ uint4 smem[];
   uint16_t* sk = reinterpret_cast<uint16_t*>(smem);
   uint16_t* sv = sk + kTile * kLd;
-  uint16_t* sq = sv + kTile * kLd;
-  uint16_t* sdo = sq + kRows * kLd;
-  float* slse2 = reinterpret_cast<float*>(sdo + kRows * kLd);
-  float* sdl = slse2 + kRows;
+  unsigned char* stages = reinterpret_cast<unsigned char*>(sv + kTile * kLd);
   // The first key tiles meet the most query tiles: launched first (blockIdx.x order).
   const int tile = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   const int seqlen = p.seqlen, key0 = tile * kTile;
@@ -368,55 +442,91 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(Params p) {
   load_tile<D>(sk, p.k + token0 * p.kv_stride + kvh * D, p.kv_stride, key0, kTile, seqlen, p.vec);
   load_tile<D>(sv, p.v + token0 * p.kv_stride + kvh * D, p.kv_stride, key0, kTile, seqlen, p.vec);
 
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  // Steps: the group's q heads in order, each the query tiles from first_tile to the last.
+  const int q_tiles = (seqlen + kRows - 1) / kRows, first_tile = key0 / kRows;
+  const int tiles_per_head = q_tiles - first_tile, steps = p.group * tiles_per_head;
+  struct Stage {
+    uint16_t* q;
+    uint16_t* dout;
+    float* lse2;
+    float* delta;
+  };
+  const auto stage_of = [&](int step) {
+    unsigned char* base = stages + (step % 2) * kStageBytes;
+    uint16_t* q = reinterpret_cast<uint16_t*>(base);
+    float* lse2 = reinterpret_cast<float*>(base + 2 * kRows * kLd * 2);
+    return Stage{q, q + kRows * kLd, lse2, lse2 + kRows};
+  };
+  const auto load_queries = [&](int step) {
+    const Stage stage = stage_of(step);
+    const int h = kvh * p.group + step / tiles_per_head;
+    const int q0 = (first_tile + step % tiles_per_head) * kRows;
+    load_tile<D>(stage.q, p.q + token0 * p.q_stride + h * D, p.q_stride, q0, kRows, seqlen, p.vec);
+    load_tile<D>(stage.dout, p.dout + token0 * out_stride + h * D, out_stride, q0, kRows, seqlen,
+                 p.vec);
+    commit_copies();
+    const int64_t stats = (static_cast<int64_t>(b) * p.q_heads + h) * seqlen;
+    for (int i = threadIdx.x; i < kRows; i += blockDim.x) {
+      const int row = q0 + i;
+      stage.lse2[i] = row < seqlen ? p.lse_in[stats + row] * kLog2e : 0.f;
+      stage.delta[i] = row < seqlen ? p.delta[stats + row] : 0.f;
+    }
+  };
+  load_queries(0);
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, t = lane % 4;
   const int wrow = warp * 16;
-  const int keys[2] = {key0 + wrow + g, key0 + wrow + g + 8};
+  const int keys[2] = {key0 + wrow + lane / 4, key0 + wrow + lane / 4 + 8};
   float dk[D / 8][4] = {};
   float dv[D / 8][4] = {};
-  const int q_tiles = (seqlen + kRows - 1) / kRows;
-  for (int h = kvh * p.group; h < (kvh + 1) * p.group; ++h) {
-    const uint16_t* q_head = p.q + token0 * p.q_stride + h * D;
-    const uint16_t* do_head = p.dout + token0 * out_stride + h * D;
-    const int64_t stats = (static_cast<int64_t>(b) * p.q_heads + h) * seqlen;
-    for (int qt = key0 / kRows; qt < q_tiles; ++qt) {
-      const int q0 = qt * kRows;
-      __syncthreads();  // the previous query tile is no longer read
-      load_tile<D>(sq, q_head, p.q_stride, q0, kRows, seqlen, p.vec);
-      load_tile<D>(sdo, do_head, out_stride, q0, kRows, seqlen, p.vec);
-      for (int i = threadIdx.x; i < kRows; i += blockDim.x) {
-        const int row = q0 + i;
-        slse2[i] = row < seqlen ? p.lse_in[stats + row] * kLog2e : 0.f;
-        sdl[i] = row < seqlen ? p.delta[stats + row] : 0.f;
-      }
-      __syncthreads();
-      // Pᵀ [16 keys, kRows queries] = K Qᵀ, then the probabilities.
-      float pt[kRows / 8][4] = {};
-      warp_abt<D, kRows>(pt, sk, wrow, sq, kLd, g, t);
-#pragma unroll
-      for (int nt = 0; nt < kRows / 8; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int qi = nt * 8 + 2 * t + (e & 1);
-          const int row = q0 + qi;
-          pt[nt][e] = keys[e / 2] <= row && row < seqlen
-                          ? exp2f(pt[nt][e] * p.scale_log2 - slse2[qi])
-                          : 0.f;
-        }
-      }
-      warp_pb<kRows, D>(dv, pt, sdo, kLd, g, t);  // dV += Pᵀ dO
-      // dPᵀ = V dOᵀ, then dSᵀ = Pᵀ ⊙ (dPᵀ − delta) in place.
-      float ds[kRows / 8][4] = {};
-      warp_abt<D, kRows>(ds, sv, wrow, sdo, kLd, g, t);
-#pragma unroll
-      for (int nt = 0; nt < kRows / 8; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int qi = nt * 8 + 2 * t + (e & 1);
-          ds[nt][e] = pt[nt][e] * (ds[nt][e] - sdl[qi]);
-        }
-      }
-      warp_pb<kRows, D>(dk, ds, sq, kLd, g, t);  // dK += dSᵀ Q, the scale applied at the end
+  for (int step = 0; step < steps; ++step) {
+    if (step + 1 < steps) {
+      load_queries(step + 1);  // its stage was last read before the previous iteration's barrier
+      wait_copies<1>();
+    } else {
+      wait_copies<0>();
     }
+    __syncthreads();
+    const Stage stage = stage_of(step);
+    const int q0 = (first_tile + step % tiles_per_head) * kRows;
+    // Only query tiles that overlap the block's keys or run past seqlen hold masked pairs.
+    const bool masked = q0 < key0 + kTile || q0 + kRows > seqlen;
+    // Pᵀ [16 keys, kRows queries] = K Qᵀ, then the probabilities.
+    float pt[kRows / 8][4] = {};
+    {
+      uint32_t kf[D / 16][4];
+      load_a<D>(kf, sk, kLd, wrow, lane);
+      warp_abt<D, kRows>(pt, kf, stage.q, kLd, lane);
+    }
+#pragma unroll
+    for (int nt = 0; nt < kRows / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int qi = nt * 8 + 2 * t + (e & 1);
+        const int row = q0 + qi;
+        pt[nt][e] = !masked || (keys[e / 2] <= row && row < seqlen)
+                        ? exp2f(pt[nt][e] * p.scale_log2 - stage.lse2[qi])
+                        : 0.f;
+      }
+    }
+    warp_pb<kRows, D>(dv, pt, stage.dout, kLd, lane);  // dV += Pᵀ dO
+    // dPᵀ = V dOᵀ, then dSᵀ = Pᵀ ⊙ (dPᵀ − delta) in place.
+    float ds[kRows / 8][4] = {};
+    {
+      uint32_t vf[D / 16][4];
+      load_a<D>(vf, sv, kLd, wrow, lane);
+      warp_abt<D, kRows>(ds, vf, stage.dout, kLd, lane);
+    }
+#pragma unroll
+    for (int nt = 0; nt < kRows / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int qi = nt * 8 + 2 * t + (e & 1);
+        ds[nt][e] = pt[nt][e] * (ds[nt][e] - stage.delta[qi]);
+      }
+    }
+    warp_pb<kRows, D>(dk, ds, stage.q, kLd, lane);  // dK += dSᵀ Q, the scale applied at the end
+    __syncthreads();                                // this stage is refilled two iterations on
   }
 
 #pragma unroll
@@ -444,9 +554,14 @@ struct Kernels {
 template <int D, int kRows>
 Kernels kernels_for() {
   const size_t tile_bytes = static_cast<size_t>(D + 8) * sizeof(uint16_t);
-  return {forward_kernel<D>,      dq_kernel<D>,
-          dkdv_kernel<D, kRows>,  3 * kTile * tile_bytes,
-          4 * kTile * tile_bytes, (2 * kTile + 2 * kRows) * tile_bytes + 2 * kRows * sizeof(float)};
+  // Forward: Q and two stages of K, V. dQ: Q, dO and two stages of K, V. dK/dV: K, V and two
+  // stages of Q, dO, lse, delta.
+  return {forward_kernel<D>,
+          dq_kernel<D>,
+          dkdv_kernel<D, kRows>,
+          5 * kTile * tile_bytes,
+          6 * kTile * tile_bytes,
+          2 * kTile * tile_bytes + 2 * (2 * kRows * tile_bytes + 2 * kRows * sizeof(float))};
 }
 
 // dK/dV holds two [16, D] accumulators per warp besides its [16, kRows] scores: above D = 64,
