@@ -151,11 +151,13 @@ __device__ __forceinline__ void load_a(uint32_t (&a)[K / 16][4], const uint16_t*
     ldmatrix_x4<false>(a[kk], as_bf16(tile + row * ld + kk * 16 + col));
 }
 
-// acc[16, N] += A·Bᵀ for the warp: A in fragments (load_a), B = rows [0, N) of b_tile [.., K] in
-// shared memory, two 8-column slices per ldmatrix. k ascends: a fixed order.
-template <int K, int N>
-__device__ __forceinline__ void warp_abt(float (&acc)[N / 8][4], const uint32_t (&a)[K / 16][4],
-                                         const uint16_t* b_tile, int ld, int lane) {
+// acc[rt][16, N] += A[rt]·Bᵀ for the warp's kR tiles of 16 rows: A in fragments (load_a), B =
+// rows [0, N) of b_tile [.., K] in shared memory, two 8-column slices per ldmatrix, each fetched
+// once for all kR row tiles. k ascends: a fixed order.
+template <int K, int N, int kR>
+__device__ __forceinline__ void warp_abt_tiles(float (&acc)[kR][N / 8][4],
+                                               const uint32_t (&a)[kR][K / 16][4],
+                                               const uint16_t* b_tile, int ld, int lane) {
   // Matrices: (columns 0-7, k 0-7), (0-7, k 8-15), (8-15, k 0-7), (8-15, k 8-15).
   const int row = lane % 8 + 8 * (lane / 16), col = 8 * ((lane / 8) % 2);
 #pragma unroll
@@ -164,35 +166,59 @@ __device__ __forceinline__ void warp_abt(float (&acc)[N / 8][4], const uint32_t 
     for (int np = 0; np < N / 16; ++np) {
       uint32_t b[4];
       ldmatrix_x4<false>(b, as_bf16(b_tile + (np * 16 + row) * ld + kk * 16 + col));
-      mma(acc[2 * np], a[kk], b[0], b[1]);
-      mma(acc[2 * np + 1], a[kk], b[2], b[3]);
+#pragma unroll
+      for (int rt = 0; rt < kR; ++rt) {
+        mma(acc[rt][2 * np], a[rt][kk], b[0], b[1]);
+        mma(acc[rt][2 * np + 1], a[rt][kk], b[2], b[3]);
+      }
     }
   }
 }
 
-// acc[16, D] += P·B for the warp: P [16, N] in C fragments (rounded to bf16 here), B = rows
-// [0, N) of b_tile [.., D] in shared memory, fetched transposed, two 8-column slices per
-// ldmatrix. k ascends: a fixed order.
-template <int N, int D>
-__device__ __forceinline__ void warp_pb(float (&acc)[D / 8][4], const float (&p)[N / 8][4],
-                                        const uint16_t* b_tile, int ld, int lane) {
+template <int K, int N>
+__device__ __forceinline__ void warp_abt(float (&acc)[N / 8][4], const uint32_t (&a)[K / 16][4],
+                                         const uint16_t* b_tile, int ld, int lane) {
+  warp_abt_tiles<K, N, 1>(reinterpret_cast<float(&)[1][N / 8][4]>(acc),
+                          reinterpret_cast<const uint32_t(&)[1][K / 16][4]>(a), b_tile, ld, lane);
+}
+
+// acc[rt][16, D] += P[rt]·B for the warp's kR tiles of 16 rows: P in C fragments (rounded to
+// bf16 here), B = rows [0, N) of b_tile [.., D] in shared memory, fetched transposed, two
+// 8-column slices per ldmatrix, each fetched once for all kR row tiles. k ascends: a fixed order.
+template <int N, int D, int kR>
+__device__ __forceinline__ void warp_pb_tiles(float (&acc)[kR][D / 8][4],
+                                              const float (&p)[kR][N / 8][4],
+                                              const uint16_t* b_tile, int ld, int lane) {
   // Matrices: (k 0-7, columns 0-7), (k 8-15, 0-7), (k 0-7, 8-15), (k 8-15, 8-15), transposed.
   const int row = lane % 8 + 8 * ((lane / 8) % 2), col = 8 * (lane / 16);
 #pragma unroll
   for (int kk = 0; kk < N / 16; ++kk) {
-    uint32_t a[4];
-    a[0] = pack_bf16(p[2 * kk][0], p[2 * kk][1]);
-    a[1] = pack_bf16(p[2 * kk][2], p[2 * kk][3]);
-    a[2] = pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]);
-    a[3] = pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+    uint32_t a[kR][4];
+#pragma unroll
+    for (int rt = 0; rt < kR; ++rt) {
+      a[rt][0] = pack_bf16(p[rt][2 * kk][0], p[rt][2 * kk][1]);
+      a[rt][1] = pack_bf16(p[rt][2 * kk][2], p[rt][2 * kk][3]);
+      a[rt][2] = pack_bf16(p[rt][2 * kk + 1][0], p[rt][2 * kk + 1][1]);
+      a[rt][3] = pack_bf16(p[rt][2 * kk + 1][2], p[rt][2 * kk + 1][3]);
+    }
 #pragma unroll
     for (int dp = 0; dp < D / 16; ++dp) {
       uint32_t b[4];
       ldmatrix_x4<true>(b, as_bf16(b_tile + (kk * 16 + row) * ld + dp * 16 + col));
-      mma(acc[2 * dp], a, b[0], b[1]);
-      mma(acc[2 * dp + 1], a, b[2], b[3]);
+#pragma unroll
+      for (int rt = 0; rt < kR; ++rt) {
+        mma(acc[rt][2 * dp], a[rt], b[0], b[1]);
+        mma(acc[rt][2 * dp + 1], a[rt], b[2], b[3]);
+      }
     }
   }
+}
+
+template <int N, int D>
+__device__ __forceinline__ void warp_pb(float (&acc)[D / 8][4], const float (&p)[N / 8][4],
+                                        const uint16_t* b_tile, int ld, int lane) {
+  warp_pb_tiles<N, D, 1>(reinterpret_cast<float(&)[1][D / 8][4]>(acc),
+                         reinterpret_cast<const float(&)[1][N / 8][4]>(p), b_tile, ld, lane);
 }
 
 // Blocks run in launch order, roughly: the longest query tiles (the last rows, which see the
@@ -201,108 +227,136 @@ __device__ __forceinline__ int heavy_first_tile() {
   return static_cast<int>(gridDim.x - 1 - blockIdx.x);
 }
 
-// Block (tile, h, b): query rows [tile·64, tile·64 + 64) of q head h. Dynamic shared memory:
-// the Q tile, then two stages of (K, V) tiles, [64][D + 8] bf16 each: the next key tile's copy
-// runs while the current one is computed on.
-template <int D>
+// Block (tile, h, b): query rows [tile·kRows, tile·kRows + kRows) of q head h, kRows = 64·kR;
+// each warp owns kR tiles of 16 consecutive rows, so that every K and V fragment fetched from
+// shared memory feeds kR products. Dynamic shared memory: the Q tile [kRows][D + 8], then two
+// stages of (K, V) tiles [64][D + 8] bf16: the next key tile's copy runs while the current one is
+// computed on.
+template <int D, int kR>
 __global__ void __launch_bounds__(kThreads) forward_kernel(Params p) {
-  constexpr int kLd = D + 8, kTileSize = kTile * kLd;
+  constexpr int kRows = kTile * kR, kLd = D + 8, kKeysSize = kTile * kLd;
   extern __shared__ uint4 smem[];
   uint16_t* sq = reinterpret_cast<uint16_t*>(smem);
-  uint16_t* stages = sq + kTileSize;  // stage s: K at 2s, V at 2s + 1
+  uint16_t* stages = sq + kRows * kLd;  // stage s: K at 2s, V at 2s + 1
   const int tile = heavy_first_tile(), h = blockIdx.y, b = blockIdx.z;
-  const int seqlen = p.seqlen, row0 = tile * kTile;
+  const int seqlen = p.seqlen, row0 = tile * kRows;
   const int64_t token0 = static_cast<int64_t>(b) * seqlen;
   const int kv_col = (h / p.group) * D;
   const uint16_t* k_head = p.k + token0 * p.kv_stride + kv_col;
   const uint16_t* v_head = p.v + token0 * p.kv_stride + kv_col;
   const auto load_keys = [&](int kt) {
-    uint16_t* stage = stages + (kt % 2) * 2 * kTileSize;
+    uint16_t* stage = stages + (kt % 2) * 2 * kKeysSize;
     load_tile<D>(stage, k_head, p.kv_stride, kt * kTile, kTile, seqlen, p.vec);
-    load_tile<D>(stage + kTileSize, v_head, p.kv_stride, kt * kTile, kTile, seqlen, p.vec);
+    load_tile<D>(stage + kKeysSize, v_head, p.kv_stride, kt * kTile, kTile, seqlen, p.vec);
     commit_copies();
   };
-  load_tile<D>(sq, p.q + token0 * p.q_stride + h * D, p.q_stride, row0, kTile, seqlen, p.vec);
+  load_tile<D>(sq, p.q + token0 * p.q_stride + h * D, p.q_stride, row0, kRows, seqlen, p.vec);
   load_keys(0);
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, t = lane % 4;
-  const int wrow = warp * 16;
-  const int rows[2] = {row0 + wrow + lane / 4, row0 + wrow + lane / 4 + 8};
-  uint32_t qf[D / 16][4];  // this warp's Q rows, for every key tile
-  float o[D / 8][4] = {};
-  float m[2] = {-INFINITY, -INFINITY};  // running max of x per row
-  float l[2] = {0.f, 0.f};              // running Σ 2^(x − m) per row
-  for (int kt = 0; kt <= tile; ++kt) {
-    if (kt < tile) {
+  const int wrow = warp * 16 * kR;  // the warp's first row in the tile
+  int rows[kR][2];
+#pragma unroll
+  for (int rt = 0; rt < kR; ++rt) {
+    rows[rt][0] = row0 + wrow + rt * 16 + lane / 4;
+    rows[rt][1] = rows[rt][0] + 8;
+  }
+  // Keys up to the block's last row that exists.
+  const int key_tiles = (min(row0 + kRows, seqlen) - 1) / kTile + 1;
+  uint32_t qf[kR][D / 16][4];  // this warp's Q rows, for every key tile
+  float o[kR][D / 8][4] = {};
+  float m[kR][2], l[kR][2];  // per row: running max of x, running Σ 2^(x − m)
+#pragma unroll
+  for (int rt = 0; rt < kR; ++rt) {
+    m[rt][0] = m[rt][1] = -INFINITY;
+    l[rt][0] = l[rt][1] = 0.f;
+  }
+  for (int kt = 0; kt < key_tiles; ++kt) {
+    if (kt + 1 < key_tiles) {
       load_keys(kt + 1);  // its stage was last read before the previous iteration's barrier
       wait_copies<1>();
     } else {
       wait_copies<0>();
     }
     __syncthreads();
-    if (kt == 0) load_a<D>(qf, sq, kLd, wrow, lane);
-    const uint16_t* sk = stages + (kt % 2) * 2 * kTileSize;
-    const uint16_t* sv = sk + kTileSize;
+    if (kt == 0) {
+#pragma unroll
+      for (int rt = 0; rt < kR; ++rt) load_a<D>(qf[rt], sq, kLd, wrow + rt * 16, lane);
+    }
+    const uint16_t* sk = stages + (kt % 2) * 2 * kKeysSize;
+    const uint16_t* sv = sk + kKeysSize;
     const int key0 = kt * kTile;
-    float s[kTile / 8][4] = {};
-    warp_abt<D, kTile>(s, qf, sk, kLd, lane);
-    // Only the diagonal tile holds keys after a row (and, at the end, keys past seqlen).
-    const bool diagonal = kt == tile;
+    // A warp whose rows all precede the tile's keys has nothing to add from it; only a tile
+    // reaching past the warp's first row holds masked pairs (keys after a row, or past seqlen).
+    if (key0 <= row0 + wrow + 16 * kR - 1) {
+      const bool masked = key0 + kTile - 1 > row0 + wrow;
+      float s[kR][kTile / 8][4] = {};
+      warp_abt_tiles<D, kTile, kR>(s, qf, sk, kLd, lane);
 #pragma unroll
-    for (int nt = 0; nt < kTile / 8; ++nt) {
+      for (int rt = 0; rt < kR; ++rt) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = key0 + nt * 8 + 2 * t + (e & 1);
-        s[nt][e] = !diagonal || key <= rows[e / 2] ? s[nt][e] * p.scale_log2 : -INFINITY;
+        for (int nt = 0; nt < kTile / 8; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key = key0 + nt * 8 + 2 * t + (e & 1);
+            s[rt][nt][e] =
+                !masked || key <= rows[rt][e / 2] ? s[rt][nt][e] * p.scale_log2 : -INFINITY;
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          float mx = m[rt][i];
+#pragma unroll
+          for (int nt = 0; nt < kTile / 8; ++nt) {
+            mx = fmaxf(mx, fmaxf(s[rt][nt][2 * i], s[rt][nt][2 * i + 1]));
+          }
+          mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 2));
+          // A row's first tile holds key 0, so mx is finite for every row that exists; the guard
+          // keeps a fully masked row at 0 instead of NaN all the same.
+          const float base = mx == -INFINITY ? 0.f : mx;
+          const float alpha = exp2f(m[rt][i] - base);  // 0 on the first tile (m = −inf)
+          m[rt][i] = mx;
+          float sum = 0.f;
+#pragma unroll
+          for (int nt = 0; nt < kTile / 8; ++nt) {
+            s[rt][nt][2 * i] = exp2f(s[rt][nt][2 * i] - base);
+            s[rt][nt][2 * i + 1] = exp2f(s[rt][nt][2 * i + 1] - base);
+            sum += s[rt][nt][2 * i] + s[rt][nt][2 * i + 1];
+          }
+          // Butterflies: the quad's 4 lanes end with the same bits.
+          sum += __shfl_xor_sync(kFull, sum, 1);
+          sum += __shfl_xor_sync(kFull, sum, 2);
+          l[rt][i] = l[rt][i] * alpha + sum;
+#pragma unroll
+          for (int dt = 0; dt < D / 8; ++dt) {
+            o[rt][dt][2 * i] *= alpha;
+            o[rt][dt][2 * i + 1] *= alpha;
+          }
+        }
       }
+      warp_pb_tiles<kTile, D, kR>(o, s, sv, kLd, lane);
     }
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      float mx = m[i];
-#pragma unroll
-      for (int nt = 0; nt < kTile / 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * i], s[nt][2 * i + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 2));
-      // Every processed tile holds a key at or before the row, so mx is finite; the guard keeps
-      // a fully masked row at 0 instead of NaN all the same.
-      const float base = mx == -INFINITY ? 0.f : mx;
-      const float alpha = exp2f(m[i] - base);  // 0 on the first tile (m = −inf)
-      m[i] = mx;
-      float sum = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < kTile / 8; ++nt) {
-        s[nt][2 * i] = exp2f(s[nt][2 * i] - base);
-        s[nt][2 * i + 1] = exp2f(s[nt][2 * i + 1] - base);
-        sum += s[nt][2 * i] + s[nt][2 * i + 1];
-      }
-      // Butterflies: the quad's 4 lanes end with the same bits.
-      sum += __shfl_xor_sync(kFull, sum, 1);
-      sum += __shfl_xor_sync(kFull, sum, 2);
-      l[i] = l[i] * alpha + sum;
-#pragma unroll
-      for (int dt = 0; dt < D / 8; ++dt) {
-        o[dt][2 * i] *= alpha;
-        o[dt][2 * i + 1] *= alpha;
-      }
-    }
-    warp_pb<kTile, D>(o, s, sv, kLd, lane);
     __syncthreads();  // this stage is refilled two iterations on
   }
 
   const int out_stride = p.q_heads * D;
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int row = rows[i];
-    if (row >= seqlen) continue;
-    const float inv = 1.f / l[i];
-    uint16_t* dst = p.out + (token0 + row) * out_stride + h * D;
+  for (int rt = 0; rt < kR; ++rt) {
 #pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt) {
-      store_pair(dst + dt * 8 + 2 * t, o[dt][2 * i] * inv, o[dt][2 * i + 1] * inv, p.vec);
-    }
-    if (t == 0) {
-      p.lse_out[(static_cast<int64_t>(b) * p.q_heads + h) * seqlen + row] =
-          (m[i] + log2f(l[i])) * kLn2;
+    for (int i = 0; i < 2; ++i) {
+      const int row = rows[rt][i];
+      if (row >= seqlen) continue;
+      const float inv = 1.f / l[rt][i];
+      uint16_t* dst = p.out + (token0 + row) * out_stride + h * D;
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt) {
+        store_pair(dst + dt * 8 + 2 * t, o[rt][dt][2 * i] * inv, o[rt][dt][2 * i + 1] * inv, p.vec);
+      }
+      if (t == 0) {
+        p.lse_out[(static_cast<int64_t>(b) * p.q_heads + h) * seqlen + row] =
+            (m[rt][i] + log2f(l[rt][i])) * kLn2;
+      }
     }
   }
 }
@@ -549,26 +603,31 @@ struct Kernels {
   void (*dq)(Params);
   void (*dkdv)(Params);
   size_t forward_smem, dq_smem, dkdv_smem;
+  int forward_rows;  // query rows of a forward block
 };
 
-template <int D, int kRows>
+template <int D, int kRows, int kForwardTiles>
 Kernels kernels_for() {
   const size_t tile_bytes = static_cast<size_t>(D + 8) * sizeof(uint16_t);
   // Forward: Q and two stages of K, V. dQ: Q, dO and two stages of K, V. dK/dV: K, V and two
   // stages of Q, dO, lse, delta.
-  return {forward_kernel<D>,
+  return {forward_kernel<D, kForwardTiles>,
           dq_kernel<D>,
           dkdv_kernel<D, kRows>,
-          5 * kTile * tile_bytes,
+          (kForwardTiles + 4) * kTile * tile_bytes,
           6 * kTile * tile_bytes,
-          2 * kTile * tile_bytes + 2 * (2 * kRows * tile_bytes + 2 * kRows * sizeof(float))};
+          2 * kTile * tile_bytes + 2 * (2 * kRows * tile_bytes + 2 * kRows * sizeof(float)),
+          kForwardTiles * kTile};
 }
 
 // dK/dV holds two [16, D] accumulators per warp besides its [16, kRows] scores: above D = 64,
-// query tiles of 32 rows keep that within the registers.
+// query tiles of 32 rows keep that within the registers. The forward's warps take two tiles of
+// 16 rows up to D = 64 (twice the output and score registers; above, they would spill).
 template <int D>
 Kernels kernels_of_dim() {
-  return kernels_for < D, D <= 64 ? 64 : 32 > ();
+  constexpr int kDkdvRows = D <= 64 ? 64 : 32;
+  constexpr int kForwardTiles = D <= 64 ? 2 : 1;
+  return kernels_for<D, kDkdvRows, kForwardTiles>();
 }
 
 // Every head_dim the kernels are built for: the multiples of 16 (the k of one mma) up to 128.
@@ -734,8 +793,10 @@ void CausalAttentionCuda::forward(const uint16_t* q, const uint16_t* k, const ui
   p.lse_out = lse;
   p.vec = p.vec && aligned16(q) && aligned16(k) && aligned16(v) && aligned16(out);
   const Kernels kernels = kernels_of(shape_.head_dim);
-  kernels.forward<<<query_grid(shape_), kThreads, kernels.forward_smem,
-                    static_cast<cudaStream_t>(stream)>>>(p);
+  const dim3 grid(
+      static_cast<unsigned>((shape_.seqlen + kernels.forward_rows - 1) / kernels.forward_rows),
+      static_cast<unsigned>(shape_.q_heads), static_cast<unsigned>(shape_.batch));
+  kernels.forward<<<grid, kThreads, kernels.forward_smem, static_cast<cudaStream_t>(stream)>>>(p);
   MEGACPP_CUDA_CHECK_LAUNCH("forward_kernel");
 }
 
