@@ -479,8 +479,9 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(Params p) {
 // Dynamic shared memory: K, V tiles [64][D + 8], then two stages of (Q, dO tiles [kRows][D + 8]
 // bf16, the query tile's lse·log2(e) and delta fp32 [kRows] each): the next query tile's copy
 // runs while the current one is computed on.
+// Up to D = 64, three blocks per SM (at most 170 registers a thread, against 176 unbounded).
 template <int D, int kRows>
-__global__ void __launch_bounds__(kThreads) dkdv_kernel(Params p) {
+__global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 1) dkdv_kernel(Params p) {
   constexpr int kLd = D + 8;
   constexpr int kStageBytes = 2 * kRows * kLd * 2 + 2 * kRows * 4;
   static_assert(kStageBytes % 16 == 0);

@@ -148,7 +148,7 @@ DevGrads dev_grads(const ScanDeviceGrads& g, int angles) {
 // Every launch of one math variant, forward then backward, in launch order.
 std::vector<Launch> all_launches(const Dims& d, bool tensor_cores) {
   const ForwardLaunches f = forward_launches(d, tensor_cores);
-  const BackwardLaunches b = backward_launches(d, tensor_cores);
+  const BackwardLaunches b = backward_launches(d, tensor_cores, device_shared_limit());
   return {f.angle_prefix,  f.chunk_state,         f.state_pass,     f.chunk_output,
           b.chunk_dstate,  b.state_pass_backward, b.chunk_backward, b.dtheta_offsets,
           b.finish_tokens, b.reduce_params};
@@ -257,7 +257,8 @@ Mamba3ScanCuda::Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache, boo
   buffers_ = new Buffers{};
   buffers_->dims = d;
   buffers_->forward = scan_detail::forward_launches(d, tensor_cores);
-  buffers_->backward = scan_detail::backward_launches(d, tensor_cores);
+  buffers_->backward =
+      scan_detail::backward_launches(d, tensor_cores, scan_detail::device_shared_limit());
   unsigned char* cursor = static_cast<unsigned char*>(arena_);
   float* parts[kParts];
   for (int i = 0; i < kParts; ++i) {

@@ -97,11 +97,13 @@ __global__ void state_pass_backward_kernel(Dims d, Work w) {
 
 // Un-rotates the gradient in d_qk (w.r.t. rotated q or k, rows (i, r)) in place, adds
 // dL/dθ into d_theta, the bias gradient of head h into its partial, and the result into the
-// group's accumulator (= for the group's first head, + after: a fixed order).
+// group's sum (= for the group's first head, + after: a fixed order): the block's shared
+// [rows][N] sum when smem_acc is not null, else the workspace's [B, T, R, G, N] one, acc.
 template <class D>
 __device__ void finish_qk_grad(const D& d, const ChunkPos& pos, bool first_head, const float* cosv,
                                const float* sinv, const bf16* rotated, int ld_rotated, float* d_qk,
-                               int ld_d_qk, float* d_theta, float* bias_partial, float* acc) {
+                               int ld_d_qk, float* d_theta, float* bias_partial, float* smem_acc,
+                               float* acc) {
   const int N = d.state, half = N / 2, R = d.rank, A = d.angles;
   // Thread per (token, pair): the θ gradient of pair j sums over ranks without races.
   for (int idx = threadIdx.x; idx < d.chunk * half; idx += blockDim.x) {
@@ -127,6 +129,14 @@ __device__ void finish_qk_grad(const D& d, const ChunkPos& pos, bool first_head,
         acc[0] += d_qk[(i * R + d.by_state.div(item)) * ld_d_qk + d.by_state.mod(item)];
       },
       [&](int item, const float* acc) { bias_partial[item] = acc[0]; });
+  if (smem_acc != nullptr) {
+    for (int idx = threadIdx.x; idx < pos.len * R * N; idx += blockDim.x) {
+      const float here = d_qk[d.by_state.div(idx) * ld_d_qk + d.by_state.mod(idx)];
+      smem_acc[idx] = first_head ? here : smem_acc[idx] + here;
+    }
+    __syncthreads();
+    return;
+  }
   // The chunk's rows (i, r) lie group-stride apart in the accumulator's [B, T, R, G, N] layout:
   // one 64-bit base per chunk, 32-bit offsets per element.
   float* acc_chunk =
@@ -176,6 +186,9 @@ __global__ void __launch_bounds__(kBackwardThreads)
   float* d_qk = reinterpret_cast<float*>(smem + plan.d_qk);
   float* sum_scratch = reinterpret_cast<float*>(smem + plan.sum_scratch);
   float* d_theta = reinterpret_cast<float*>(smem + plan.d_theta);
+  // The group's dQ and dK sums, when they stay in shared memory (plan_with_accumulators).
+  float* dq_sum = plan.dq_acc != 0 ? reinterpret_cast<float*>(smem + plan.dq_acc) : nullptr;
+  float* dk_sum = plan.dk_acc != 0 ? reinterpret_cast<float*>(smem + plan.dk_acc) : nullptr;
   // Sw = QKᵀ ⊙ W until dL/dV, then dSc ⊙ W: the bf16 operands of the tensor-core products.
   bf16* weighted = reinterpret_cast<bf16*>(smem + plan.weighted_scores);
   bf16* d_o_bf16 = reinterpret_cast<bf16*>(smem + plan.d_out_bf16);
@@ -359,7 +372,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
         });
     __syncthreads();
     finish_qk_grad(d, pos, hg == 0, cosv, sinv, q_rot, ld_qk, d_qk, ld_mn, d_theta, qb_partial,
-                   w.dq_acc);
+                   dq_sum, w.dq_acc);
 
     // Exit state: dS = dL/d(exit state). dL/dl_last += e^{l_last} <dS, E>, with E still in
     // `state` (each element is read by the thread that then overwrites it with dS).
@@ -420,7 +433,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
       if (lane == 0) sc[kDLog * C + pos.len - 1] += sum;
     }
     finish_qk_grad(d, pos, hg == 0, cosv, sinv, k_rot, ld_qk, d_qk, ld_mn, d_theta, kb_partial,
-                   w.dk_acc);
+                   dk_sum, w.dk_acc);
 
     // v = x ⊙ mimo_x: dx (this head's own output) and mimo_x's partial.
     for (int idx = threadIdx.x; idx < pos.len * P; idx += blockDim.x) {
@@ -463,6 +476,20 @@ __global__ void __launch_bounds__(kBackwardThreads)
         [&](int j, const float* acc) { w.dtheta_tot[(bh * d.chunks + pos.c) * A + j] = acc[0]; });
     __syncthreads();
   }
+  if (dq_sum != nullptr) {
+    // Every head is in: the group's q and k gradients of the chunk, rows G·N apart in [B, T, R,
+    // G, N].
+    const size_t base =
+        ((static_cast<size_t>(group_pos.b) * d.seqlen + group_pos.t0) * R * d.groups +
+         group_pos.g) *
+        N;
+    const int row_stride = d.groups * N;
+    for (int idx = threadIdx.x; idx < group_pos.len * R * N; idx += blockDim.x) {
+      const size_t at = base + d.by_state.div(idx) * row_stride + d.by_state.mod(idx);
+      grads.q[at] = __float2bfloat16(dq_sum[idx]);
+      grads.k[at] = __float2bfloat16(dk_sum[idx]);
+    }
+  }
 }
 
 // The dθ sum over later chunks: reverse exclusive prefix over chunk totals.
@@ -477,8 +504,10 @@ __global__ void dtheta_offsets_kernel(Dims d, Work w) {
 }
 
 // Per token of one (batch, chunk): the angle gradients (suffix sums of dθ, summed over
-// heads in order), dt/trap/adt (with the κ_{t−1} terms) and q/k to bf16.
-__global__ void finish_tokens_kernel(Dims d, DevInputs in, Work w, DevGrads grads) {
+// heads in order), dt/trap/adt (with the κ_{t−1} terms) and, when chunk_backward summed them in
+// the workspace (qk_in_workspace), q/k to bf16.
+__global__ void finish_tokens_kernel(Dims d, DevInputs in, Work w, DevGrads grads,
+                                     bool qk_in_workspace) {
   const int c = blockIdx.x, b = blockIdx.y, A = d.angles, H = d.heads;
   const int t0 = c * d.chunk, len = min(d.chunk, d.seqlen - t0);
   for (int item = threadIdx.x; item < H * A; item += blockDim.x) {
@@ -522,6 +551,7 @@ __global__ void finish_tokens_kernel(Dims d, DevInputs in, Work w, DevGrads grad
     grads.dt[th] = __float2bfloat16(d_dt);
     grads.trap[th] = __float2bfloat16(d_tau * tau * (1.f - tau));
   }
+  if (!qk_in_workspace) return;
   const int row_width = d.rank * d.groups * d.state;
   const size_t base = (static_cast<size_t>(b) * d.seqlen + t0) * row_width;
   for (int idx = threadIdx.x; idx < len * row_width; idx += blockDim.x) {
@@ -563,7 +593,7 @@ __global__ void reduce_params_kernel(Dims d, Work w, DevGrads grads) {
 
 }  // namespace
 
-BackwardLaunches backward_launches(const Dims& d, bool tensor_cores) {
+BackwardLaunches backward_launches(const Dims& d, bool tensor_cores, size_t shared_limit) {
   const unsigned bh = static_cast<unsigned>(d.batch * d.heads);
   const unsigned bg = static_cast<unsigned>(d.batch * d.groups);
   const unsigned chunks = static_cast<unsigned>(d.chunks);
@@ -581,7 +611,8 @@ BackwardLaunches backward_launches(const Dims& d, bool tensor_cores) {
     l.chunk_backward = {"chunk_backward",
                         tensor_cores ? kernel_address(&chunk_backward_kernel<true, D>)
                                      : kernel_address(&chunk_backward_kernel<false, D>),
-                        dim3(chunks, bg), dim3(kBackwardThreads), plan_for(d, kBackwardKernel)};
+                        dim3(chunks, bg), dim3(kBackwardThreads),
+                        plan_with_accumulators(d, shared_limit)};
   });
   l.state_pass_backward = {"state_pass_backward",
                            kernel_address(&state_pass_backward_kernel),
@@ -644,7 +675,8 @@ void run_backward(const BackwardLaunches& launches, bool tensor_cores, bool psiv
   }
   {
     const Launch& l = launches.finish_tokens;
-    finish_tokens_kernel<<<l.grid, l.block, 0, stream>>>(d, in, w, grads);
+    finish_tokens_kernel<<<l.grid, l.block, 0, stream>>>(d, in, w, grads,
+                                                         launches.chunk_backward.smem.dq_acc == 0);
     MEGACPP_CUDA_CHECK_LAUNCH(l.name);
   }
   {

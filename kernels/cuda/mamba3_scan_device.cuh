@@ -106,6 +106,8 @@ struct SmemPlan {
                                //   backward later dL/d(QKᵀ) (= dSc ⊙ W)
   size_t d_out_bf16 = 0;       // bf16 [rows][P]: d_out rounded, the tensor-core operand
   size_t d_theta = 0;          // fp32 [C][A]: dL/dθ of each token of this head
+  size_t dq_acc = 0;           // fp32 [rows][N]: dL/dq summed over the group's heads, or 0 when
+  size_t dk_acc = 0;           //   the sums go through the workspace (see plan_with_accumulators)
   size_t total = 0;
   // Row strides (elements) of the matrices above. Rows are padded so that the access patterns
   // of the products (mma fragments: eight rows × four column pairs per warp; the fp32 tiles:
@@ -200,6 +202,21 @@ inline SmemPlan plan_for(const Dims& d, ScanKernel kernel) {
   return p;
 }
 
+// chunk_backward's plan with the group's dQ and dK sums in shared memory when they fit within
+// `limit` bytes per block: the block walks every head of the group over the same rows, so the
+// sums need no global read-modify-write per head, and the block writes the bf16 gradients once at
+// the end. Otherwise the plan of plan_for, with the sums in the workspace.
+inline SmemPlan plan_with_accumulators(const Dims& d, size_t limit) {
+  SmemPlan p = plan_for(d, kBackwardKernel);
+  const size_t bytes = static_cast<size_t>(d.rows) * d.state * sizeof(float);
+  if (p.total + 2 * bytes <= limit) {
+    p.dq_acc = p.total;
+    p.dk_acc = p.total + bytes;
+    p.total += 2 * bytes;
+  }
+  return p;
+}
+
 struct DevInputs {
   const bf16 *q, *k, *v, *z, *adt, *dt, *trap, *angles, *q_bias, *k_bias, *mimo_x, *mimo_z, *mimo_o,
       *d;
@@ -252,7 +269,9 @@ struct BackwardLaunches {
   Launch chunk_dstate, state_pass_backward, chunk_backward, dtheta_offsets, finish_tokens,
       reduce_params;
 };
-BackwardLaunches backward_launches(const Dims& d, bool tensor_cores);
+// shared_limit: the device's shared memory per block (chunk_backward keeps the group's dQ and dK
+// sums there when they fit; see plan_with_accumulators).
+BackwardLaunches backward_launches(const Dims& d, bool tensor_cores, size_t shared_limit);
 void run_backward(const BackwardLaunches& launches, bool tensor_cores, bool psiv_cache,
                   const Dims& d, const DevInputs& in, const Work& w, const bf16* dy,
                   const DevGrads& grads, cudaStream_t stream);
