@@ -3,6 +3,7 @@
 // share is in mamba3_scan_device.cuh.
 #include <cuda_runtime.h>
 #include <array>
+#include <cstdint>
 
 #include <string>
 #include <vector>
@@ -246,6 +247,12 @@ Mamba3ScanCuda::Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache, boo
            "Mamba3ScanCuda: the shared backward workspace has {} bytes, backward_workspace_bytes "
            "is {}",
            backward_bytes, backward_needed);
+  }
+  // The state passes move four floats at a time.
+  if (reinterpret_cast<uintptr_t>(backward_workspace) % 16 != 0) {
+    refuse(ErrorKind::kInvalidArgument,
+           "Mamba3ScanCuda: the shared backward workspace at {} is not 16-byte aligned",
+           backward_workspace);
   }
   const bool own_backward = backward_workspace == nullptr;
   const size_t own = bytes_of_parts(sizes, 0, own_backward ? kParts : kForwardParts);

@@ -67,29 +67,33 @@ __global__ void chunk_dstate_kernel(D d, SmemPlan plan, DevInputs in, Work w, co
 }
 
 // G_c = H_c + a_c G_{c+1}, walked from the last chunk; stores G_{c+1} (the gradient of
-// chunk c's exit state) in place of H_c.
+// chunk c's exit state) in place of H_c. Four neighbouring elements a thread, as state_pass.
 __global__ void state_pass_backward_kernel(Dims d, Work w) {
-  const size_t matrix = static_cast<size_t>(d.headdim) * d.state;
-  const size_t element = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (element >= matrix) return;
+  const size_t quads = static_cast<size_t>(d.headdim) * d.state / 4;
+  const size_t quad = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (quad >= quads) return;
   const size_t bh = blockIdx.y;
-  float* g = w.gstates + bh * d.chunks * matrix + element;
+  float4* g = reinterpret_cast<float4*>(w.gstates) + bh * d.chunks * quads + quad;
   const float* decay = w.decay + bh * d.chunks;
   constexpr int kBatch = 8;  // as in state_pass_kernel
-  float later = 0.f;
+  float4 later = make_float4(0.f, 0.f, 0.f, 0.f);
   for (int c0 = d.chunks - 1; c0 >= 0; c0 -= kBatch) {
-    float local[kBatch], scale[kBatch];
+    float4 local[kBatch];
+    float scale[kBatch];
 #pragma unroll
     for (int x = 0; x < kBatch; ++x) {
       const int c = max(c0 - x, 0);
-      local[x] = g[c * matrix];
+      local[x] = g[c * quads];
       scale[x] = decay[c];
     }
 #pragma unroll
     for (int x = 0; x < kBatch; ++x) {
       if (c0 - x >= 0) {
-        g[(c0 - x) * matrix] = later;
-        later = scale[x] * later + local[x];
+        g[(c0 - x) * quads] = later;
+        later.x = scale[x] * later.x + local[x].x;
+        later.y = scale[x] * later.y + local[x].y;
+        later.z = scale[x] * later.z + local[x].z;
+        later.w = scale[x] * later.w + local[x].w;
       }
     }
   }
@@ -597,8 +601,9 @@ BackwardLaunches backward_launches(const Dims& d, bool tensor_cores, size_t shar
   const unsigned bh = static_cast<unsigned>(d.batch * d.heads);
   const unsigned bg = static_cast<unsigned>(d.batch * d.groups);
   const unsigned chunks = static_cast<unsigned>(d.chunks);
+  // state_pass_backward: a thread per four elements of a state.
   const unsigned matrix_blocks =
-      static_cast<unsigned>((d.headdim * d.state + kThreads - 1) / kThreads);
+      static_cast<unsigned>((d.headdim * d.state / 4 + kThreads - 1) / kThreads);
   const unsigned partial_blocks = static_cast<unsigned>((d.partial_width + 31) / 32);
   const dim3 threads(kThreads);
   BackwardLaunches l;

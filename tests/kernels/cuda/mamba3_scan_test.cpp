@@ -340,6 +340,17 @@ TEST(Mamba3ScanCudaShapes, RefusesShapesItDoesNotCover) {
   refused(s, "shared memory");
 }
 
+TEST(Mamba3ScanCudaShapes, RefusesAMisalignedSharedBackwardWorkspace) {
+  MEGACPP_REQUIRE_GPU();
+  const ScanShape s = grid_shape(64, 64, 4, 16);
+  const size_t bytes = Mamba3ScanCuda::backward_workspace_bytes(s);
+  oracle::DeviceBuffer workspace(bytes + 16);
+  char* misaligned = static_cast<char*>(workspace.get()) + 4;
+  oracle::expect_error([&] { Mamba3ScanCuda scan(s, false, true, misaligned, bytes); },
+                       megacpp::ErrorKind::kInvalidArgument, "16-byte aligned",
+                       "backward workspace 4 bytes past an allocation");
+}
+
 TEST(Mamba3ScanCudaShapes, ReportsEveryKernelItLaunches) {
   MEGACPP_REQUIRE_GPU();
   const auto attrs = megacpp::cuda::kernel_attributes(grid_shape(64, 64, 4, 16));
