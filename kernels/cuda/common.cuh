@@ -270,6 +270,59 @@ static __device__ __forceinline__ void smem_mma(int m, int n, int k, const bf16*
 #endif
 }
 
+// smem_mma with near-fp32 operands held in shared memory as hi + lo bf16 pairs (split_bf16's):
+// B always split (b_hi, b_lo), A split when kSplitA (a_hi, a_lo; else a_hi alone). The same tiles,
+// k order and per-k order of products (hi·hi, hi·lo, then lo·hi) as block_mma_split, so the same
+// bits for the same pairs; every fragment by one ldmatrix.
+template <bool kATrans, bool kBTrans, bool kSplitA, class FOut>
+static __device__ __forceinline__ void smem_mma_split(int m, int n, int k, const bf16* a_hi,
+                                                      const bf16* a_lo, int lda, const bf16* b_hi,
+                                                      const bf16* b_lo, int ldb, FOut out) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warps = blockDim.x / 32;
+  const int g = lane / 4, t = lane % 4;
+  const int lo8 = lane % 8, second = (lane / 8) % 2, upper = lane / 16;
+  const int a_row = kATrans ? lo8 + 8 * upper : lo8 + 8 * second;
+  const int a_col = kATrans ? 8 * second : 8 * upper;
+  const int b_row = kBTrans ? lo8 + 8 * second : lo8 + 8 * upper;
+  const int b_col = kBTrans ? 8 * upper : 8 * second;
+  const int tiles_n = n / 16;
+  const int tiles = (m / 16) * tiles_n;
+  for (int tile = warp; tile < tiles; tile += warps) {
+    const int i0 = (tile / tiles_n) * 16, j0 = (tile % tiles_n) * 16;
+    float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    for (int k0 = 0; k0 < k; k0 += 16) {
+      const int a_at = kATrans ? (k0 + a_row) * lda + i0 + a_col : (i0 + a_row) * lda + k0 + a_col;
+      const int b_at = kBTrans ? (k0 + b_row) * ldb + j0 + b_col : (j0 + b_row) * ldb + k0 + b_col;
+      uint32_t af_hi[4], af_lo[4], bf_hi[4], bf_lo[4];
+      ldmatrix_x4<kATrans>(af_hi, a_hi + a_at);
+      if constexpr (kSplitA) ldmatrix_x4<kATrans>(af_lo, a_lo + a_at);
+      ldmatrix_x4<kBTrans>(bf_hi, b_hi + b_at);
+      ldmatrix_x4<kBTrans>(bf_lo, b_lo + b_at);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float* c = acc[half];
+        mma_bf16_16816(c, af_hi, bf_hi[2 * half], bf_hi[2 * half + 1]);
+        mma_bf16_16816(c, af_hi, bf_lo[2 * half], bf_lo[2 * half + 1]);
+        if constexpr (kSplitA) mma_bf16_16816(c, af_lo, bf_hi[2 * half], bf_hi[2 * half + 1]);
+      }
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int col = j0 + half * 8 + 2 * t;
+      out(i0 + g, col, acc[half][0]);
+      out(i0 + g, col + 1, acc[half][1]);
+      out(i0 + g + 8, col, acc[half][2]);
+      out(i0 + g + 8, col + 1, acc[half][3]);
+    }
+  }
+#else
+  (void)m, (void)n, (void)k, (void)a_hi, (void)a_lo, (void)lda, (void)b_hi, (void)b_lo, (void)ldb,
+      (void)out;
+#endif
+}
+
 // A product of two bf16 matrices in shared memory (layouts as smem_mma): smem_mma when kTensor,
 // else block_gemm on the CUDA cores in fp32 over the same bf16 values.
 template <bool kTensor, bool kATrans, bool kBTrans, class FOut>

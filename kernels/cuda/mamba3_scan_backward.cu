@@ -190,16 +190,32 @@ __global__ void __launch_bounds__(kBackwardThreads)
   float* d_qk = reinterpret_cast<float*>(smem + plan.d_qk);
   float* sum_scratch = reinterpret_cast<float*>(smem + plan.sum_scratch);
   float* d_theta = reinterpret_cast<float*>(smem + plan.d_theta);
-  // The group's dQ and dK sums, when they stay in shared memory (plan_with_accumulators).
+  // The group's dQ and dK sums, when they stay in shared memory (plan_backward).
   float* dq_sum = plan.dq_acc != 0 ? reinterpret_cast<float*>(smem + plan.dq_acc) : nullptr;
   float* dk_sum = plan.dk_acc != 0 ? reinterpret_cast<float*>(smem + plan.dk_acc) : nullptr;
   // Sw = QKᵀ ⊙ W until dL/dV, then dSc ⊙ W: the bf16 operands of the tensor-core products.
   bf16* weighted = reinterpret_cast<bf16*>(smem + plan.weighted_scores);
   bf16* d_o_bf16 = reinterpret_cast<bf16*>(smem + plan.d_out_bf16);
+  // The state (E, later dS) and dO as hi + lo bf16 pairs for smem_mma_split (plan_backward), or
+  // null: the state products then split their fp32 operands per fetch (state_gemm).
+  const bool split = kTensor && plan.state_hi != 0;
+  bf16* state_hi = split ? reinterpret_cast<bf16*>(smem + plan.state_hi) : nullptr;
+  bf16* state_lo = split ? reinterpret_cast<bf16*>(smem + plan.state_lo) : nullptr;
+  bf16* d_o_lo = split ? reinterpret_cast<bf16*>(smem + plan.d_out_lo) : nullptr;
+  const int ld_split = plan.ld_split;
   const int N = d.state, P = d.headdim, R = d.rank, C = d.chunk, M = d.rows, A = d.angles;
   const SmemStrides ld = strides_of<D>(plan);
   const int ld_qk = ld.qk, ld_pv = ld.pv, ld_state = ld.state;
   const int ld_mm = ld.mm, ld_mp = ld.mp, ld_mn = ld.mn, ld_sw = ld.sw;
+  // The fp32 state element (p, n) and, when split, its hi + lo pair (split_bf16's).
+  const auto set_state = [&](int p, int n, float value) {
+    state[p * ld_state + n] = value;
+    if (split) {
+      const bf16 hi = __float2bfloat16(value);
+      state_hi[p * ld_split + n] = hi;
+      state_lo[p * ld_split + n] = __float2bfloat16(value - to_f(hi));
+    }
+  };
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   const ChunkPos group_pos = chunk_pos(d, blockIdx.y, true, blockIdx.x);
   const size_t slot = static_cast<size_t>(group_pos.b) * d.chunks + group_pos.c;
@@ -225,7 +241,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
     load_rotated(d, in.k, in.k_bias, pos, cosv, sinv, k_rot, ld_qk);
     load_psiv(d, in, pos, w.psiv, read_psiv, false, psiv, ld_pv);
     load_d_o(d, in, dy, pos, d_o, ld_mp);
-    load_state(d, w.states + bhc * matrix, state, ld_state);
+    for_each_state_element(d, w.states + bhc * matrix, set_state);
     fill_weights(d, sc, weights);
     for (int idx = threadIdx.x; idx < C * A; idx += blockDim.x) d_theta[idx] = 0.f;
     for (int i = threadIdx.x; i < C; i += blockDim.x) {
@@ -242,10 +258,19 @@ __global__ void __launch_bounds__(kBackwardThreads)
           weighted[i * ld_sw + j] =
               __float2bfloat16(value * weights[d.by_rank.div(i) * C + d.by_rank.div(j)]);
         });
-    state_gemm<kTensor, false, true>(
-        M, P, N, [&](int i, int n) { return to_f(q_rot[i * ld_qk + n]); },
-        [&](int n, int p) { return state[p * ld_state + n]; },
-        [&](int i, int p, float value) { o[i * ld_mp + p] = value; });
+    {
+      const auto store = [&](int i, int p, float value) {
+        o[i * ld_mp + p] = value;
+      };
+      if (split) {
+        smem_mma_split<false, false, false>(M, P, N, q_rot, nullptr, ld_qk, state_hi, state_lo,
+                                            ld_split, store);
+      } else {
+        state_gemm<kTensor, false, true>(
+            M, P, N, [&](int i, int n) { return to_f(q_rot[i * ld_qk + n]); },
+            [&](int n, int p) { return state[p * ld_state + n]; }, store);
+      }
+    }
     __syncthreads();
     // dL/dl_i from the entry term e^{l_i} (Q Eᵀ)_i: one warp per token.
     for (int i = warp; i < C; i += warps) {
@@ -258,11 +283,15 @@ __global__ void __launch_bounds__(kBackwardThreads)
       if (lane == 0) sc[kScratch * C + i] = sc[kEntryDecay * C + i] * dot;
     }
     __syncthreads();
-    // E is dead until dO E reloads it: its space takes the bf16 dO.
+    // The bf16 dO (and its lo part when split). Unsplit, E is dead until dO E reloads it, and its
+    // space takes the bf16 dO.
     for (int idx = threadIdx.x; idx < M * P; idx += blockDim.x) {
       const int row = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
       o[row * ld_mp + p] *= sc[kEntryDecay * C + d.by_rank.div(row)];
-      d_o_bf16[row * ld_pv + p] = __float2bfloat16(d_o[row * ld_mp + p]);
+      const float value = d_o[row * ld_mp + p];
+      const bf16 hi = __float2bfloat16(value);
+      d_o_bf16[row * ld_pv + p] = hi;
+      if (split) d_o_lo[row * ld_pv + p] = __float2bfloat16(value - to_f(hi));
     }
     __syncthreads();
     bf16_gemm<kTensor, false, true>(M, P, M, weighted, ld_sw, psiv, ld_pv,
@@ -362,18 +391,26 @@ __global__ void __launch_bounds__(kBackwardThreads)
     }
     __syncthreads();
 
-    // dQ = dSc K + e^{l} dO E (E reloaded: its space held the bf16 dO).
+    // dQ = dSc K + e^{l} dO E (the fp32 E reloaded: unsplit, its space held the bf16 dO; split,
+    // the pairs are still E's and the fp32 E serves the exit-state product below).
     load_state(d, w.states + bhc * matrix, state, ld_state);
     bf16_gemm<kTensor, false, true>(
         M, N, M, weighted, ld_sw, k_rot, ld_qk,
         [&](int i, int n, float value) { d_qk[i * ld_mn + n] = value; });
     __syncthreads();
-    state_gemm<kTensor, true, true>(
-        M, N, P, [&](int i, int p) { return d_o[i * ld_mp + p]; },
-        [&](int p, int n) { return state[p * ld_state + n]; },
-        [&](int i, int n, float value) {
-          d_qk[i * ld_mn + n] += sc[kEntryDecay * C + d.by_rank.div(i)] * value;
-        });
+    {
+      const auto add = [&](int i, int n, float value) {
+        d_qk[i * ld_mn + n] += sc[kEntryDecay * C + d.by_rank.div(i)] * value;
+      };
+      if (split) {
+        smem_mma_split<false, true, true>(M, N, P, d_o_bf16, d_o_lo, ld_pv, state_hi, state_lo,
+                                          ld_split, add);
+      } else {
+        state_gemm<kTensor, true, true>(
+            M, N, P, [&](int i, int p) { return d_o[i * ld_mp + p]; },
+            [&](int p, int n) { return state[p * ld_state + n]; }, add);
+      }
+    }
     __syncthreads();
     finish_qk_grad(d, pos, hg == 0, cosv, sinv, q_rot, ld_qk, d_qk, ld_mn, d_theta, qb_partial,
                    dq_sum, w.dq_acc);
@@ -383,9 +420,8 @@ __global__ void __launch_bounds__(kBackwardThreads)
     {
       float local = 0.f;
       for_each_state_element(d, w.gstates + bhc * matrix, [&](int p, int n, float d_exit) {
-        float& element = state[p * ld_state + n];
-        local += d_exit * element;
-        element = d_exit;
+        local += d_exit * state[p * ld_state + n];
+        set_state(p, n, d_exit);
       });
       const float total = block_sum(local, sum_scratch);
       if (threadIdx.x == 0) {
@@ -397,17 +433,28 @@ __global__ void __launch_bounds__(kBackwardThreads)
     bf16_gemm<kTensor, true, true>(M, N, M, weighted, ld_sw, q_rot, ld_qk,
                                    [&](int i, int n, float value) { d_qk[i * ld_mn + n] = value; });
     __syncthreads();
-    state_gemm<kTensor, false, true>(
-        M, N, P, [&](int i, int p) { return to_f(psiv[i * ld_pv + p]); },
-        [&](int p, int n) { return state[p * ld_state + n]; },
-        [&](int i, int n, float value) {
-          d_qk[i * ld_mn + n] += sc[kExitScale * C + d.by_rank.div(i)] * value;
-        });
-    // K dSᵀ into o (o is no longer needed): dV += exit_scale · K dSᵀ.
-    state_gemm<kTensor, false, true>(
-        M, P, N, [&](int i, int n) { return to_f(k_rot[i * ld_qk + n]); },
-        [&](int n, int p) { return state[p * ld_state + n]; },
-        [&](int i, int p, float value) { o[i * ld_mp + p] = value; });
+    {
+      const auto add = [&](int i, int n, float value) {
+        d_qk[i * ld_mn + n] += sc[kExitScale * C + d.by_rank.div(i)] * value;
+      };
+      // K dSᵀ into o (o is no longer needed): dV += exit_scale · K dSᵀ.
+      const auto store = [&](int i, int p, float value) {
+        o[i * ld_mp + p] = value;
+      };
+      if (split) {
+        smem_mma_split<false, true, false>(M, N, P, psiv, nullptr, ld_pv, state_hi, state_lo,
+                                           ld_split, add);
+        smem_mma_split<false, false, false>(M, P, N, k_rot, nullptr, ld_qk, state_hi, state_lo,
+                                            ld_split, store);
+      } else {
+        state_gemm<kTensor, false, true>(
+            M, N, P, [&](int i, int p) { return to_f(psiv[i * ld_pv + p]); },
+            [&](int p, int n) { return state[p * ld_state + n]; }, add);
+        state_gemm<kTensor, false, true>(
+            M, P, N, [&](int i, int n) { return to_f(k_rot[i * ld_qk + n]); },
+            [&](int n, int p) { return state[p * ld_state + n]; }, store);
+      }
+    }
     __syncthreads();
     // One warp per token.
     for (int j = warp; j < C; j += warps) {
@@ -617,7 +664,7 @@ BackwardLaunches backward_launches(const Dims& d, bool tensor_cores, size_t shar
                         tensor_cores ? kernel_address(&chunk_backward_kernel<true, D>)
                                      : kernel_address(&chunk_backward_kernel<false, D>),
                         dim3(chunks, bg), dim3(kBackwardThreads),
-                        plan_with_accumulators(d, shared_limit)};
+                        plan_backward(d, tensor_cores, shared_limit)};
   });
   l.state_pass_backward = {"state_pass_backward",
                            kernel_address(&state_pass_backward_kernel),

@@ -107,7 +107,10 @@ struct SmemPlan {
   size_t d_out_bf16 = 0;       // bf16 [rows][P]: d_out rounded, the tensor-core operand
   size_t d_theta = 0;          // fp32 [C][A]: dL/dθ of each token of this head
   size_t dq_acc = 0;           // fp32 [rows][N]: dL/dq summed over the group's heads, or 0 when
-  size_t dk_acc = 0;           //   the sums go through the workspace (see plan_with_accumulators)
+  size_t dk_acc = 0;           //   the sums go through the workspace (see plan_backward)
+  size_t state_hi = 0;         // bf16 [P][N]: the state (E, later dS) split hi + lo once, the
+  size_t state_lo = 0;         //   products' ldmatrix operands; 0 when not (see plan_backward)
+  size_t d_out_lo = 0;         // bf16 [rows][P]: d_out − bf16(d_out), beside d_out_bf16
   size_t total = 0;
   // Row strides (elements) of the matrices above. Rows are padded so that the access patterns
   // of the products (mma fragments: eight rows × four column pairs per warp; the fp32 tiles:
@@ -120,6 +123,7 @@ struct SmemPlan {
   int ld_mp = 0;     // out, d_out, d_psiv (fp32): P + 4
   int ld_mn = 0;     // d_qk (fp32): N + 4
   int ld_sw = 0;     // weighted_scores (bf16): rows + 8
+  int ld_split = 0;  // state_hi, state_lo (bf16): N + 8
 };
 
 enum ScanKernel { kStateKernel, kOutputKernel, kDStateKernel, kBackwardKernel };
@@ -202,17 +206,39 @@ inline SmemPlan plan_for(const Dims& d, ScanKernel kernel) {
   return p;
 }
 
-// chunk_backward's plan with the group's dQ and dK sums in shared memory when they fit within
-// `limit` bytes per block: the block walks every head of the group over the same rows, so the
-// sums need no global read-modify-write per head, and the block writes the bf16 gradients once at
-// the end. Otherwise the plan of plan_for, with the sums in the workspace.
-inline SmemPlan plan_with_accumulators(const Dims& d, size_t limit) {
+// chunk_backward's plan: plan_for's, plus what fits within `limit` bytes per block, in this order:
+//   split state (tensor cores only): the state (E, later dS) and dO held as hi + lo bf16 pairs
+//     once, so that their products fetch operands by ldmatrix (smem_mma_split) rather than
+//     element by element with a split per fetch (the fp32 state reads were about a tenth of the
+//     kernel's stall samples); the bf16 dO then gets its own space;
+//   accumulators: the group's dQ and dK sums: the block walks every head of the group over the
+//     same rows, so the sums need no global read-modify-write per head, and the block writes the
+//     bf16 gradients once at the end. Otherwise they go through the workspace.
+inline SmemPlan plan_backward(const Dims& d, bool tensor_cores, size_t limit) {
   SmemPlan p = plan_for(d, kBackwardKernel);
-  const size_t bytes = static_cast<size_t>(d.rows) * d.state * sizeof(float);
-  if (p.total + 2 * bytes <= limit) {
+  const auto round16 = [](size_t bytes) {
+    return (bytes + 15) / 16 * 16;
+  };
+  const size_t rows = static_cast<size_t>(d.rows), hp = static_cast<size_t>(d.headdim);
+  const size_t split_ld = static_cast<size_t>(d.state) + 8;
+  const size_t state_half = round16(hp * split_ld * sizeof(bf16));
+  const size_t d_out_half = round16(rows * static_cast<size_t>(p.ld_pv) * sizeof(bf16));
+  const bool d_out_bf16_shared = p.d_out_bf16 == p.state;
+  const size_t split = 2 * state_half + d_out_half + (d_out_bf16_shared ? d_out_half : 0);
+  if (tensor_cores && p.total + split <= limit) {
+    p.ld_split = static_cast<int>(split_ld);
+    p.state_hi = p.total;
+    p.state_lo = p.state_hi + state_half;
+    p.d_out_lo = p.state_lo + state_half;
+    // The fp32 E is reloaded into `state` while the bf16 dO is still an operand.
+    if (d_out_bf16_shared) p.d_out_bf16 = p.d_out_lo + d_out_half;
+    p.total += split;
+  }
+  const size_t sums = round16(rows * static_cast<size_t>(d.state) * sizeof(float));
+  if (p.total + 2 * sums <= limit) {
     p.dq_acc = p.total;
-    p.dk_acc = p.total + bytes;
-    p.total += 2 * bytes;
+    p.dk_acc = p.total + sums;
+    p.total += 2 * sums;
   }
   return p;
 }
@@ -270,7 +296,7 @@ struct BackwardLaunches {
       reduce_params;
 };
 // shared_limit: the device's shared memory per block (chunk_backward keeps the group's dQ and dK
-// sums there when they fit; see plan_with_accumulators).
+// sums there when they fit; see plan_backward).
 BackwardLaunches backward_launches(const Dims& d, bool tensor_cores, size_t shared_limit);
 void run_backward(const BackwardLaunches& launches, bool tensor_cores, bool psiv_cache,
                   const Dims& d, const DevInputs& in, const Work& w, const bf16* dy,
