@@ -8,10 +8,11 @@
 namespace megacpp::cuda::scan_detail {
 namespace {
 
-// d_o = dy ⊙ silu(z ⊙ mimo_z) ⊙ mimo_o, rows (i, r), fp32.
+// d_o = dy ⊙ silu(z ⊙ mimo_z) ⊙ mimo_o, rows (i, r), fp32. With z_dy, also the chunk's z and
+// dy as loaded (bf16 [C][P] each, z then dy; zeros for padded tokens), for the epilogue.
 template <class D>
 __device__ void load_d_o(const D& d, const DevInputs& in, const bf16* dy, const ChunkPos& pos,
-                         float* dst, int ld) {
+                         float* dst, int ld, bf16* z_dy = nullptr) {
   const int P = d.headdim, R = d.rank;
   struct Loaded {
     bf16 z, mimo_z, dy, mimo_o;
@@ -35,6 +36,11 @@ __device__ void load_d_o(const D& d, const DevInputs& in, const bf16* dy, const 
         // Padded tokens loaded zeros: gate 0, value 0.
         const float gate = to_f(loaded.z) * to_f(loaded.mimo_z);
         dst[row * ld + p] = to_f(loaded.dy) * gate * sigmoidf(gate) * to_f(loaded.mimo_o);
+        if (z_dy != nullptr && d.by_rank.mod(row) == 0) {
+          const int at = d.by_rank.div(row) * P + p;
+          z_dy[at] = loaded.z;
+          z_dy[d.chunk * P + at] = loaded.dy;
+        }
       });
 }
 
@@ -207,15 +213,23 @@ __global__ void __launch_bounds__(kBackwardThreads)
   const SmemStrides ld = strides_of<D>(plan);
   const int ld_qk = ld.qk, ld_pv = ld.pv, ld_state = ld.state;
   const int ld_mm = ld.mm, ld_mp = ld.mp, ld_mn = ld.mn, ld_sw = ld.sw;
-  // The fp32 state element (p, n) and, when split, its hi + lo pair (split_bf16's).
+  // State element (p, n): split, its hi + lo pair (split_bf16's), which is all the products read;
+  // else the fp32 value.
   const auto set_state = [&](int p, int n, float value) {
-    state[p * ld_state + n] = value;
     if (split) {
       const bf16 hi = __float2bfloat16(value);
       state_hi[p * ld_split + n] = hi;
       state_lo[p * ld_split + n] = __float2bfloat16(value - to_f(hi));
+    } else {
+      state[p * ld_state + n] = value;
     }
   };
+  // Split, the fp32 state's space is free from the head's start until E's reload for the
+  // exit-state product: it holds the chunk's z and dy for the epilogue when they fit.
+  bf16* z_dy = split && C <= ld_state ? reinterpret_cast<bf16*>(state) : nullptr;
+  // The chunk's v for mimo_x's partial, in the scores' space (dead by then) when it fits.
+  bf16* v_tokens =
+      C * P * sizeof(bf16) <= M * ld_mm * sizeof(float) ? reinterpret_cast<bf16*>(scores) : nullptr;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   const ChunkPos group_pos = chunk_pos(d, blockIdx.y, true, blockIdx.x);
   const size_t slot = static_cast<size_t>(group_pos.b) * d.chunks + group_pos.c;
@@ -240,7 +254,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
     load_rotated(d, in.q, in.q_bias, pos, cosv, sinv, q_rot, ld_qk);
     load_rotated(d, in.k, in.k_bias, pos, cosv, sinv, k_rot, ld_qk);
     load_psiv(d, in, pos, w.psiv, read_psiv, false, psiv, ld_pv);
-    load_d_o(d, in, dy, pos, d_o, ld_mp);
+    load_d_o(d, in, dy, pos, d_o, ld_mp, z_dy);
     for_each_state_element(d, w.states + bhc * matrix, set_state);
     fill_weights(d, sc, weights);
     for (int idx = threadIdx.x; idx < C * A; idx += blockDim.x) d_theta[idx] = 0.f;
@@ -309,10 +323,16 @@ __global__ void __launch_bounds__(kBackwardThreads)
     __syncthreads();
 
     // Epilogue backward (gating, mimo_o, mimo_z, D) now that o is complete.
+    // z and dy of token i, element p: from z_dy, or global memory.
+    const auto z_and_dy = [&](int i, int p, size_t th) {
+      return z_dy != nullptr ? make_float2(to_f(z_dy[i * P + p]), to_f(z_dy[(C + i) * P + p]))
+                             : make_float2(to_f(in.z[th * P + p]), to_f(dy[th * P + p]));
+    };
     for (int idx = threadIdx.x; idx < pos.len * P; idx += blockDim.x) {
       const int i = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
       const size_t th = token_head(d, pos.b, pos.t0 + i, h);
-      const float z = to_f(in.z[th * P + p]), g_out = to_f(dy[th * P + p]);
+      const float2 zg = z_and_dy(i, p, th);
+      const float z = zg.x, g_out = zg.y;
       float dz = 0.f;
       for (int r = 0; r < R; ++r) {
         const size_t wr = (static_cast<size_t>(h) * R + r) * P + p;
@@ -328,8 +348,8 @@ __global__ void __launch_bounds__(kBackwardThreads)
         [&](int i, int item, float* acc) {
           const int r = d.by_headdim.div(item), p = d.by_headdim.mod(item);
           const size_t wr = (static_cast<size_t>(h) * R + r) * P + p;
-          const size_t th = token_head(d, pos.b, pos.t0 + i, h);
-          const float z = to_f(in.z[th * P + p]), g_out = to_f(dy[th * P + p]);
+          const float2 zg = z_and_dy(i, p, token_head(d, pos.b, pos.t0 + i, h));
+          const float z = zg.x, g_out = zg.y;
           const float mz = to_f(in.mimo_z[wr]), mo = to_f(in.mimo_o[wr]);
           const float o_ir = o[(i * R + r) * ld_mp + p];
           const float gate = z * mz, sg = sigmoidf(gate);
@@ -495,13 +515,17 @@ __global__ void __launch_bounds__(kBackwardThreads)
         dx += d_psiv[(i * R + r) * ld_mp + p] *
               to_f(in.mimo_x[(static_cast<size_t>(h) * R + r) * P + p]);
       grads.v[th * P + p] = __float2bfloat16(dx);
+      if (v_tokens != nullptr) v_tokens[idx] = in.v[th * P + p];
     }
+    __syncthreads();
     token_sums<1>(
         R * P, pos.len,
         [&](int i, int item, float* acc) {
           const int r = d.by_headdim.div(item), p = d.by_headdim.mod(item);
-          const size_t th = token_head(d, pos.b, pos.t0 + i, h);
-          acc[0] += d_psiv[(i * R + r) * ld_mp + p] * to_f(in.v[th * P + p]);
+          const float v = v_tokens != nullptr
+                              ? to_f(v_tokens[i * P + p])
+                              : to_f(in.v[token_head(d, pos.b, pos.t0 + i, h) * P + p]);
+          acc[0] += d_psiv[(i * R + r) * ld_mp + p] * v;
         },
         [&](int item, const float* acc) { mx_partial[item] = acc[0]; });
     // Per-token coefficient gradients; dL/dADT_u = Σ_{i ≥ u} dL/dl_i inside the chunk.
