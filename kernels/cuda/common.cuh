@@ -271,10 +271,10 @@ static __device__ __forceinline__ void smem_mma(int m, int n, int k, const bf16*
 }
 
 // smem_mma with near-fp32 operands held in shared memory as hi + lo bf16 pairs (split_bf16's):
-// B always split (b_hi, b_lo), A split when kSplitA (a_hi, a_lo; else a_hi alone). The same tiles,
-// k order and per-k order of products (hi·hi, hi·lo, then lo·hi) as block_mma_split, so the same
+// A split when kSplitA (a_hi, a_lo; else a_hi alone), B likewise when kSplitB. The same tiles, k
+// order and per-k order of products (hi·hi, hi·lo, then lo·hi) as block_mma_split, so the same
 // bits for the same pairs; every fragment by one ldmatrix.
-template <bool kATrans, bool kBTrans, bool kSplitA, class FOut>
+template <bool kATrans, bool kBTrans, bool kSplitA, bool kSplitB = true, class FOut>
 static __device__ __forceinline__ void smem_mma_split(int m, int n, int k, const bf16* a_hi,
                                                       const bf16* a_lo, int lda, const bf16* b_hi,
                                                       const bf16* b_lo, int ldb, FOut out) {
@@ -299,12 +299,12 @@ static __device__ __forceinline__ void smem_mma_split(int m, int n, int k, const
       ldmatrix_x4<kATrans>(af_hi, a_hi + a_at);
       if constexpr (kSplitA) ldmatrix_x4<kATrans>(af_lo, a_lo + a_at);
       ldmatrix_x4<kBTrans>(bf_hi, b_hi + b_at);
-      ldmatrix_x4<kBTrans>(bf_lo, b_lo + b_at);
+      if constexpr (kSplitB) ldmatrix_x4<kBTrans>(bf_lo, b_lo + b_at);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         float* c = acc[half];
         mma_bf16_16816(c, af_hi, bf_hi[2 * half], bf_hi[2 * half + 1]);
-        mma_bf16_16816(c, af_hi, bf_lo[2 * half], bf_lo[2 * half + 1]);
+        if constexpr (kSplitB) mma_bf16_16816(c, af_hi, bf_lo[2 * half], bf_lo[2 * half + 1]);
         if constexpr (kSplitA) mma_bf16_16816(c, af_lo, bf_hi[2 * half], bf_hi[2 * half + 1]);
       }
     }

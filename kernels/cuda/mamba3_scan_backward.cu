@@ -63,13 +63,32 @@ __global__ void chunk_dstate_kernel(D d, SmemPlan plan, DevInputs in, Work w, co
   const int N = d.state, P = d.headdim, C = d.chunk;
   const size_t bhc = (static_cast<size_t>(pos.b) * d.heads + pos.h) * d.chunks + pos.c;
   float* out = w.gstates + bhc * P * N;
-  state_gemm<kTensor, true, false>(
-      P, N, d.rows,
-      [&](int p, int row) {
-        return d_o[row * ld_mp + p] * sc[kEntryDecay * C + d.by_rank.div(row)];
-      },
-      [&](int row, int n) { return to_f(q_rot[row * ld_qk + n]); },
-      [&](int p, int n, float value) { out[p * N + n] = value; });
+  const auto store = [&](int p, int n, float value) {
+    out[p * N + n] = value;
+  };
+  if constexpr (kTensor) {
+    // e^{l} d_o as hi + lo pairs.
+    const int ld_pv = ld.pv;
+    bf16* scaled_hi = reinterpret_cast<bf16*>(smem + plan.split_hi);
+    bf16* scaled_lo = reinterpret_cast<bf16*>(smem + plan.split_lo);
+    for (int idx = threadIdx.x; idx < d.rows * P; idx += blockDim.x) {
+      const int row = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
+      const float value = d_o[row * ld_mp + p] * sc[kEntryDecay * C + d.by_rank.div(row)];
+      const bf16 hi = __float2bfloat16(value);
+      scaled_hi[row * ld_pv + p] = hi;
+      scaled_lo[row * ld_pv + p] = __float2bfloat16(value - to_f(hi));
+    }
+    __syncthreads();
+    smem_mma_split<true, true, true, false>(P, N, d.rows, scaled_hi, scaled_lo, ld_pv, q_rot,
+                                            nullptr, ld_qk, store);
+  } else {
+    state_gemm<kTensor, true, false>(
+        P, N, d.rows,
+        [&](int p, int row) {
+          return d_o[row * ld_mp + p] * sc[kEntryDecay * C + d.by_rank.div(row)];
+        },
+        [&](int row, int n) { return to_f(q_rot[row * ld_qk + n]); }, store);
+  }
 }
 
 // G_c = H_c + a_c G_{c+1}, walked from the last chunk; stores G_{c+1} (the gradient of

@@ -12,6 +12,7 @@
 // DT_{j+1}, W_ij = e^{l_i − l_j} κ_j (j < i), γ_i (j = i), exit scale e^{l_last − l_j} κ_j.
 // Every exponential is e^{Λ_a − Λ_b} for two tokens a ≥ b of one chunk (or the token before it),
 // so the gradient of ADT only needs chunk-local suffix sums of dL/dl.
+#include <algorithm>
 #include <cstddef>
 
 #include "kernels/cuda/common.cuh"
@@ -111,6 +112,9 @@ struct SmemPlan {
   size_t state_hi = 0;         // bf16 [P][N]: the state (E, later dS) split hi + lo once, the
   size_t state_lo = 0;         //   products' ldmatrix operands; 0 when not (see plan_backward)
   size_t d_out_lo = 0;         // bf16 [rows][P]: d_out − bf16(d_out), beside d_out_bf16
+  size_t split_hi = 0;         // bf16, the forward kernels' and chunk_dstate's one fp32 operand
+  size_t split_lo = 0;         //   as hi + lo: chunk_state and chunk_dstate [rows][P] (ld_pv),
+                               //   chunk_output the entry state [P][N] (ld_split, in `state`)
   size_t total = 0;
   // Row strides (elements) of the matrices above. Rows are padded so that the access patterns
   // of the products (mma fragments: eight rows × four column pairs per warp; the fp32 tiles:
@@ -123,7 +127,7 @@ struct SmemPlan {
   int ld_mp = 0;     // out, d_out, d_psiv (fp32): P + 4
   int ld_mn = 0;     // d_qk (fp32): N + 4
   int ld_sw = 0;     // weighted_scores (bf16): rows + 8
-  int ld_split = 0;  // state_hi, state_lo (bf16): N + 8
+  int ld_split = 0;  // state_hi, state_lo, chunk_output's split_hi, split_lo (bf16): N + 8
 };
 
 enum ScanKernel { kStateKernel, kOutputKernel, kDStateKernel, kBackwardKernel };
@@ -175,8 +179,13 @@ inline SmemPlan plan_for(const Dims& d, ScanKernel kernel) {
   if (kernel != kStateKernel) p.q_rotated = take(m * ld_qk * sizeof(bf16));
   if (kernel != kDStateKernel) p.k_rotated = take(m * ld_qk * sizeof(bf16));
   if (kernel != kDStateKernel) p.psiv = take(m * ld_pv * sizeof(bf16));
+  const size_t split_state = 2 * hp * static_cast<size_t>(d.state + 8) * sizeof(bf16);
   if (kernel == kOutputKernel || backward) {
-    p.state = take(hp * ld_state * sizeof(float));
+    // chunk_output's entry state is fp32 on the CUDA cores, a hi + lo pair on the tensor cores:
+    // one space for either (a second space took chunk_output from two blocks per SM to one at
+    // the SISO shape, measured).
+    const size_t fp32_state = hp * ld_state * sizeof(float);
+    p.state = take(kernel == kOutputKernel ? std::max(fp32_state, split_state) : fp32_state);
     if (backward) {
       p.scores = take(m * ld_mm * sizeof(float));
       // d_scores right after scores: d_qk takes both once they are dead.
@@ -187,6 +196,18 @@ inline SmemPlan plan_for(const Dims& d, ScanKernel kernel) {
     p.weighted_scores = take(m * ld_sw * sizeof(bf16));
   }
   if (kernel == kDStateKernel || backward) p.d_out = take(m * ld_mp * sizeof(float));
+  // The forward kernels' and chunk_dstate's products with near-fp32 operands take them as hi + lo
+  // bf16 pairs made once (smem_mma_split) on the tensor cores; chunk_state makes its hi part in
+  // PsiV's place.
+  p.ld_split = d.state + 8;
+  if (kernel == kDStateKernel) p.split_hi = take(m * ld_pv * sizeof(bf16));
+  if (kernel == kStateKernel || kernel == kDStateKernel) {
+    p.split_lo = take(m * ld_pv * sizeof(bf16));
+  }
+  if (kernel == kOutputKernel) {
+    p.split_hi = p.state;
+    p.split_lo = p.state + split_state / 2;
+  }
   if (backward) {
     // d_token_weights lives in out's space (o is dead between the epilogue and K dSᵀ) when it
     // fits.

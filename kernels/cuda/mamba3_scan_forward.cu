@@ -52,13 +52,30 @@ __global__ void chunk_state_kernel(D d, SmemPlan plan, DevInputs in, Work w, boo
   // The state products keep (near) fp32 precision in both variants: the angle gradient is a
   // long suffix sum of terms that cancel only when the state is formed and used without bf16
   // rounding (see the note at chunk_backward_kernel).
-  state_gemm<kTensor, true, false>(
-      P, N, d.rows,
-      [&](int p, int row) {
-        return to_f(psiv[row * ld_pv + p]) * sc[kExitScale * C + d.by_rank.div(row)];
-      },
-      [&](int row, int n) { return to_f(k_rot[row * ld_qk + n]); },
-      [&](int p, int n, float value) { out[p * N + n] = value; });
+  const auto store = [&](int p, int n, float value) {
+    out[p * N + n] = value;
+  };
+  if constexpr (kTensor) {
+    // The scaled PsiV as hi + lo pairs, the hi part in PsiV's place.
+    bf16* scaled_lo = reinterpret_cast<bf16*>(smem + plan.split_lo);
+    for (int idx = threadIdx.x; idx < d.rows * P; idx += blockDim.x) {
+      const int row = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
+      const float value = to_f(psiv[row * ld_pv + p]) * sc[kExitScale * C + d.by_rank.div(row)];
+      const bf16 hi = __float2bfloat16(value);
+      psiv[row * ld_pv + p] = hi;
+      scaled_lo[row * ld_pv + p] = __float2bfloat16(value - to_f(hi));
+    }
+    __syncthreads();
+    smem_mma_split<true, true, true, false>(P, N, d.rows, psiv, scaled_lo, ld_pv, k_rot, nullptr,
+                                            ld_qk, store);
+  } else {
+    state_gemm<kTensor, true, false>(
+        P, N, d.rows,
+        [&](int p, int row) {
+          return to_f(psiv[row * ld_pv + p]) * sc[kExitScale * C + d.by_rank.div(row)];
+        },
+        [&](int row, int n) { return to_f(k_rot[row * ld_qk + n]); }, store);
+  }
   if (threadIdx.x == 0) w.decay[bhc] = sc[kEntryDecay * C + (pos.len - 1)];
 }
 
@@ -123,7 +140,19 @@ __global__ void __launch_bounds__(kOutputThreads)
   load_rotated(d, in.q, in.q_bias, pos, cosv, sinv, q_rot, ld_qk);
   load_rotated(d, in.k, in.k_bias, pos, cosv, sinv, k_rot, ld_qk);
   load_psiv(d, in, pos, w.psiv, read_psiv, false, psiv, ld_pv);
-  load_state(d, w.states + bhc * P * N, entry, ld_state);
+  // The entry state: as hi + lo pairs for the tensor-core product, else fp32.
+  bf16* entry_hi = reinterpret_cast<bf16*>(smem + plan.split_hi);
+  bf16* entry_lo = reinterpret_cast<bf16*>(smem + plan.split_lo);
+  const int ld_split = plan.ld_split;
+  for_each_state_element(d, w.states + bhc * P * N, [&](int p, int n, float value) {
+    if constexpr (kTensor) {
+      const bf16 hi = __float2bfloat16(value);
+      entry_hi[p * ld_split + n] = hi;
+      entry_lo[p * ld_split + n] = __float2bfloat16(value - to_f(hi));
+    } else {
+      entry[p * ld_state + n] = value;
+    }
+  });
   fill_weights(d, sc, weights);
   __syncthreads();
   const int ld_sw = ld.sw;
@@ -132,12 +161,17 @@ __global__ void __launch_bounds__(kOutputThreads)
         weighted[i * ld_sw + j] =
             __float2bfloat16(value * weights[d.by_rank.div(i) * C + d.by_rank.div(j)]);
       });
-  state_gemm<kTensor, false, true>(
-      M, P, N, [&](int i, int n) { return to_f(q_rot[i * ld_qk + n]); },
-      [&](int n, int p) { return entry[p * ld_state + n]; },
-      [&](int i, int p, float value) {
-        o[i * ld_mp + p] = value * sc[kEntryDecay * C + d.by_rank.div(i)];
-      });
+  const auto decayed = [&](int i, int p, float value) {
+    o[i * ld_mp + p] = value * sc[kEntryDecay * C + d.by_rank.div(i)];
+  };
+  if constexpr (kTensor) {
+    smem_mma_split<false, false, false>(M, P, N, q_rot, nullptr, ld_qk, entry_hi, entry_lo,
+                                        ld_split, decayed);
+  } else {
+    state_gemm<kTensor, false, true>(
+        M, P, N, [&](int i, int n) { return to_f(q_rot[i * ld_qk + n]); },
+        [&](int n, int p) { return entry[p * ld_state + n]; }, decayed);
+  }
   __syncthreads();
   const float skip = to_f(in.d[pos.h]);
   bf16_gemm<kTensor, false, true>(M, P, M, weighted, ld_sw, psiv, ld_pv,
