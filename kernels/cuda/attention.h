@@ -16,13 +16,15 @@
 // (q_heads + 2·kv_heads)·head_dim: pass that width as both strides and offset the pointers.
 //
 // Flash-attention-2 style: no [seqlen, seqlen] matrix is ever stored. Blocks of 4 warps, each warp
-// owning 16 rows; the products run on the tensor cores (mma.sync m16n8k16, bf16 operands, fp32
-// accumulation; the accumulator layout is the PTX-documented one, so the softmax works on the
-// products in registers). Needs compute capability 8.0 or newer. head_dim a multiple of 16 (the
-// depth of one mma) in [16, 128], each with its own instantiation of the kernels; others are
-// refused.
-//   forward   one block per (batch, q head, tile of 64 query rows), walking the key tiles up to
-//             the diagonal with an online max and sum; saves lse.
+// owning tiles of 16 rows; the products run on the tensor cores (mma.sync m16n8k16, bf16 operands,
+// fp32 accumulation; the accumulator layout is the PTX-documented one, so the softmax works on the
+// products in registers), their operands fetched from shared memory by ldmatrix, and the next
+// tile's copy into shared memory runs asynchronously (cp.async) while the current one is computed
+// on. Needs compute capability 8.0 or newer. head_dim a multiple of 16 (the depth of one mma) in
+// [16, 128], each with its own instantiation of the kernels; others are refused.
+//   forward   one block per (batch, q head, tile of query rows: 128, two tiles a warp, up to
+//             head_dim 64; 64 above), walking the key tiles up to the diagonal with an online max
+//             and sum; saves lse.
 //   backward  first D = rowsum(dout ⊙ out) (fp32, into the workspace); then one block per
 //             (batch, kv head, tile of 64 keys) that walks the group's q heads and the query
 //             tiles at or after its keys in a fixed order, holding dK and dV in registers; then

@@ -133,9 +133,10 @@ class Mamba3ScanCuda {
 std::vector<KernelAttributes> kernel_attributes(const ops::ScanShape& shape,
                                                 bool tensor_cores = true);
 
-// Dynamic shared memory (bytes) per block of the largest kernel for `shape` (no device
-// needed). The constructor refuses a shape when this exceeds the device's opt-in limit per
-// block (232448 bytes on Hopper).
+// Dynamic shared memory (bytes) per block that the largest kernel for `shape` cannot do without
+// (no device needed). The constructor refuses a shape when this exceeds the device's opt-in limit
+// per block (232448 bytes on Hopper); where the device has room beyond it, chunk_backward takes
+// more (split state operands, the group's dQ/dK sums), which changes speed, not results.
 size_t scan_shared_bytes_needed(const ops::ScanShape& shape);
 
 }  // namespace megacpp::cuda
