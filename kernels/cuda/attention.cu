@@ -12,6 +12,7 @@
 // row's max and sum need only the 4 lanes of one quad (shuffles 1 and 2).
 //
 // Softmax in base 2: x = scale·log2(e)·(q·k), p = 2^(x − m); lse is stored in natural log.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -25,7 +26,9 @@ using detail::refuse;
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int kTile = kWarps * 16;  // query rows (forward, dQ) or keys (dK/dV) of a block
+// Rows of a key tile, of a dQ block's query tile and of a dK/dV block's key tile: 16 a warp. (A
+// forward block's query tile is kR of them.)
+constexpr int kTile = kWarps * 16;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr unsigned kFull = 0xffffffffu;
@@ -386,7 +389,10 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // Block (tile, h, b): dQ of query rows [tile·64, tile·64 + 64) of q head h. Dynamic shared
-// memory: Q and dO tiles, then two stages of (K, V) tiles, [64][D + 8] bf16 each.
+// memory: Q and dO tiles, then two stages of (K, V) tiles, [64][D + 8] bf16 each. (At D = 128 the
+// six tiles pass the 99 KiB a block may have on compute capability 8.6 and 8.9, where the
+// constructor refuses that head_dim; the Q and dO tiles could be the second stage once every
+// warp holds its rows of them.)
 template <int D>
 __global__ void __launch_bounds__(kThreads) dq_kernel(Params p) {
   constexpr int kLd = D + 8, kTileSize = kTile * kLd;
@@ -479,7 +485,9 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(Params p) {
 // Dynamic shared memory: K, V tiles [64][D + 8], then two stages of (Q, dO tiles [kRows][D + 8]
 // bf16, the query tile's lse·log2(e) and delta fp32 [kRows] each): the next query tile's copy
 // runs while the current one is computed on.
-// Up to D = 64, three blocks per SM (at most 170 registers a thread, against 176 unbounded).
+// Up to D = 64, three blocks per SM on an H100 (at most 168 registers a thread, against 176
+// unbounded; measured: backward 17.9 -> 16.4 ms at A-ref). Devices with less shared memory per SM
+// (A100: 164 KiB, two of these blocks) get the register cap without the third block.
 template <int D, int kRows>
 __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 1) dkdv_kernel(Params p) {
   constexpr int kLd = D + 8;
@@ -546,7 +554,9 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 1) dkdv_kernel(Params 
     const int q0 = (first_tile + step % tiles_per_head) * kRows;
     // Only query tiles that overlap the block's keys or run past seqlen hold masked pairs.
     const bool masked = q0 < key0 + kTile || q0 + kRows > seqlen;
-    // Pᵀ [16 keys, kRows queries] = K Qᵀ, then the probabilities.
+    // Pᵀ [16 keys, kRows queries] = K Qᵀ, then the probabilities. The warp's K and V fragments
+    // are fetched again every step: held across steps they would not fit beside dK, dV and the
+    // scores under the register cap above.
     float pt[kRows / 8][4] = {};
     {
       uint32_t kf[D / 16][4];
@@ -607,17 +617,17 @@ struct Kernels {
   int forward_rows;  // query rows of a forward block
 };
 
-template <int D, int kRows, int kForwardTiles>
+template <int D, int kDkdvRows, int kForwardTiles>
 Kernels kernels_for() {
   const size_t tile_bytes = static_cast<size_t>(D + 8) * sizeof(uint16_t);
   // Forward: Q and two stages of K, V. dQ: Q, dO and two stages of K, V. dK/dV: K, V and two
   // stages of Q, dO, lse, delta.
   return {forward_kernel<D, kForwardTiles>,
           dq_kernel<D>,
-          dkdv_kernel<D, kRows>,
+          dkdv_kernel<D, kDkdvRows>,
           (kForwardTiles + 4) * kTile * tile_bytes,
           6 * kTile * tile_bytes,
-          2 * kTile * tile_bytes + 2 * (2 * kRows * tile_bytes + 2 * kRows * sizeof(float)),
+          2 * kTile * tile_bytes + 2 * (2 * kDkdvRows * tile_bytes + 2 * kDkdvRows * sizeof(float)),
           kForwardTiles * kTile};
 }
 
@@ -727,8 +737,19 @@ CausalAttentionCuda::CausalAttentionCuda(const AttentionShape& shape, void* work
            "{}.x",
            device_, major);
   }
-  // Above 48 KiB a kernel's dynamic shared memory must be allowed explicitly.
+  // Above 48 KiB a kernel's dynamic shared memory must be allowed explicitly; past the device's
+  // limit per block it cannot be.
   const Kernels k = kernels_of(shape.head_dim);
+  int shared_limit = 0;
+  MEGACPP_CUDA_CHECK(
+      cudaDeviceGetAttribute(&shared_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device_));
+  const size_t most = std::max({k.forward_smem, k.dq_smem, k.dkdv_smem});
+  if (most > static_cast<size_t>(shared_limit)) {
+    refuse(ErrorKind::kFailedPrecondition,
+           "CausalAttentionCuda: head_dim={} needs {} bytes of shared memory per block; device {} "
+           "allows {}",
+           shape.head_dim, most, device_, shared_limit);
+  }
   MEGACPP_CUDA_CHECK(cudaFuncSetAttribute(kernel_address(k.forward),
                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           static_cast<int>(k.forward_smem)));

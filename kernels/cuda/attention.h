@@ -54,7 +54,9 @@ class CausalAttentionCuda {
   // Validates the shape (kInvalidArgument naming the field otherwise) and takes `workspace`,
   // workspace_bytes(shape) bytes of device memory that stays the op's while it lives (forward()
   // does not use it: a forward-only user may pass null and 0). Refuses a device below compute
-  // capability 8.0 (kFailedPrecondition).
+  // capability 8.0, and one whose shared memory per block is less than the kernels of this
+  // head_dim need (head_dim 128 needs about 102 KiB: not on compute capability 8.6 and 8.9)
+  // (kFailedPrecondition).
   CausalAttentionCuda(const AttentionShape& shape, void* workspace, size_t bytes);
 
   // out and lse as in the layouts above; lse is what backward() needs besides the inputs.

@@ -87,10 +87,10 @@ class Mamba3ScanCuda {
   // on the tensor cores (bf16 operands, fp32 accumulation; the products with the fp32 state
   // take their fp32 operands as split hi + lo bf16 pairs); off, on CUDA cores in fp32
   // (operands held in shared memory as bf16 either way).
-  // backward_workspace: null, or backward_workspace_bytes(shape) bytes of device memory for
-  // backward()'s temporaries, which scans whose backwards run one after another on one stream
-  // (a model's layers) may share; the scan then allocates only what forward() keeps for
-  // backward() (the chunk-entry states and decays, PsiV).
+  // backward_workspace: null, or backward_workspace_bytes(shape) bytes of 16-byte aligned device
+  // memory (refused otherwise) for backward()'s temporaries, which scans whose backwards run one
+  // after another on one stream (a model's layers) may share; the scan then allocates only what
+  // forward() keeps for backward() (the chunk-entry states and decays, PsiV).
   explicit Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache = false,
                           bool tensor_cores = true, void* backward_workspace = nullptr,
                           size_t backward_bytes = 0);

@@ -161,7 +161,8 @@ __device__ void finish_qk_grad(const D& d, const ChunkPos& pos, bool first_head,
   if (smem_acc != nullptr) {
     for (int idx = threadIdx.x; idx < pos.len * R * N; idx += blockDim.x) {
       const float here = d_qk[d.by_state.div(idx) * ld_d_qk + d.by_state.mod(idx)];
-      smem_acc[idx] = first_head ? here : smem_acc[idx] + here;
+      // As the workspace's sum: the first head's term added to zero (−0 becomes +0 either way).
+      smem_acc[idx] = (first_head ? 0.f : smem_acc[idx]) + here;
     }
     __syncthreads();
     return;
@@ -246,7 +247,9 @@ __global__ void __launch_bounds__(kBackwardThreads)
   // Split, the fp32 state's space is free from the head's start until E's reload for the
   // exit-state product: it holds the chunk's z and dy for the epilogue when they fit.
   bf16* z_dy = split && C <= ld_state ? reinterpret_cast<bf16*>(state) : nullptr;
-  // The chunk's v for mimo_x's partial, in the scores' space (dead by then) when it fits.
+  // The chunk's v for mimo_x's partial, in the scores' space when it fits: written only after
+  // finish_qk_grad for k has passed its last barrier, when neither the scores nor d_qk (which may
+  // share that space) are read again for the head.
   bf16* v_tokens =
       C * P * sizeof(bf16) <= M * ld_mm * sizeof(float) ? reinterpret_cast<bf16*>(scores) : nullptr;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;

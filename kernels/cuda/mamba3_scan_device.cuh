@@ -93,7 +93,9 @@ struct SmemPlan {
   size_t k_rotated = 0;        // bf16 [rows][N]: k + k_bias, rotated
   size_t psiv = 0;             // bf16 [rows][P]: v ⊙ mimo_x
   size_t state = 0;            // fp32 [P][N]: the chunk's entry state E; in the backward later
-                               //   dL/d(exit state)
+                               //   dL/d(exit state). chunk_output on the tensor cores holds E's
+                               //   hi + lo pairs here instead; chunk_backward with the split
+                               //   state holds z and dy here until E's reload, and never dS
   size_t scores = 0;           // fp32 [rows][rows]: Q Kᵀ (backward)
   size_t d_scores = 0;         // fp32 [rows][rows]: dL/d(Q Kᵀ ⊙ W), then ⊙ W (= dL/d(Q Kᵀ))
   size_t token_weights = 0;    // fp32 [C][C]: W
@@ -113,8 +115,10 @@ struct SmemPlan {
   size_t state_lo = 0;         //   products' ldmatrix operands; 0 when not (see plan_backward)
   size_t d_out_lo = 0;         // bf16 [rows][P]: d_out − bf16(d_out), beside d_out_bf16
   size_t split_hi = 0;         // bf16, the forward kernels' and chunk_dstate's one fp32 operand
-  size_t split_lo = 0;         //   as hi + lo: chunk_state and chunk_dstate [rows][P] (ld_pv),
-                               //   chunk_output the entry state [P][N] (ld_split, in `state`)
+  size_t split_lo = 0;         //   as hi + lo: chunk_dstate's e^l dO [rows][P] (ld_pv); chunk_state
+                               //   its scaled PsiV's lo part (the hi part in PsiV's place, so no
+                               //   split_hi); chunk_output the entry state [P][N] (ld_split, in
+                               //   `state`)
   size_t total = 0;
   // Row strides (elements) of the matrices above. Rows are padded so that the access patterns
   // of the products (mma fragments: eight rows × four column pairs per warp; the fp32 tiles:
@@ -280,8 +284,8 @@ struct Work {
   float* states;      // [B, H, chunks, P, N] chunk-local exit part, then entry states
   float* decay;       // [B, H, chunks] e^{l_last}
   float* gstates;     // [B, H, chunks, P, N] dL/d(entry), then dL/d(exit state)
-  float* dq_acc;      // [B, L, R, G, N] summed over the group's heads
-  float* dk_acc;      // [B, L, R, G, N]
+  float* dq_acc;      // [B, L, R, G, N] summed over the group's heads, unless chunk_backward's
+  float* dk_acc;      //   plan keeps the sums in shared memory (then unused, still allocated)
   float* dtheta;      // [B, H, L, A] dL/dθ_t, then its suffix sum over t
   float* dtheta_tot;  // [B, H, chunks, A] per chunk, then the sum over later chunks
   float* tok_dadt;    // [B, L, H]
@@ -438,9 +442,9 @@ static __device__ __forceinline__ void warp_scan(int count, bool reverse, bool e
 }
 
 // Per-token scalars and rotation cos/sin of head pos.h for the chunk. Padded tokens
-// (i ≥ len) get zero coefficients, so they contribute nothing anywhere. Only the two prefix
-// sums (l over tokens, θ over tokens per rotation pair) run serially; every load, exponential
-// and sincos runs on all threads.
+// (i ≥ len) get zero coefficients, so they contribute nothing anywhere. The two prefix sums (l
+// over tokens, θ over tokens per rotation pair) are a warp's scan each (warp_scan); every load,
+// exponential and sincos runs on all threads.
 template <class D>
 static __device__ void load_scalars(const D& d, const DevInputs& in, const Work& w,
                                     const ChunkPos& pos, float* sc, float* cosv, float* sinv) {
@@ -624,7 +628,8 @@ static __device__ __forceinline__ SmemStrides strides_of(const SmemPlan& plan) {
 
 // For each element (p, n) of a [P][N] fp32 state in global memory, at(p, n, value). Fixed shapes
 // load four elements of a row at once (N % 4 == 0, and each state starts 16-byte aligned: the
-// workspace parts are 256-byte aligned and a state is P·N floats), so a thread's elements of a
+// workspace parts are multiples of 256 bytes from a base that is 16-byte aligned, checked by the
+// constructor, and a state is P·N floats), so a thread's elements of a
 // 64 × 64 state arrive in one batch of loads rather than two.
 template <class D, class At>
 static __device__ __forceinline__ void for_each_state_element(const D& d, const float* src, At at) {

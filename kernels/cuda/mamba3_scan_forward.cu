@@ -81,7 +81,8 @@ __global__ void chunk_state_kernel(D d, SmemPlan plan, DevInputs in, Work w, boo
 
 // Entry states: E_0 = 0, E_{c+1} = a_c E_c + F_c, in place over the F_c buffer. A thread owns
 // four neighbouring elements of the [P][N] state (P·N is a multiple of 4 and every state starts
-// 16-byte aligned: the workspace parts are 256-byte aligned and a state is P·N floats).
+// 16-byte aligned: the workspace parts are multiples of 256 bytes from a base that is 16-byte
+// aligned, checked by the constructor, and a state is P·N floats).
 __global__ void state_pass_kernel(Dims d, Work w) {
   const size_t quads = static_cast<size_t>(d.headdim) * d.state / 4;
   const size_t quad = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
