@@ -135,6 +135,29 @@ static __device__ __forceinline__ void split_bf16(F x0, F x1, uint32_t& hi, uint
   lo = *reinterpret_cast<const uint32_t*>(&low);
 }
 
+// x as split_bf16's pair: its hi part to hi[at], its lo part to lo[at].
+static __device__ __forceinline__ void store_split(float x, bf16* hi, bf16* lo, int at) {
+  const bf16 high = __float2bfloat16(x);
+  hi[at] = high;
+  lo[at] = __float2bfloat16(x - __bfloat162float(high));
+}
+
+// The 16×16 output tile at (i0, j0) that a warp holds as two mma C fragments (columns j0 … j0 + 7
+// in acc[0], j0 + 8 … j0 + 15 in acc[1]), element by element to out(i, j, value); g = lane / 4,
+// t = lane % 4.
+template <class FOut>
+static __device__ __forceinline__ void store_tile(const float (&acc)[2][4], int i0, int j0, int g,
+                                                  int t, FOut out) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int col = j0 + half * 8 + 2 * t;
+    out(i0 + g, col, acc[half][0]);
+    out(i0 + g, col + 1, acc[half][1]);
+    out(i0 + g + 8, col, acc[half][2]);
+    out(i0 + g + 8, col + 1, acc[half][3]);
+  }
+}
+
 // A template for the same reason as pack_bf16.
 template <typename F = float>
 static __device__ __forceinline__ void mma_bf16_16816(F* c, const uint32_t* a, uint32_t b0,
@@ -188,14 +211,7 @@ static __device__ __forceinline__ void block_mma_split(int m, int n, int k, FA a
         if constexpr (kSplitA) mma_bf16_16816(c, a_lo, b0_hi, b1_hi);
       }
     }
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int col = j0 + half * 8 + 2 * t;
-      out(i0 + g, col, acc[half][0]);
-      out(i0 + g, col + 1, acc[half][1]);
-      out(i0 + g + 8, col, acc[half][2]);
-      out(i0 + g + 8, col + 1, acc[half][3]);
-    }
+    store_tile(acc, i0, j0, g, t, out);
   }
 #else
   block_gemm(m, n, k, a, b, out);
@@ -222,55 +238,8 @@ static __device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const bf16* row)
 #endif
 }
 
-// C = A·B with both operands bf16 in shared memory, on the tensor cores (fp32 accumulation),
-// every operand fragment fetched by one ldmatrix: the same tiles and k order as
-// block_mma_split, at a tenth of the instructions of fetching fragments element by element.
-// A is m×k: stored [m][k] (row i at a + i·lda), or [k][m] when kATrans. B is k×n: stored [n][k]
-// (column j at b + j·ldb, k contiguous), or [k][n] when kBTrans. Strides are multiples of 8
-// elements and the buffers 16-byte aligned. M, N and K are multiples of 16.
-template <bool kATrans, bool kBTrans, class FOut>
-static __device__ __forceinline__ void smem_mma(int m, int n, int k, const bf16* a, int lda,
-                                                const bf16* b, int ldb, FOut out) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int warps = blockDim.x / 32;
-  const int g = lane / 4, t = lane % 4;
-  // Lane l addresses row l % 8 of matrix l / 8. A's four matrices are (rows 0-7 | 8-15) ×
-  // (k 0-7 | 8-15) in the order a0..a3; B's are b0, b1 of columns 0-7, then of columns 8-15.
-  const int lo8 = lane % 8, second = (lane / 8) % 2, upper = lane / 16;
-  const int a_row = kATrans ? lo8 + 8 * upper : lo8 + 8 * second;  // k when kATrans, else m
-  const int a_col = kATrans ? 8 * second : 8 * upper;              // m when kATrans, else k
-  const int b_row = kBTrans ? lo8 + 8 * second : lo8 + 8 * upper;  // k when kBTrans, else n
-  const int b_col = kBTrans ? 8 * upper : 8 * second;              // n when kBTrans, else k
-  const int tiles_n = n / 16;
-  const int tiles = (m / 16) * tiles_n;
-  for (int tile = warp; tile < tiles; tile += warps) {
-    const int i0 = (tile / tiles_n) * 16, j0 = (tile % tiles_n) * 16;
-    float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-    for (int k0 = 0; k0 < k; k0 += 16) {
-      uint32_t af[4], bf[4];
-      ldmatrix_x4<kATrans>(
-          af, kATrans ? a + (k0 + a_row) * lda + i0 + a_col : a + (i0 + a_row) * lda + k0 + a_col);
-      ldmatrix_x4<kBTrans>(
-          bf, kBTrans ? b + (k0 + b_row) * ldb + j0 + b_col : b + (j0 + b_row) * ldb + k0 + b_col);
-      mma_bf16_16816(acc[0], af, bf[0], bf[1]);
-      mma_bf16_16816(acc[1], af, bf[2], bf[3]);
-    }
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int col = j0 + half * 8 + 2 * t;
-      out(i0 + g, col, acc[half][0]);
-      out(i0 + g, col + 1, acc[half][1]);
-      out(i0 + g + 8, col, acc[half][2]);
-      out(i0 + g + 8, col + 1, acc[half][3]);
-    }
-  }
-#else
-  (void)m, (void)n, (void)k, (void)a, (void)lda, (void)b, (void)ldb, (void)out;
-#endif
-}
-
-// smem_mma with near-fp32 operands held in shared memory as hi + lo bf16 pairs (split_bf16's):
+// smem_mma (below: the layouts) with near-fp32 operands held in shared memory as hi + lo bf16
+// pairs (split_bf16's):
 // A split when kSplitA (a_hi, a_lo; else a_hi alone), B likewise when kSplitB. The same tiles, k
 // order and per-k order of products (hi·hi, hi·lo, then lo·hi) as block_mma_split, so the same
 // bits for the same pairs; every fragment by one ldmatrix.
@@ -308,19 +277,25 @@ static __device__ __forceinline__ void smem_mma_split(int m, int n, int k, const
         if constexpr (kSplitA) mma_bf16_16816(c, af_lo, bf_hi[2 * half], bf_hi[2 * half + 1]);
       }
     }
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int col = j0 + half * 8 + 2 * t;
-      out(i0 + g, col, acc[half][0]);
-      out(i0 + g, col + 1, acc[half][1]);
-      out(i0 + g + 8, col, acc[half][2]);
-      out(i0 + g + 8, col + 1, acc[half][3]);
-    }
+    store_tile(acc, i0, j0, g, t, out);
   }
 #else
   (void)m, (void)n, (void)k, (void)a_hi, (void)a_lo, (void)lda, (void)b_hi, (void)b_lo, (void)ldb,
       (void)out;
 #endif
+}
+
+// C = A·B with both operands bf16 in shared memory, on the tensor cores (fp32 accumulation),
+// every operand fragment fetched by one ldmatrix: the same tiles and k order as
+// block_mma_split, at a tenth of the instructions of fetching fragments element by element.
+// A is m×k: stored [m][k] (row i at a + i·lda), or [k][m] when kATrans. B is k×n: stored [n][k]
+// (column j at b + j·ldb, k contiguous), or [k][n] when kBTrans. Strides are multiples of 8
+// elements and the buffers 16-byte aligned. M, N and K are multiples of 16.
+// It is smem_mma_split with neither operand split.
+template <bool kATrans, bool kBTrans, class FOut>
+static __device__ __forceinline__ void smem_mma(int m, int n, int k, const bf16* a, int lda,
+                                                const bf16* b, int ldb, FOut out) {
+  smem_mma_split<kATrans, kBTrans, false, false>(m, n, k, a, nullptr, lda, b, nullptr, ldb, out);
 }
 
 // A product of two bf16 matrices in shared memory (layouts as smem_mma): smem_mma when kTensor,

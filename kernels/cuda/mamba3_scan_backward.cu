@@ -73,10 +73,8 @@ __global__ void chunk_dstate_kernel(D d, SmemPlan plan, DevInputs in, Work w, co
     bf16* scaled_lo = reinterpret_cast<bf16*>(smem + plan.split_lo);
     for (int idx = threadIdx.x; idx < d.rows * P; idx += blockDim.x) {
       const int row = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
-      const float value = d_o[row * ld_mp + p] * sc[kEntryDecay * C + d.by_rank.div(row)];
-      const bf16 hi = __float2bfloat16(value);
-      scaled_hi[row * ld_pv + p] = hi;
-      scaled_lo[row * ld_pv + p] = __float2bfloat16(value - to_f(hi));
+      store_split(d_o[row * ld_mp + p] * sc[kEntryDecay * C + d.by_rank.div(row)], scaled_hi,
+                  scaled_lo, row * ld_pv + p);
     }
     __syncthreads();
     smem_mma_split<true, true, true, false>(P, N, d.rows, scaled_hi, scaled_lo, ld_pv, q_rot,
@@ -237,9 +235,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
   // else the fp32 value.
   const auto set_state = [&](int p, int n, float value) {
     if (split) {
-      const bf16 hi = __float2bfloat16(value);
-      state_hi[p * ld_split + n] = hi;
-      state_lo[p * ld_split + n] = __float2bfloat16(value - to_f(hi));
+      store_split(value, state_hi, state_lo, p * ld_split + n);
     } else {
       state[p * ld_state + n] = value;
     }

@@ -60,10 +60,8 @@ __global__ void chunk_state_kernel(D d, SmemPlan plan, DevInputs in, Work w, boo
     bf16* scaled_lo = reinterpret_cast<bf16*>(smem + plan.split_lo);
     for (int idx = threadIdx.x; idx < d.rows * P; idx += blockDim.x) {
       const int row = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
-      const float value = to_f(psiv[row * ld_pv + p]) * sc[kExitScale * C + d.by_rank.div(row)];
-      const bf16 hi = __float2bfloat16(value);
-      psiv[row * ld_pv + p] = hi;
-      scaled_lo[row * ld_pv + p] = __float2bfloat16(value - to_f(hi));
+      const int at = row * ld_pv + p;
+      store_split(to_f(psiv[at]) * sc[kExitScale * C + d.by_rank.div(row)], psiv, scaled_lo, at);
     }
     __syncthreads();
     smem_mma_split<true, true, true, false>(P, N, d.rows, psiv, scaled_lo, ld_pv, k_rot, nullptr,
@@ -147,9 +145,7 @@ __global__ void __launch_bounds__(kOutputThreads)
   const int ld_split = plan.ld_split;
   for_each_state_element(d, w.states + bhc * P * N, [&](int p, int n, float value) {
     if constexpr (kTensor) {
-      const bf16 hi = __float2bfloat16(value);
-      entry_hi[p * ld_split + n] = hi;
-      entry_lo[p * ld_split + n] = __float2bfloat16(value - to_f(hi));
+      store_split(value, entry_hi, entry_lo, p * ld_split + n);
     } else {
       entry[p * ld_state + n] = value;
     }
