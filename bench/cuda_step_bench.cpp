@@ -6,11 +6,13 @@
 //
 //   cuda_step_bench [--preset bench-350m|bench-1.3b] [--rank 4] [--batch 4] [--seqlen 8192]
 //                   [--steps 8] [--cuda-graphs] [--tensor-parallel 1] [--data-parallel 1]
-//                   [--json FILE]
+//                   [--no-overlap] [--json FILE]
 // --tensor-parallel T --data-parallel D: the step on T·D GPUs (ranks as threads of this process,
 // one GPU each, joined by NCCL as the executor's rank processes are); --batch is the global batch
 // (each replica takes batch / D). Times are rank 0's; the collectives appear as ops.
 // --rank 1 is the SISO variant of the preset (chunk 64, as the official R = 1 path runs).
+// --no-overlap: data parallel, the gradients averaged in one all-reduce after the backward rather
+// than block by block during it (for the comparison).
 // --cuda-graphs: the timed steps replay the step captured as a CUDA graph (the profiled steps
 // after them run eagerly); compare with a run without it for the cuda_graphs gate's receipt.
 #include <cstdio>
@@ -55,6 +57,7 @@ struct Options {
   bool cuda_graphs = false;  // replay the step as a captured CUDA graph (CudaModel::set_step_graph)
   int tensor_parallel = 1;
   int data_parallel = 1;
+  bool overlap = true;  // CudaModel::set_overlapped_gradient_reduction
   std::string json;
 };
 
@@ -82,6 +85,8 @@ Options parse(int argc, char** argv) {
       o.tensor_parallel = std::stoi(value());
     } else if (a == "--data-parallel") {
       o.data_parallel = std::stoi(value());
+    } else if (a == "--no-overlap") {
+      o.overlap = false;
     } else if (a == "--json") {
       o.json = value();
     } else {
@@ -167,6 +172,7 @@ RankResult run_rank(const Options& o, const megacpp::Model<float>& host,
   phase("CudaModel construction (context, arena, plans)");
   model.upload(host.parameters(), &moments);
   model.set_step_graph(o.cuda_graphs);
+  model.set_overlapped_gradient_reduction(o.overlap);
   phase("upload");
   const auto step = [&] {
     model.zero_grad();
@@ -273,6 +279,7 @@ int run(const Options& o) {
       {"cuda_graphs", o.cuda_graphs},
       {"tensor_parallel", o.tensor_parallel},
       {"data_parallel", o.data_parallel},
+      {"overlapped_gradient_reduction", o.overlap && o.data_parallel > 1},
       {"parameters", host.parameters().total()},
       {"first_loss", first_loss},
       {"seconds_to_first_step", to_first_step},
@@ -286,12 +293,13 @@ int run(const Options& o) {
       {"device_bytes_in_use", in_use},
       {"planned_bytes", r.planned}};
   std::printf(
-      "%s R=%d chunk %d, batch %d x seqlen %d%s, TP=%d DP=%d: step min/median/max "
+      "%s R=%d chunk %d, batch %d x seqlen %d%s, TP=%d DP=%d%s: step min/median/max "
       "%.1f/%.1f/%.1f ms, "
       "%.0f tokens/s, %.1f model TFLOP/s, MFU %.1f%% of the %.0f TFLOP/s GEMM ceiling, "
       "%.1f GiB in use, first step after %.1f s\n",
       o.preset.c_str(), o.rank, config.ssm.chunk_size, o.batch, o.seqlen,
-      o.cuda_graphs ? " (step graph)" : "", o.tensor_parallel, o.data_parallel, sorted.front(),
+      o.cuda_graphs ? " (step graph)" : "", o.tensor_parallel, o.data_parallel,
+      o.data_parallel > 1 ? (o.overlap ? " overlapped" : " not overlapped") : "", sorted.front(),
       median, sorted.back(), tokens_per_step / (median / 1e3), flops / (median / 1e3) / 1e12,
       100 * flops / (median / 1e3) / ceiling,
       ceiling / 1e12 / (o.tensor_parallel * o.data_parallel),

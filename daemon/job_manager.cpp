@@ -791,6 +791,7 @@ pid_t JobManager::fork_executor(const Entry& e, int rank, int events_fd) {
   const std::string executor = executor_path_.string();
   const std::string rank_text = std::to_string(rank);
   const std::string rendezvous = (dir / "nccl_id").string();
+  const std::string collective_timeout = std::to_string(config_.jobs.collective_timeout_seconds);
   const bool several = !e.peer_pids.empty();
   const pid_t pid = ::fork();
   if (pid == 0) {
@@ -810,9 +811,18 @@ pid_t JobManager::fork_executor(const Entry& e, int rank, int events_fd) {
     ::close_range(4, ~0U, 0);
     const char* single[] = {executor.c_str(), "--job", job_file.c_str(),
                             "--events-fd",    "3",     nullptr};
-    const char* ranked[] = {
-        executor.c_str(), "--job",           job_file.c_str(), "--events-fd",      "3",
-        "--rank",         rank_text.c_str(), "--rendezvous",   rendezvous.c_str(), nullptr};
+    const char* ranked[] = {executor.c_str(),
+                            "--job",
+                            job_file.c_str(),
+                            "--events-fd",
+                            "3",
+                            "--rank",
+                            rank_text.c_str(),
+                            "--rendezvous",
+                            rendezvous.c_str(),
+                            "--collective-timeout",
+                            collective_timeout.c_str(),
+                            nullptr};
     ::execv(executor.c_str(), const_cast<char* const*>(several ? ranked : single));
     ::_exit(127);
   }

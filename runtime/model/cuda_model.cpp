@@ -97,6 +97,18 @@ struct CudaModel::Impl {
     int64_t offset = 0, count = 0;
   };
   std::vector<Range> tp_summed;
+  // Data parallel: the gradient ranges of each block (then one more bucket: embedding, final norm,
+  // lm_head), averaged over the DP group on reduce_stream as soon as the backward is done with
+  // them, while it goes on with the blocks below (forward_backward's last micro-batch).
+  bool overlap_dp = true;
+  bool overlap_now = false;  // this forward_backward averages its buckets as it goes
+  bool dp_reduced = false;   // the gradients since zero_grad were averaged in the backward
+  std::vector<std::vector<Range>> buckets;
+  std::vector<cudaEvent_t> bucket_ready;
+  cudaEvent_t buckets_reduced = nullptr;
+  cudaStream_t reduce_stream = nullptr;
+  void plan_gradient_buckets();
+  void reduce_bucket(size_t bucket);
   // The gradient ranges this rank counts in the global norm: its own pieces, and the pieces every
   // rank holds only on TP rank 0.
   std::vector<Range> owned;
@@ -320,6 +332,48 @@ void CudaModel::Impl::plan_parallel(const CudaModelParallel& parallel) {
   total = offset;
 }
 
+void CudaModel::Impl::plan_gradient_buckets() {
+  const size_t layers = static_cast<size_t>(config.n_layer);
+  buckets.assign(layers + 1, {});
+  const std::string prefix = "backbone.layers.";
+  for (const ParameterInfo& e : entries) {
+    size_t bucket = layers;
+    if (e.name.rfind(prefix, 0) == 0) {
+      bucket = std::stoul(e.name.substr(prefix.size()));  // stops at the '.' after the index
+      if (bucket >= layers) {
+        fail(ErrorKind::kInternal, "CudaModel: parameter {} names a layer beyond n_layer={}",
+             e.name, layers);
+      }
+    }
+    std::vector<Range>& list = buckets[bucket];
+    if (!list.empty() && list.back().offset + list.back().count == e.offset) {
+      list.back().count += e.size;
+    } else {
+      list.push_back({e.offset, e.size});
+    }
+  }
+  MEGACPP_CUDA_CHECK(cudaStreamCreateWithFlags(&reduce_stream, cudaStreamNonBlocking));
+  bucket_ready.assign(buckets.size(), nullptr);
+  for (cudaEvent_t& e : bucket_ready) {
+    MEGACPP_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  }
+  MEGACPP_CUDA_CHECK(cudaEventCreateWithFlags(&buckets_reduced, cudaEventDisableTiming));
+}
+
+// Enqueues the DP average of one bucket on reduce_stream, behind the work the compute stream has
+// enqueued so far (which last wrote those gradients).
+void CudaModel::Impl::reduce_bucket(size_t bucket) {
+  MEGACPP_CUDA_CHECK(cudaEventRecord(bucket_ready[bucket], stream));
+  MEGACPP_CUDA_CHECK(cudaStreamWaitEvent(reduce_stream, bucket_ready[bucket], 0));
+  const std::vector<Range>& list = buckets[bucket];
+  if (list.size() > 1) par.data_group->begin_batch();
+  for (const Range& r : list) {
+    par.data_group->all_reduce(grads + r.offset, r.count, parallel::CollectiveType::kFloat,
+                               parallel::ReduceOp::kAverage, reduce_stream);
+  }
+  if (list.size() > 1) par.data_group->end_batch();
+}
+
 void CudaModel::Impl::tp_all_reduce_output() {
   if (!sharded()) return;
   par.tensor_group->all_reduce(delta, static_cast<int64_t>(rows) * config.d_model,
@@ -413,6 +467,7 @@ CudaModel::CudaModel(const Model<float>& host, int batch, int seqlen,
   m.host_total = set.total();
   m.host_entries = set.entries();
   m.plan_parallel(parallel);
+  if (m.par.data_group != nullptr) m.plan_gradient_buckets();
   const parallel::RankGeometry& geo = m.plan->geometry(parallel.tp_rank);
   const size_t rows = static_cast<size_t>(m.rows), dm = static_cast<size_t>(c.d_model);
   DeviceArena& a = m.arena;
@@ -640,6 +695,12 @@ CudaModel::~CudaModel() {
     cudaStreamSynchronize(impl_->stream);
     impl_->drop_graph();
     for (cudaEvent_t e : impl_->events) cudaEventDestroy(e);
+    if (impl_->reduce_stream != nullptr) {
+      cudaStreamSynchronize(impl_->reduce_stream);
+      for (cudaEvent_t e : impl_->bucket_ready) cudaEventDestroy(e);
+      cudaEventDestroy(impl_->buckets_reduced);
+      cudaStreamDestroy(impl_->reduce_stream);
+    }
     cudaStreamDestroy(impl_->stream);
   }
 }
@@ -703,7 +764,7 @@ std::vector<float> CudaModel::download_gradients() {
 void CudaModel::reduce_gradients() {
   Impl& m = *impl_;
   if (m.grads_reduced) return;
-  if (m.par.data_group != nullptr) {
+  if (m.par.data_group != nullptr && !m.dp_reduced) {
     m.par.data_group->all_reduce(m.grads, m.total, parallel::CollectiveType::kFloat,
                                  parallel::ReduceOp::kAverage, m.stream);
   }
@@ -717,6 +778,11 @@ void CudaModel::reduce_gradients() {
   }
   m.lap("gradient all-reduce");
   m.grads_reduced = true;
+  m.dp_reduced = false;
+}
+
+void CudaModel::set_overlapped_gradient_reduction(bool on) {
+  impl_->overlap_dp = on;
 }
 
 void CudaModel::zero_grad() {
@@ -724,6 +790,7 @@ void CudaModel::zero_grad() {
   MEGACPP_CUDA_CHECK(
       cudaMemsetAsync(m.grads, 0, static_cast<size_t>(m.total) * sizeof(float), m.stream));
   m.grads_reduced = true;
+  m.dp_reduced = false;
 }
 
 namespace {
@@ -987,18 +1054,24 @@ void CudaModel::Impl::capture_step(float grad_scale) {
   ++graph_captures;
 }
 
-double CudaModel::forward_backward(const int32_t* tokens, double grad_scale) {
+double CudaModel::forward_backward(const int32_t* tokens, double grad_scale,
+                                   bool last_micro_batch) {
   Impl& m = *impl_;
   m.upload_tokens(tokens);
   m.grads_reduced = false;
   const float scale = static_cast<float>(grad_scale);
   if (m.graph_wanted && !m.profiling) {
+    m.overlap_now = false;  // (the step graph is refused for parallel jobs)
     if (m.graph_exec == nullptr || scale != m.graph_scale) m.capture_step(scale);
     MEGACPP_CUDA_CHECK(cudaGraphLaunch(m.graph_exec, m.stream));
   } else {
+    m.overlap_now = m.par.data_group != nullptr && m.overlap_dp && last_micro_batch;
     m.lap(nullptr);
     m.forward_backward_body(scale);
   }
+  // Averaging is linear: buckets averaged in an earlier call and added to since are averaged
+  // again as a whole by reduce_gradients, which gives the same mean.
+  m.dp_reduced = m.overlap_now;
   m.dp_average_loss();
   return m.read_loss();
 }
@@ -1046,8 +1119,8 @@ void CudaModel::Impl::forward_backward_body(float grad_scale) {
                         m.grad(m.site_weight[site]), true, m.s());
     m.lap("add+rmsnorm backward");
   };
-  for (auto it = m.blocks.rbegin(); it != m.blocks.rend(); ++it) {
-    Impl::Block& b = *it;
+  for (size_t index = m.blocks.size(); index-- > 0;) {
+    Impl::Block& b = m.blocks[index];
     if (b.mlp) {
       back_through_site([&](const uint16_t* x) {
         Impl::MlpLayer& l = *b.mlp;
@@ -1061,9 +1134,17 @@ void CudaModel::Impl::forward_backward_body(float grad_scale) {
     if (b.attention) {
       back_through_site([&](const uint16_t* x) { m.attention_backward(*b.attention, x); });
     }
+    if (m.overlap_now) m.reduce_bucket(index);  // the block's gradients are final
   }
   m.embedding_op->backward(m.inputs, m.dresidual, m.grad(m.embedding), true, m.s());
   m.lap("embedding backward");
+  if (m.overlap_now) {
+    m.reduce_bucket(m.blocks.size());
+    // Whatever the stream does next may touch the gradients: it waits for the last bucket.
+    MEGACPP_CUDA_CHECK(cudaEventRecord(m.buckets_reduced, m.reduce_stream));
+    MEGACPP_CUDA_CHECK(cudaStreamWaitEvent(m.stream, m.buckets_reduced, 0));
+    m.lap("data-parallel gradient all-reduce (not hidden)");
+  }
 }
 
 double CudaModel::optimizer_step(double lr) {

@@ -44,8 +44,9 @@ class GemmPlanCache;
 // local layout) and computes its heads and MLP units; the row-parallel outputs are all-reduced
 // (bf16) in the forward, the column-parallel inputs' gradients (fp32) in the backward, the pieces
 // every rank holds but computes part of (B/C norm weights, the angle rows, replicated B/C rows)
-// once before the optimizer. Data parallel: gradients are averaged over the DP group before the
-// optimizer (after the backward, not overlapped with it), and the loss a step returns is the
+// once before the optimizer. Data parallel: gradients are averaged over the DP group, block by
+// block on a stream of their own while the backward goes on with the blocks below (the last
+// micro-batch of a step; set_overlapped_gradient_reduction), and the loss a step returns is the
 // group's mean. The model's host mirror, uploads, downloads and checkpoints stay global.
 struct CudaModelParallel {
   int tensor_parallel = 1;
@@ -99,7 +100,12 @@ class CudaModel {
   // As Model::forward / forward_backward: tokens [batch, seqlen + 1] on the host (validated
   // there); returns the mean cross entropy; forward_backward accumulates grad_scale · dloss/dθ.
   double forward(const int32_t* tokens);
-  double forward_backward(const int32_t* tokens, double grad_scale);
+  // last_micro_batch: the step's last call before optimizer_step. Data parallel, it averages the
+  // gradients over the DP group during its backward; earlier calls leave that to later.
+  double forward_backward(const int32_t* tokens, double grad_scale, bool last_micro_batch = true);
+  // Data parallel: the gradients averaged during the last micro-batch's backward (on, the
+  // default) or after it, in one all-reduce before the optimizer (off: for comparisons).
+  void set_overlapped_gradient_reduction(bool on);
   // Global gradient norm, clipping at the optimizer config's grad_clip and one AdamW update
   // with learning rate `lr` (the step counter advances first). Returns the norm before clipping.
   double optimizer_step(double lr);

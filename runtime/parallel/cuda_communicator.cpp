@@ -5,8 +5,11 @@
 #include <nccl.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstring>
+#include <deque>
 #include <mutex>
+#include <vector>
 
 #include "base/error.h"
 #include "kernels/cuda/check.h"
@@ -43,6 +46,27 @@ ncclRedOp_t nccl_op(ReduceOp op) {
 
 constexpr size_t kIdBytes = sizeof(ncclUniqueId);
 
+const char* type_name(CollectiveType type) {
+  switch (type) {
+    case CollectiveType::kBf16:
+      return "bf16";
+    case CollectiveType::kFloat:
+      return "fp32";
+    case CollectiveType::kDouble:
+      return "fp64";
+  }
+  return "?";
+}
+
+size_t type_bytes(CollectiveType type) {
+  return type == CollectiveType::kBf16 ? 2 : type == CollectiveType::kFloat ? 4 : 8;
+}
+
+std::string describe(const char* what, int64_t count, CollectiveType type) {
+  const double mib = static_cast<double>(count) * static_cast<double>(type_bytes(type)) / 1048576.0;
+  return fmt::format("{} of {:.1f} MiB {}", what, mib, type_name(type));
+}
+
 ncclUniqueId parse_id(const std::string& hex) {
   if (hex.size() != 2 * kIdBytes) {
     fail(ErrorKind::kInvalidArgument, "NCCL unique id has {} hex characters, expected {}",
@@ -73,14 +97,101 @@ ncclUniqueId parse_id(const std::string& hex) {
 
 struct CudaCommunicator::Impl {
   ncclComm_t comm = nullptr;
+  std::string name = "communicator";
+  // NCCL's calls on one communicator must not overlap its abort (which frees it): both hold
+  // call_mutex. Held only while enqueueing, never while waiting for the device. Recursive: a
+  // batch holds it from begin to end. Timed: an enqueue can itself block (NCCL waiting for room
+  // in its queue to the device, whose kernels wait for a hung peer), and abort() must not.
+  std::recursive_timed_mutex call_mutex;
+  // ncclCommGetAsyncError (the watchdog's thread) and ncclCommAbort (which frees the
+  // communicator) never at once; neither waits for call_mutex.
+  std::mutex state_mutex;
   std::atomic<bool> aborted{false};
-  std::mutex abort_mutex;
+  // The texts failure messages use, read by any thread.
+  std::mutex text_mutex;
+  std::string abort_reason;
+  std::string reason() {
+    std::lock_guard lock(text_mutex);
+    return abort_reason;
+  }
+  std::string group_name() {
+    std::lock_guard lock(text_mutex);
+    return name;
+  }
   // sum_over_ranks's device word and stream, made on first use.
   int64_t* word = nullptr;
   cudaStream_t stream = nullptr;
+
+  // Tracking (track_collectives): each collective's events, oldest first, until seen finished.
+  struct Tracked {
+    uint64_t sequence = 0;
+    std::string description;
+    cudaEvent_t began = nullptr, ended = nullptr;
+  };
+  bool tracking = false;
+  std::mutex track_mutex;
+  std::deque<Tracked> in_flight;
+  std::vector<cudaEvent_t> spare_events;
+  uint64_t sequence = 0;
+  // The batch being enqueued (between begin_batch and end_batch).
+  int batch_depth = 0;
+  int64_t batch_collectives = 0;
+  double batch_mib = 0;
+  cudaStream_t batch_stream = nullptr;
+  cudaEvent_t batch_began = nullptr;
+
+  cudaEvent_t take_event() {
+    std::lock_guard lock(track_mutex);
+    if (!spare_events.empty()) {
+      cudaEvent_t e = spare_events.back();
+      spare_events.pop_back();
+      return e;
+    }
+    cudaEvent_t e = nullptr;
+    MEGACPP_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    return e;
+  }
+  void push(std::string description, cudaEvent_t began, cudaEvent_t ended) {
+    std::lock_guard lock(track_mutex);
+    in_flight.push_back({++sequence, std::move(description), began, ended});
+  }
+  // Around one collective outside a batch: the event before it, then (after) the one behind it.
+  cudaEvent_t mark_before(cudaStream_t s) {
+    if (!tracking) return nullptr;
+    if (batch_depth > 0) {
+      if (batch_began == nullptr) {
+        batch_stream = s;
+        batch_began = take_event();
+        MEGACPP_CUDA_CHECK(cudaEventRecord(batch_began, s));
+      } else if (s != batch_stream) {
+        fail(ErrorKind::kInternal, "NCCL batch on {} spans two CUDA streams", group_name());
+      }
+      return nullptr;
+    }
+    cudaEvent_t began = take_event();
+    MEGACPP_CUDA_CHECK(cudaEventRecord(began, s));
+    return began;
+  }
+  void mark_after(cudaStream_t s, cudaEvent_t began, std::string description, double mib) {
+    if (!tracking) return;
+    if (batch_depth > 0) {
+      ++batch_collectives;
+      batch_mib += mib;
+      return;
+    }
+    cudaEvent_t ended = take_event();
+    MEGACPP_CUDA_CHECK(cudaEventRecord(ended, s));
+    push(std::move(description), began, ended);
+  }
+
   ~Impl() {
     if (word != nullptr) cudaFree(word);
     if (stream != nullptr) cudaStreamDestroy(stream);
+    for (const Tracked& t : in_flight) {
+      cudaEventDestroy(t.began);
+      cudaEventDestroy(t.ended);
+    }
+    for (cudaEvent_t e : spare_events) cudaEventDestroy(e);
   }
 };
 
@@ -111,17 +222,27 @@ CudaCommunicator::CudaCommunicator(std::unique_ptr<Impl> impl, int size, int ran
     : impl_(std::move(impl)), size_(size), rank_(rank), device_(device) {}
 
 CudaCommunicator::~CudaCommunicator() {
-  if (!impl_ || impl_->comm == nullptr) return;
-  std::lock_guard<std::mutex> lock(impl_->abort_mutex);
+  if (!impl_ || impl_->comm == nullptr || impl_->aborted.load()) return;
+  std::lock_guard lock(impl_->call_mutex);
   if (!impl_->aborted.load()) {
     cudaSetDevice(device_);
     ncclCommDestroy(impl_->comm);
   }
 }
 
+namespace {
+
+[[noreturn]] void fail_aborted(const std::string& name, std::string reason) {
+  fail(ErrorKind::kFailedPrecondition, "NCCL {} aborted: {}", name, reason);
+}
+
+}  // namespace
+
 std::unique_ptr<CudaCommunicator> CudaCommunicator::split(int color, int key) const {
   auto impl = std::make_unique<Impl>();
   MEGACPP_CUDA_CHECK(cudaSetDevice(device_));
+  std::lock_guard lock(impl_->call_mutex);
+  if (impl_->aborted.load()) fail_aborted(impl_->group_name(), impl_->reason());
   check_nccl(ncclCommSplit(impl_->comm, color, key, &impl->comm, nullptr), "ncclCommSplit");
   int size = 0, rank = 0;
   check_nccl(ncclCommCount(impl->comm, &size), "ncclCommCount");
@@ -132,55 +253,158 @@ std::unique_ptr<CudaCommunicator> CudaCommunicator::split(int color, int key) co
 
 void CudaCommunicator::all_reduce(void* data, int64_t count, CollectiveType type, ReduceOp op,
                                   void* stream) {
-  if (impl_->aborted.load()) fail(ErrorKind::kFailedPrecondition, "NCCL communicator aborted");
+  Impl& m = *impl_;
+  std::lock_guard lock(m.call_mutex);
+  if (m.aborted.load()) fail_aborted(m.group_name(), m.reason());
+  const auto s = static_cast<cudaStream_t>(stream);
+  cudaEvent_t began = m.mark_before(s);
   check_nccl(ncclAllReduce(data, data, static_cast<size_t>(count), nccl_type(type), nccl_op(op),
-                           impl_->comm, static_cast<cudaStream_t>(stream)),
+                           m.comm, s),
              "ncclAllReduce");
+  if (m.tracking) {
+    m.mark_after(s, began, describe("all-reduce", count, type),
+                 static_cast<double>(count) * static_cast<double>(type_bytes(type)) / 1048576.0);
+  }
 }
 
 void CudaCommunicator::all_gather(const void* send, void* receive, int64_t count,
                                   CollectiveType type, void* stream) {
-  if (impl_->aborted.load()) fail(ErrorKind::kFailedPrecondition, "NCCL communicator aborted");
-  check_nccl(ncclAllGather(send, receive, static_cast<size_t>(count), nccl_type(type), impl_->comm,
-                           static_cast<cudaStream_t>(stream)),
+  Impl& m = *impl_;
+  std::lock_guard lock(m.call_mutex);
+  if (m.aborted.load()) fail_aborted(m.group_name(), m.reason());
+  const auto s = static_cast<cudaStream_t>(stream);
+  cudaEvent_t began = m.mark_before(s);
+  check_nccl(ncclAllGather(send, receive, static_cast<size_t>(count), nccl_type(type), m.comm, s),
              "ncclAllGather");
+  if (m.tracking) {
+    m.mark_after(s, began, describe("all-gather", count, type),
+                 static_cast<double>(count) * static_cast<double>(type_bytes(type)) / 1048576.0);
+  }
 }
 
 int64_t CudaCommunicator::sum_over_ranks(int64_t value) {
-  if (impl_->aborted.load()) fail(ErrorKind::kFailedPrecondition, "NCCL communicator aborted");
-  MEGACPP_CUDA_CHECK(cudaSetDevice(device_));
-  if (impl_->word == nullptr) {
-    MEGACPP_CUDA_CHECK(cudaStreamCreateWithFlags(&impl_->stream, cudaStreamNonBlocking));
-    MEGACPP_CUDA_CHECK(cudaMalloc(&impl_->word, sizeof(int64_t)));
-  }
-  MEGACPP_CUDA_CHECK(
-      cudaMemcpyAsync(impl_->word, &value, sizeof(value), cudaMemcpyHostToDevice, impl_->stream));
-  check_nccl(
-      ncclAllReduce(impl_->word, impl_->word, 1, ncclInt64, ncclSum, impl_->comm, impl_->stream),
-      "ncclAllReduce");
+  Impl& m = *impl_;
   int64_t sum = 0;
-  MEGACPP_CUDA_CHECK(
-      cudaMemcpyAsync(&sum, impl_->word, sizeof(sum), cudaMemcpyDeviceToHost, impl_->stream));
-  MEGACPP_CUDA_CHECK(cudaStreamSynchronize(impl_->stream));
+  {
+    std::lock_guard lock(m.call_mutex);
+    if (m.aborted.load()) fail_aborted(m.group_name(), m.reason());
+    MEGACPP_CUDA_CHECK(cudaSetDevice(device_));
+    if (m.word == nullptr) {
+      MEGACPP_CUDA_CHECK(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking));
+      MEGACPP_CUDA_CHECK(cudaMalloc(&m.word, sizeof(int64_t)));
+    }
+    MEGACPP_CUDA_CHECK(
+        cudaMemcpyAsync(m.word, &value, sizeof(value), cudaMemcpyHostToDevice, m.stream));
+    cudaEvent_t began = m.mark_before(m.stream);
+    check_nccl(ncclAllReduce(m.word, m.word, 1, ncclInt64, ncclSum, m.comm, m.stream),
+               "ncclAllReduce");
+    m.mark_after(m.stream, began, "the ranks' vote (an all-reduce of one int64)", 0);
+    MEGACPP_CUDA_CHECK(
+        cudaMemcpyAsync(&sum, m.word, sizeof(sum), cudaMemcpyDeviceToHost, m.stream));
+  }
+  // Outside call_mutex: an abort must be able to end this wait.
+  MEGACPP_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+  if (m.aborted.load()) fail_aborted(m.group_name(), m.reason());
   return sum;
 }
 
 void CudaCommunicator::begin_batch() {
+  Impl& m = *impl_;
+  m.call_mutex.lock();
+  if (m.aborted.load()) {
+    m.call_mutex.unlock();
+    fail_aborted(m.group_name(), m.reason());
+  }
+  if (m.batch_depth++ == 0) {
+    m.batch_collectives = 0;
+    m.batch_mib = 0;
+    m.batch_began = nullptr;
+    m.batch_stream = nullptr;
+  }
   check_nccl(ncclGroupStart(), "ncclGroupStart");
 }
 
 void CudaCommunicator::end_batch() {
+  Impl& m = *impl_;
+  // Unlocks the lock begin_batch took, whatever happens here.
+  std::lock_guard lock(m.call_mutex, std::adopt_lock);
   check_nccl(ncclGroupEnd(), "ncclGroupEnd");
+  if (--m.batch_depth == 0 && m.batch_began != nullptr) {
+    cudaEvent_t ended = m.take_event();
+    MEGACPP_CUDA_CHECK(cudaEventRecord(ended, m.batch_stream));
+    m.push(fmt::format("a batch of {} collectives, {:.1f} MiB in all", m.batch_collectives,
+                       m.batch_mib),
+           m.batch_began, ended);
+    m.batch_began = nullptr;
+  }
 }
 
-void CudaCommunicator::abort() {
-  std::lock_guard<std::mutex> lock(impl_->abort_mutex);
-  if (impl_->aborted.exchange(true)) return;
-  ncclCommAbort(impl_->comm);
+void CudaCommunicator::abort(const std::string& reason) {
+  Impl& m = *impl_;
+  if (m.aborted.load()) return;
+  {
+    std::lock_guard lock(m.text_mutex);
+    if (m.abort_reason.empty()) m.abort_reason = reason;
+  }
+  std::unique_lock call(m.call_mutex, std::defer_lock);
+  if (!call.try_lock_for(std::chrono::seconds(1))) {
+    // A call of this communicator is blocked inside NCCL: freeing the communicator under it is
+    // not safe, and nothing else reaches that wait. Marked aborted (later calls fail with the
+    // reason); the watchdog's last resort ends the process.
+    m.aborted.store(true);
+    return;
+  }
+  std::lock_guard state(m.state_mutex);
+  if (m.aborted.exchange(true)) return;
+  ncclCommAbort(m.comm);
 }
 
 bool CudaCommunicator::aborted() const {
   return impl_->aborted.load();
+}
+
+void CudaCommunicator::set_name(std::string name) {
+  std::lock_guard lock(impl_->text_mutex);
+  impl_->name = std::move(name);
+}
+
+std::string CudaCommunicator::group_name() const {
+  return impl_->group_name();
+}
+
+void CudaCommunicator::track_collectives() {
+  std::lock_guard lock(impl_->call_mutex);
+  impl_->tracking = true;
+}
+
+std::optional<PendingCollective> CudaCommunicator::oldest_unfinished() {
+  Impl& m = *impl_;
+  MEGACPP_CUDA_CHECK(cudaSetDevice(device_));  // this thread may be the watchdog's
+  std::lock_guard lock(m.track_mutex);
+  while (!m.in_flight.empty()) {
+    Impl::Tracked& t = m.in_flight.front();
+    if (cudaEventQuery(t.ended) != cudaSuccess) {
+      PendingCollective p;
+      p.sequence = t.sequence;
+      p.description = t.description;
+      p.started = cudaEventQuery(t.began) == cudaSuccess;
+      return p;
+    }
+    m.spare_events.push_back(t.began);
+    m.spare_events.push_back(t.ended);
+    m.in_flight.pop_front();
+  }
+  return std::nullopt;
+}
+
+std::string CudaCommunicator::asynchronous_error() {
+  Impl& m = *impl_;
+  std::lock_guard lock(m.state_mutex);
+  if (m.aborted.load()) return {};
+  ncclResult_t state = ncclSuccess;
+  if (ncclCommGetAsyncError(m.comm, &state) != ncclSuccess) return {};
+  if (state == ncclSuccess || state == ncclInProgress) return {};
+  return fmt::format("{} ({})", ncclGetErrorString(state), static_cast<int>(state));
 }
 
 }  // namespace megacpp::parallel

@@ -8,20 +8,25 @@
 // order. Collectives are enqueued on the caller's CUDA stream and return at once.
 //
 // A rank that fails or hangs would block the others in their next collective: abort() (safe
-// from another thread, e.g. a watchdog) makes every pending and later collective of this
-// communicator fail instead of waiting.
+// from another thread: the collective watchdog) makes every pending and later collective of this
+// communicator fail with the abort's reason instead of waiting. With tracking on, each collective
+// is bracketed by two CUDA events, which tell the watchdog whether its stream has reached it and
+// whether it finished.
 //
 // Plain C++ (no NCCL or CUDA types in this header).
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
+
+#include "runtime/parallel/collective_watchdog.h"
 
 namespace megacpp::parallel {
 
 enum class CollectiveType { kBf16, kFloat, kDouble };
 enum class ReduceOp { kSum, kAverage };
 
-class CudaCommunicator {
+class CudaCommunicator final : public WatchedGroup {
  public:
   // NCCL's unique id as 256 hex characters, for the launcher to pass to every rank.
   static std::string new_unique_id();
@@ -30,7 +35,7 @@ class CudaCommunicator {
   // blocks until every rank has joined. Throws megacpp::Error: kInvalidArgument for a malformed
   // id or rank, kFailedPrecondition when NCCL cannot initialise (naming its error).
   CudaCommunicator(const std::string& unique_id_hex, int world_size, int world_rank, int device);
-  ~CudaCommunicator();
+  ~CudaCommunicator() override;
   CudaCommunicator(const CudaCommunicator&) = delete;
   CudaCommunicator& operator=(const CudaCommunicator&) = delete;
 
@@ -55,9 +60,20 @@ class CudaCommunicator {
   void begin_batch();
   void end_batch();
 
-  // Fails this communicator's pending and future collectives; idempotent, any thread.
-  void abort();
+  // Fails this communicator's pending and future collectives; idempotent, any thread. Later
+  // calls throw kFailedPrecondition naming `reason`.
+  void abort(const std::string& reason) override;
+  void abort() { abort("aborted by its owner"); }
   bool aborted() const;
+
+  // What failure messages call this group, e.g. "tensor-parallel group (world ranks 0-1)".
+  void set_name(std::string name);
+  std::string group_name() const override;
+  // From now on, two CUDA events (made once, then reused) bracket every collective on its stream,
+  // for oldest_unfinished(). Off by default: no event is recorded.
+  void track_collectives();
+  std::optional<PendingCollective> oldest_unfinished() override;
+  std::string asynchronous_error() override;
 
  private:
   struct Impl;

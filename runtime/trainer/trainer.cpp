@@ -23,6 +23,8 @@
 #include "runtime/model/model.h"
 #include "runtime/parallel/shard_plan.h"
 #ifdef MEGACPP_HAVE_CUDA
+#include <fmt/ranges.h>
+
 #include <thread>
 
 #include "base/atomic_file.h"
@@ -377,7 +379,10 @@ class StepBackend {
  public:
   virtual ~StepBackend() = default;
   virtual void zero_grad() = 0;
-  virtual double forward_backward(const int32_t* tokens, double grad_scale) = 0;
+  // last_micro_batch: the step's last call before update() (data parallel: its backward averages
+  // the gradients over the replicas as it goes).
+  virtual double forward_backward(const int32_t* tokens, double grad_scale,
+                                  bool last_micro_batch) = 0;
   virtual double forward(const int32_t* tokens) = 0;
   // Global gradient norm (before clipping), clipping and one AdamW update.
   virtual double update(double lr) = 0;
@@ -406,7 +411,7 @@ class CpuBackend final : public StepBackend {
   CpuBackend(Model<float>& model, AdamW<float>* optimizer, double grad_clip)
       : model_(model), optimizer_(optimizer), grad_clip_(grad_clip) {}
   void zero_grad() override { model_.parameters().zero_grad(); }
-  double forward_backward(const int32_t* tokens, double grad_scale) override {
+  double forward_backward(const int32_t* tokens, double grad_scale, bool) override {
     return model_.forward_backward(tokens, grad_scale);
   }
   double forward(const int32_t* tokens) override { return model_.forward(tokens); }
@@ -485,6 +490,34 @@ class CudaBackend final : public StepBackend {
       // Collective over the world: every rank splits the same groups in the same order.
       if (tp > 1) tensor_group_ = world_->split(rank / tp, rank % tp);
       if (dp > 1) data_group_ = world_->split(rank % tp, rank / tp);
+      world_->set_name(fmt::format("world group (world ranks 0-{})", world - 1));
+      if (tensor_group_) {
+        const int first = rank / tp * tp;
+        tensor_group_->set_name(
+            fmt::format("tensor-parallel group (world ranks {}-{})", first, first + tp - 1));
+      }
+      if (data_group_) {
+        std::vector<int> members;
+        for (int r = rank % tp; r < world; r += tp) members.push_back(r);
+        data_group_->set_name(
+            fmt::format("data-parallel group (world ranks {})", fmt::join(members, ", ")));
+      }
+      if (options.collective_timeout_seconds > 0) {
+        std::vector<parallel::WatchedGroup*> watched;
+        for (parallel::CudaCommunicator* g :
+             {world_.get(), tensor_group_.get(), data_group_.get()}) {
+          if (g == nullptr) continue;
+          g->track_collectives();
+          watched.push_back(g);
+        }
+        watchdog_ = std::make_unique<parallel::CollectiveWatchdog>(
+            options.collective_timeout_seconds, watched);
+        if (options.on_stuck_rank) {
+          constexpr double kStuckGraceSeconds = 5;
+          watchdog_->set_last_resort(options.on_stuck_rank, kStuckGraceSeconds);
+        }
+        watchdog_->start();
+      }
       par = {tp, dp, rank % tp, tensor_group_.get(), data_group_.get()};
       rows_ = job.batch / dp;
       first_row_ = (rank / tp) * rows_;
@@ -521,8 +554,9 @@ class CudaBackend final : public StepBackend {
   }
   void zero_grad() override { model_->zero_grad(); }
   // Every rank is handed the whole batch; its replica trains on its own rows of it.
-  double forward_backward(const int32_t* tokens, double grad_scale) override {
-    return model_->forward_backward(own_rows(tokens), grad_scale);
+  double forward_backward(const int32_t* tokens, double grad_scale,
+                          bool last_micro_batch) override {
+    return model_->forward_backward(own_rows(tokens), grad_scale, last_micro_batch);
   }
   double forward(const int32_t* tokens) override { return model_->forward(own_rows(tokens)); }
   int64_t sum_over_ranks(int64_t value) override {
@@ -532,7 +566,16 @@ class CudaBackend final : public StepBackend {
   std::optional<PlanLedger> plan_ledger() const override { return plans_->ledger(); }
   std::vector<std::string> plan_cache_problems() const override { return plan_cache_problems_; }
   std::string plan_cache_file() const override { return plans_->file().string(); }
-  double update(double lr) override { return model_->optimizer_step(lr); }
+  double update(double lr) override {
+    const double norm = model_->optimizer_step(lr);
+    // A collective the watchdog aborted returns with garbage: the step must not count.
+    if (watchdog_) {
+      if (const std::string why = watchdog_->reason(); !why.empty()) {
+        fail(ErrorKind::kFailedPrecondition, "{}", why);
+      }
+    }
+    return norm;
+  }
   void sync_host() override { model_->download(host_.parameters(), &optimizer_); }
   std::string device() const override { return device_; }
   uint64_t device_bytes() const override { return model_->device_bytes_in_use(); }
@@ -585,6 +628,8 @@ class CudaBackend final : public StepBackend {
   std::string device_;
   // Declared before the model, which uses them: destroyed after it.
   std::unique_ptr<parallel::CudaCommunicator> world_, tensor_group_, data_group_;
+  // Watches the communicators above: destroyed (its thread joined) before them.
+  std::unique_ptr<parallel::CollectiveWatchdog> watchdog_;
   std::unique_ptr<cuda::GemmPlanCache> own_plans_;
   cuda::GemmPlanCache* plans_ = nullptr;
   std::vector<std::string> plan_cache_problems_;
@@ -860,7 +905,9 @@ RunSummary train(const TrainJob& job, TrainingObserver& observer, const TrainOpt
     double loss = 0;
     for (int micro = 0; micro < job.grad_accum; ++micro) {
       loader.next_batch(job.batch, tokens.data());
-      loss += backend->forward_backward(tokens.data(), 1.0 / job.grad_accum) / job.grad_accum;
+      loss += backend->forward_backward(tokens.data(), 1.0 / job.grad_accum,
+                                        micro + 1 == job.grad_accum) /
+              job.grad_accum;
     }
     const double lr = learning_rate(job.optimizer, step, job.steps);
     const double grad_norm = backend->update(lr);

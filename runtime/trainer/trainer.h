@@ -3,6 +3,7 @@
 #include <atomic>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -134,6 +135,15 @@ struct TrainOptions {
   int world_rank = 0;
   std::filesystem::path rendezvous = {};
   double rendezvous_timeout_seconds = 120;
+  // Several GPUs: a collective whose stream reached it and that has waited this long for the
+  // other ranks fails the job (runtime/parallel/collective_watchdog.h); 0 turns the watchdog off.
+  // It must exceed the longest time one rank spends between collectives while the others wait
+  // (rank 0 writing a checkpoint).
+  double collective_timeout_seconds = 600;
+  // Called with the reason when the collective watchdog fired and this rank's work was still
+  // stuck 5 s later (blocked inside an NCCL call the abort cannot reach): it should end the
+  // process. Unset: the rank stays stuck (the daemon's progress watchdog ends it).
+  std::function<void(const std::string&)> on_stuck_rank = {};
   // A cuda job's plan cache owned by the caller (a test or benchmark that inspects it), used
   // instead of one opened from job.plan_cache; it must be the job's GPU's.
   cuda::GemmPlanCache* plan_cache = nullptr;

@@ -285,6 +285,7 @@ DaemonConfig parse_daemon_config(const json& j, const std::string& source,
     Fields jobs(*v, "jobs.", source);
     constexpr int kWeek = 7 * 24 * 3600;
     jobs.read_int("progress_timeout_seconds", c.jobs.progress_timeout_seconds, 0, kWeek);
+    jobs.read_int("collective_timeout_seconds", c.jobs.collective_timeout_seconds, 0, kWeek);
     jobs.read_int("cancel_grace_seconds", c.jobs.cancel_grace_seconds, 1, 3600);
     jobs.read_int("time_limit_grace_seconds", c.jobs.time_limit_grace_seconds, 0, kWeek);
     jobs.read_int("restart_backoff_seconds", c.jobs.restart_backoff_seconds, 0, kWeek);

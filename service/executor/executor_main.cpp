@@ -12,6 +12,8 @@
 #include <CLI/CLI.hpp>
 
 #include <atomic>
+#include <cstdlib>
+#include <mutex>
 
 #include "base/error.h"
 #include "runtime/trainer/trainer.h"
@@ -94,9 +96,12 @@ class EventObserver final : public megacpp::TrainingObserver {
 
  private:
   void send(const megacpp::v1::ExecutorEvent& e) {
+    // The collective watchdog's last resort sends from its own thread.
+    std::lock_guard lock(send_mutex_);
     // A broken pipe means the daemon is gone: stop after this step, with a checkpoint.
     if (!megacpp::executor::write_event(fd_, e)) g_stop.store(true);
   }
+  std::mutex send_mutex_;
   int fd_;
 };
 
@@ -108,12 +113,17 @@ int main(int argc, char** argv) {
   int events_fd = -1;
   int rank = 0;
   std::string rendezvous;
+  double collective_timeout = megacpp::TrainOptions{}.collective_timeout_seconds;
   app.add_option("--job", job_file, "job JSON file")->required();
   app.add_option("--events-fd", events_fd, "pipe to stream events on")->required();
   app.add_option("--rank", rank, "world rank of this process in a several-GPU job")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--rendezvous", rendezvous,
                  "file where rank 0 writes the NCCL unique id (several-GPU jobs)");
+  app.add_option("--collective-timeout", collective_timeout,
+                 "seconds a started collective may wait for the other ranks before the job "
+                 "fails (several-GPU jobs); 0: no limit")
+      ->check(CLI::NonNegativeNumber);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -142,6 +152,16 @@ int main(int argc, char** argv) {
     options.stop_requested = &g_stop;
     options.world_rank = rank;
     options.rendezvous = rendezvous;
+    options.collective_timeout_seconds = collective_timeout;
+    options.on_stuck_rank = [&observer](const std::string& reason) {
+      const std::string message =
+          reason +
+          "; this rank stayed blocked inside a CUDA or NCCL call after the abort, so its "
+          "executor exits";
+      spdlog::error("{}", message);
+      observer.send_failure(message);
+      std::_Exit(3);
+    };
     megacpp::train(job, observer, options);
   } catch (const megacpp::Error& e) {
     spdlog::error("{}", e.what());

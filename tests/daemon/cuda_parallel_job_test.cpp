@@ -68,8 +68,11 @@ v1::JobSpec gpu_job(const Daemon& d, int64_t steps, int tensor_parallel) {
   return spec;
 }
 
-// Generous for a busy machine: the tiny jobs send an event every few milliseconds.
-constexpr int kProgressTimeout = 20;
+// Generous for a busy machine: the tiny jobs send an event every few milliseconds, and call a
+// collective every few hundred microseconds. The progress watchdog's is the longer, so that a hung
+// rank is found by the collective watchdog of the rank waiting for it.
+constexpr int kCollectiveTimeout = 8;
+constexpr int kProgressTimeout = 60;
 constexpr int kCancelGrace = 5;
 
 TEST(CudaParallelJobs, TensorAndDataParallelJobsRunAndAFailedOrHungRankFailsTheJob) {
@@ -77,6 +80,7 @@ TEST(CudaParallelJobs, TensorAndDataParallelJobsRunAndAFailedOrHungRankFailsTheJ
   Daemon d([](nlohmann::json& c) {
     c["devices"] = {{"cpu_slots", 1}, {"gpus", "auto"}};
     c["jobs"] = {{"progress_timeout_seconds", kProgressTimeout},
+                 {"collective_timeout_seconds", kCollectiveTimeout},
                  {"cancel_grace_seconds", kCancelGrace}};
   });
   ASSERT_EQ(d.start(), -1) << d.log();
@@ -126,9 +130,10 @@ TEST(CudaParallelJobs, TensorAndDataParallelJobsRunAndAFailedOrHungRankFailsTheJ
               failed.error().substr(0, 160).c_str());
   EXPECT_TRUE(testing::executor_pids(d.pid()).empty()) << "an executor outlived its job";
 
-  // A rank that hangs (SIGSTOP: alive, silent) holds rank 0 in its next collective: the job
-  // sends no event, and the progress watchdog stops every rank (SIGTERM, then SIGKILL after the
-  // grace) and fails the job, within progress_timeout + cancel_grace.
+  // A rank that hangs (SIGSTOP: alive, silent) holds rank 0 in its next collective: rank 0's
+  // collective watchdog finds that collective waiting, aborts rank 0's communicators and fails
+  // it naming the collective and its group; the daemon then kills the stopped rank. Within the
+  // collective timeout and a few seconds, well before the progress watchdog would act.
   const v1::Job hung_job = submit_ok(d, gpu_job(d, 100000, 2));
   wait_for(d, hung_job.id(), stepping, kJobSeconds);
   const pid_t sleeper = rank_pid(d, 1);
@@ -139,10 +144,14 @@ TEST(CudaParallelJobs, TensorAndDataParallelJobsRunAndAFailedOrHungRankFailsTheJ
   const double hang_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - stopped_at).count();
   EXPECT_EQ(hung.state(), v1::JOB_STATE_FAILED) << hung.error();
-  EXPECT_NE(hung.error().find("no progress"), std::string::npos) << hung.error();
-  EXPECT_LT(hang_seconds, kProgressTimeout + kCancelGrace + 10.0);
+  EXPECT_NE(hung.error().find("rank 0 of 2"), std::string::npos) << hung.error();
+  EXPECT_NE(hung.error().find("collective watchdog"), std::string::npos) << hung.error();
+  EXPECT_NE(hung.error().find("world ranks 0-1"), std::string::npos) << hung.error();
+  EXPECT_NE(hung.error().find("collective timeout is 8 s"), std::string::npos) << hung.error();
+  EXPECT_GE(hang_seconds, kCollectiveTimeout);
+  EXPECT_LT(hang_seconds, kCollectiveTimeout + 15.0);
   std::printf("stopped rank 1: the job failed %.1f s later: %s\n", hang_seconds,
-              hung.error().substr(0, 120).c_str());
+              hung.error().substr(0, 400).c_str());
   EXPECT_TRUE(testing::executor_pids(d.pid()).empty()) << "an executor outlived its job";
 
   // Both GPUs are free: the next two-GPU job runs; the daemon is healthy.

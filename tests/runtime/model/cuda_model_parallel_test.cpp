@@ -333,6 +333,51 @@ TEST_P(CudaModelParallelStep, DataParallelOverEveryGpuEqualsOneGpuWithTheWholeBa
   expect_mesh_equals_one_gpu(GetParam(), gpu_world(), 1, kDataParallelGradient);
 }
 
+// Data parallel, two micro-batches a step: the gradients averaged block by block during the last
+// micro-batch's backward (the default) against one all-reduce after it. The same sums of the same
+// values; only NCCL's chunking differs, which at two ranks (one addition per element) changes no
+// bit, so the bound is the DP one and the bits are reported.
+TEST_P(CudaModelParallelStep, DataParallelOverlappedReductionEqualsTheOneAfterTheBackward) {
+  MEGACPP_REQUIRE_GPUS(2);
+  const ParallelCase& c = GetParam();
+  const int world = gpu_world();
+  const ModelConfig config = config_for(c, world);
+  Model<float> host(config);
+  init_host(host);
+  std::mt19937_64 rng(41);
+  const std::vector<int32_t> tokens =
+      random_tokens(2 * world * c.batch, c.seqlen, config.vocab_size, rng);
+  const size_t micro_rows = static_cast<size_t>(c.batch) * (c.seqlen + 1);
+  std::vector<float> grads[2];
+  double losses[2] = {0, 0};
+  for (const bool overlap : {true, false}) {
+    std::vector<std::vector<float>> per_rank(static_cast<size_t>(world));
+    run_ranks(world, 1, [&](int rank, const CudaModelParallel& p) {
+      CudaModel gpu(host, c.batch, c.seqlen, OptimizerConfig{}, rank, p);
+      gpu.set_overlapped_gradient_reduction(overlap);
+      AdamW<float> fresh(host.parameters(), OptimizerConfig{});
+      gpu.upload(host.parameters(), &fresh);
+      gpu.zero_grad();
+      const int32_t* mine = tokens.data() + static_cast<size_t>(2 * rank) * micro_rows;
+      double loss = gpu.forward_backward(mine, 0.5, false);
+      loss += gpu.forward_backward(mine + micro_rows, 0.5, true);
+      per_rank[static_cast<size_t>(rank)] = gpu.download_gradients();
+      if (rank == 0) losses[overlap ? 0 : 1] = loss;
+    });
+    if (HasFailure()) return;
+    for (int rank = 1; rank < world; ++rank) {
+      EXPECT_TRUE(bitwise_equal(per_rank[static_cast<size_t>(rank)], per_rank[0]))
+          << "overlap " << overlap << ": rank " << rank << "'s averaged gradients differ";
+    }
+    grads[overlap ? 0 : 1] = per_rank[0];
+  }
+  EXPECT_EQ(losses[0], losses[1]);
+  expect_close(host, grads[0], grads[1], kDataParallelGradient,
+               c.name + " DP overlapped vs after the backward");
+  std::printf("[ %s ] DP=%d overlapped reduction bitwise equal to the one after the backward: %s\n",
+              c.name.c_str(), world, bitwise_equal(grads[0], grads[1]) ? "yes" : "no");
+}
+
 TEST_P(CudaModelParallelStep, DataParallelTensorParallelGroupsEqualOneGpu) {
   MEGACPP_REQUIRE_GPUS(4);
   expect_mesh_equals_one_gpu(GetParam(), gpu_world(), 2, kTensorParallelGradient);

@@ -1,0 +1,158 @@
+// The NCCL communicator with its collective watchdog, on two GPUs (ranks as threads of this
+// process). Collectives that finish leave nothing pending and never fire the watchdog; a rank
+// whose peer never joins a collective is freed by its watchdog: the spinning kernel returns, the
+// reason names the collective and its group, and the rank's next call fails with it.
+#include <gtest/gtest.h>
+
+#ifdef MEGACPP_HAVE_CUDA
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "base/error.h"
+#include "runtime/parallel/collective_watchdog.h"
+#include "runtime/parallel/cuda_communicator.h"
+#include "tests/support/gpu.h"
+
+namespace megacpp::parallel {
+namespace {
+
+constexpr int64_t kCount = 1 << 18;  // 1 MiB of fp32
+
+// Both ranks' bodies on their threads, each with its world communicator (rank r on GPU r).
+void run_two(const std::function<void(int, CudaCommunicator&)>& body) {
+  const std::string id = CudaCommunicator::new_unique_id();
+  std::vector<std::thread> threads;
+  std::vector<std::string> failures(2);
+  for (int rank = 0; rank < 2; ++rank) {
+    threads.emplace_back([&, rank] {
+      try {
+        CudaCommunicator world(id, 2, rank, rank);
+        world.set_name("world group (world ranks 0-1)");
+        body(rank, world);
+      } catch (const std::exception& e) {
+        failures[static_cast<size_t>(rank)] = e.what();
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(failures[static_cast<size_t>(rank)], "") << "rank " << rank;
+  }
+}
+
+struct DeviceBuffer {
+  float* data = nullptr;
+  cudaStream_t stream = nullptr;
+  explicit DeviceBuffer(int device) {
+    EXPECT_EQ(cudaSetDevice(device), cudaSuccess);
+    EXPECT_EQ(cudaMalloc(&data, kCount * sizeof(float)), cudaSuccess);
+    EXPECT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  }
+  ~DeviceBuffer() {
+    cudaStreamDestroy(stream);
+    cudaFree(data);
+  }
+  void fill(float value) {
+    std::vector<float> host(kCount, value);
+    EXPECT_EQ(cudaMemcpy(data, host.data(), kCount * sizeof(float), cudaMemcpyHostToDevice),
+              cudaSuccess);
+  }
+  float first() {
+    float v = 0;
+    EXPECT_EQ(cudaMemcpy(&v, data, sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+    return v;
+  }
+};
+
+TEST(CudaCommunicator, FinishedCollectivesLeaveNothingPendingAndNeverFireTheWatchdog) {
+  MEGACPP_REQUIRE_GPUS(2);
+  run_two([](int rank, CudaCommunicator& world) {
+    world.track_collectives();
+    CollectiveWatchdog dog(60.0, {&world});
+    dog.start(0.01);
+    DeviceBuffer buffer(rank);
+    buffer.fill(static_cast<float>(rank + 1));
+    for (int i = 0; i < 20; ++i) {
+      world.all_reduce(buffer.data, kCount, CollectiveType::kFloat, ReduceOp::kSum, buffer.stream);
+    }
+    world.begin_batch();
+    world.all_reduce(buffer.data, kCount / 2, CollectiveType::kFloat, ReduceOp::kSum,
+                     buffer.stream);
+    world.all_reduce(buffer.data + kCount / 2, kCount / 2, CollectiveType::kFloat, ReduceOp::kSum,
+                     buffer.stream);
+    world.end_batch();
+    ASSERT_EQ(cudaStreamSynchronize(buffer.stream), cudaSuccess);
+    // 1 + 2 = 3 after the first sum, doubled by each of the 20 after it: 3 · 2^20, exactly.
+    EXPECT_EQ(buffer.first(), 3.0f * static_cast<float>(1 << 20));
+    EXPECT_EQ(world.sum_over_ranks(rank + 1), 3);
+    EXPECT_FALSE(world.oldest_unfinished().has_value());
+    EXPECT_EQ(dog.reason(), "");
+    EXPECT_EQ(world.asynchronous_error(), "");
+  });
+}
+
+TEST(CudaCommunicator, TheWatchdogFreesARankWhosePeerNeverJoinsItsCollective) {
+  MEGACPP_REQUIRE_GPUS(2);
+  std::atomic<bool> rank0_done{false};
+  run_two([&](int rank, CudaCommunicator& world) {
+    world.track_collectives();
+    DeviceBuffer buffer(rank);
+    buffer.fill(1.0f);
+    // One collective together first: NCCL connects the ranks lazily, on the host, inside the
+    // first call (which the watchdog cannot see; the daemon's progress watchdog covers it).
+    world.all_reduce(buffer.data, kCount, CollectiveType::kFloat, ReduceOp::kSum, buffer.stream);
+    ASSERT_EQ(cudaStreamSynchronize(buffer.stream), cudaSuccess);
+    if (rank == 1) {
+      // The hung peer: never enters the collective; leaves once rank 0 has been freed.
+      while (!rank0_done.load()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      world.abort("the test ends the peer");
+      return;
+    }
+    CollectiveWatchdog dog(1.0, {&world});
+    dog.start(0.01);
+    const auto enqueued = std::chrono::steady_clock::now();
+    world.all_reduce(buffer.data, kCount, CollectiveType::kFloat, ReduceOp::kSum, buffer.stream);
+    // Without the watchdog this would wait for ever; the abort ends the kernel.
+    cudaStreamSynchronize(buffer.stream);
+    const double waited =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - enqueued).count();
+    rank0_done.store(true);
+    EXPECT_GE(waited, 1.0);
+    const std::string reason = dog.reason();
+    EXPECT_NE(reason.find("all-reduce of 1.0 MiB fp32 (collective 2 of the world group (world "
+                          "ranks 0-1))"),
+              std::string::npos)
+        << reason;
+    EXPECT_TRUE(world.aborted());
+    try {
+      world.all_reduce(buffer.data, kCount, CollectiveType::kFloat, ReduceOp::kSum, buffer.stream);
+      ADD_FAILURE() << "a collective on an aborted communicator was enqueued";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kFailedPrecondition);
+      EXPECT_NE(std::string(e.what()).find("NCCL world group (world ranks 0-1) aborted: "
+                                           "collective watchdog"),
+                std::string::npos)
+          << e.what();
+    }
+    std::printf("rank 0 freed %.2f s after enqueueing: %s\n", waited, reason.c_str());
+  });
+}
+
+}  // namespace
+}  // namespace megacpp::parallel
+
+#else
+
+TEST(CudaCommunicator, NeedsACudaBuild) {
+  GTEST_SKIP() << "GPU test: this build has no CUDA (MEGACPP_CUDA=OFF)";
+}
+
+#endif
