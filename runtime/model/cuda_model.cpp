@@ -365,13 +365,12 @@ void CudaModel::Impl::plan_gradient_buckets() {
 void CudaModel::Impl::reduce_bucket(size_t bucket) {
   MEGACPP_CUDA_CHECK(cudaEventRecord(bucket_ready[bucket], stream));
   MEGACPP_CUDA_CHECK(cudaStreamWaitEvent(reduce_stream, bucket_ready[bucket], 0));
-  const std::vector<Range>& list = buckets[bucket];
-  if (list.size() > 1) par.data_group->begin_batch();
-  for (const Range& r : list) {
+  parallel::CudaCommunicator::Batch together(*par.data_group);
+  for (const Range& r : buckets[bucket]) {
     par.data_group->all_reduce(grads + r.offset, r.count, parallel::CollectiveType::kFloat,
                                parallel::ReduceOp::kAverage, reduce_stream);
   }
-  if (list.size() > 1) par.data_group->end_batch();
+  together.end();
 }
 
 void CudaModel::Impl::tp_all_reduce_output() {
@@ -769,12 +768,12 @@ void CudaModel::reduce_gradients() {
                                  parallel::ReduceOp::kAverage, m.stream);
   }
   if (m.sharded() && !m.tp_summed.empty()) {
-    m.par.tensor_group->begin_batch();
+    parallel::CudaCommunicator::Batch together(*m.par.tensor_group);
     for (const Impl::Range& r : m.tp_summed) {
       m.par.tensor_group->all_reduce(m.grads + r.offset, r.count, parallel::CollectiveType::kFloat,
                                      parallel::ReduceOp::kSum, m.stream);
     }
-    m.par.tensor_group->end_batch();
+    together.end();
   }
   m.lap("gradient all-reduce");
   m.grads_reduced = true;
@@ -1065,7 +1064,10 @@ double CudaModel::forward_backward(const int32_t* tokens, double grad_scale,
     if (m.graph_exec == nullptr || scale != m.graph_scale) m.capture_step(scale);
     MEGACPP_CUDA_CHECK(cudaGraphLaunch(m.graph_exec, m.stream));
   } else {
-    m.overlap_now = m.par.data_group != nullptr && m.overlap_dp && last_micro_batch;
+    // Not beside tensor parallelism: the TP group's collectives on the compute stream would run
+    // at the same time as the DP group's, which NCCL leaves to the user to prove deadlock-free
+    // (its "multiple communicators" notes); untested on 4 GPUs, so left serial there.
+    m.overlap_now = m.par.data_group != nullptr && !m.sharded() && m.overlap_dp && last_micro_batch;
     m.lap(nullptr);
     m.forward_backward_body(scale);
   }

@@ -46,8 +46,9 @@ class GemmPlanCache;
 // every rank holds but computes part of (B/C norm weights, the angle rows, replicated B/C rows)
 // once before the optimizer. Data parallel: gradients are averaged over the DP group, block by
 // block on a stream of their own while the backward goes on with the blocks below (the last
-// micro-batch of a step; set_overlapped_gradient_reduction), and the loss a step returns is the
-// group's mean. The model's host mirror, uploads, downloads and checkpoints stay global.
+// micro-batch of a step; set_overlapped_gradient_reduction; with tensor parallelism beside it,
+// after the backward), and the loss a step returns is the group's mean. The model's host mirror,
+// uploads, downloads and checkpoints stay global.
 struct CudaModelParallel {
   int tensor_parallel = 1;
   int data_parallel = 1;

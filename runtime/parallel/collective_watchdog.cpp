@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
+
 #include "base/error.h"
 
 namespace megacpp::parallel {
@@ -25,6 +27,7 @@ CollectiveWatchdog::~CollectiveWatchdog() {
   }
   wake_.notify_all();
   if (thread_.joinable()) thread_.join();
+  if (last_resort_thread_.joinable()) last_resort_thread_.join();
 }
 
 void CollectiveWatchdog::set_last_resort(std::function<void(const std::string&)> last_resort,
@@ -40,21 +43,25 @@ void CollectiveWatchdog::start(double poll_seconds) {
   const auto poll = std::chrono::duration_cast<Clock::duration>(
       std::chrono::duration<double>(poll_seconds > 0 ? poll_seconds : 0.05));
   thread_ = std::thread([this, poll] {
+    bool all_aborted = false;
     std::unique_lock lock(mutex_);
-    while (!stopping_ && reason_.empty()) {
+    while (!stopping_) {
+      const bool fired = !reason_.empty();
       lock.unlock();
-      check(Clock::now());
+      if (!fired) {
+        try {
+          check(Clock::now());
+        } catch (const std::exception& e) {
+          // A watchdog that cannot look is no watchdog: the job fails rather than risk a hang.
+          fire(fmt::format("collective watchdog: could not check the collectives: {}", e.what()),
+               nullptr);
+        }
+      } else if (!all_aborted) {
+        all_aborted = abort_groups();
+      }
       lock.lock();
       wake_.wait_for(lock, poll, [this] { return stopping_; });
     }
-    if (stopping_ || !last_resort_) return;
-    // Fired: the owner's work should now fail and destroy the watchdog, within the grace.
-    const auto grace =
-        std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(grace_seconds_));
-    if (wake_.wait_for(lock, grace, [this] { return stopping_; })) return;
-    const std::string why = reason_;
-    lock.unlock();
-    last_resort_(why);
   });
 }
 
@@ -63,7 +70,8 @@ std::string CollectiveWatchdog::check(Clock::time_point now) {
   for (Watch& w : watches_) {
     if (std::string error = w.group->asynchronous_error(); !error.empty()) {
       fire(fmt::format("collective watchdog: NCCL reports for the {}: {}", w.group->group_name(),
-                       error));
+                       error),
+           &w);
       return reason();
     }
     const std::optional<PendingCollective> pending = w.group->oldest_unfinished();
@@ -80,11 +88,13 @@ std::string CollectiveWatchdog::check(Clock::time_point now) {
     const double waited = std::chrono::duration<double>(now - w.started_seen).count();
     if (waited >= timeout_seconds_) {
       fire(fmt::format(
-          "collective watchdog: {} (collective {} of the {}) has waited {:.1f} s for the other "
-          "ranks without finishing (the job's collective timeout is {} s): a peer rank of that "
-          "group stopped answering or failed; this rank's NCCL communicators are aborted",
-          pending->description, pending->sequence, w.group->group_name(), waited,
-          timeout_seconds_));
+               "collective watchdog: {} (collective {} of the {}) has waited {:.1f} s for the "
+               "other ranks without finishing (the job's collective timeout is {} s): a peer rank "
+               "of that group stopped answering or failed; this rank's NCCL communicators are "
+               "aborted",
+               pending->description, pending->sequence, w.group->group_name(), waited,
+               timeout_seconds_),
+           &w);
       return reason();
     }
   }
@@ -96,14 +106,40 @@ std::string CollectiveWatchdog::reason() const {
   return reason_;
 }
 
-void CollectiveWatchdog::fire(const std::string& why) {
+void CollectiveWatchdog::fire(const std::string& why, const Watch* first) {
   {
     std::lock_guard lock(mutex_);
     if (!reason_.empty()) return;
     reason_ = why;
+    if (last_resort_ && thread_.joinable()) {
+      const auto grace = std::chrono::duration_cast<Clock::duration>(
+          std::chrono::duration<double>(grace_seconds_));
+      last_resort_thread_ = std::thread([this, grace] {
+        std::unique_lock wait(mutex_);
+        if (wake_.wait_for(wait, grace, [this] { return stopping_; })) return;
+        const std::string told = reason_;
+        wait.unlock();
+        last_resort_(told);
+      });
+    }
   }
   spdlog::error("{}", why);
-  for (Watch& w : watches_) w.group->abort(why);
+  if (first != nullptr) {
+    // The stuck group first: NCCL's teardown of the others may wait for its kernel.
+    const auto at = watches_.begin() + (first - watches_.data());
+    std::rotate(watches_.begin(), at, at + 1);
+  }
+  abort_groups();
+}
+
+bool CollectiveWatchdog::abort_groups() {
+  const std::string why = reason();
+  bool all = true;
+  for (Watch& w : watches_) {
+    if (!w.aborted) w.aborted = w.group->abort(why);
+    all = all && w.aborted;
+  }
+  return all;
 }
 
 }  // namespace megacpp::parallel

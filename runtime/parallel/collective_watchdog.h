@@ -11,10 +11,13 @@
 // fails with that reason, and the job fails naming it instead of hanging. An error NCCL reports
 // asynchronously (a peer's connection lost) fires it at once.
 //
-// The abort cannot reach a thread blocked inside an NCCL call (an enqueue waiting for room in
-// NCCL's queue to the device, whose kernels wait for the hung peer): freeing the communicator
-// under it is not safe. So a watchdog that fired and was not stopped by its owner within the
-// grace calls its last resort, which ends the process with the reason (the executor's).
+// The group whose collective timed out is aborted first (its kernel must end before the others'
+// teardown can). The abort cannot reach a thread blocked inside an NCCL call (an enqueue waiting
+// for room in NCCL's queue to the device, whose kernels wait for the hung peer): freeing the
+// communicator under it is not safe, so that group's abort is retried every poll. A watchdog that
+// fired and was not destroyed by its owner within the grace calls its last resort (from a thread
+// of its own, which calls into neither CUDA nor NCCL), which ends the process with the reason:
+// the executor's.
 //
 // A collective that waits on the host before it is enqueued (NCCL connecting lazily to a peer
 // that hangs at that moment) is not seen: the daemon's progress watchdog still ends that job.
@@ -49,7 +52,9 @@ class WatchedGroup {
   // The error NCCL reports for this group while no call is made (empty: none).
   virtual std::string asynchronous_error() = 0;
   // Fails the group's pending and later collectives with `reason`; idempotent, any thread.
-  virtual void abort(const std::string& reason) = 0;
+  // Returns false when the abort could not be done yet (a call of the group is inside NCCL and
+  // the group cannot be freed under it): later calls still fail, and the watchdog tries again.
+  virtual bool abort(const std::string& reason) = 0;
 };
 
 class CollectiveWatchdog {
@@ -82,8 +87,12 @@ class CollectiveWatchdog {
     WatchedGroup* group = nullptr;
     uint64_t sequence = 0;  // the started collective being timed (0: none)
     Clock::time_point started_seen;
+    bool aborted = false;
   };
-  void fire(const std::string& reason);
+  // Sets the reason once, starts the last resort's clock, aborts (`first` first).
+  void fire(const std::string& reason, const Watch* first);
+  // Aborts every group not aborted yet; true when none is left.
+  bool abort_groups();
 
   const double timeout_seconds_;
   std::vector<Watch> watches_;
@@ -94,6 +103,7 @@ class CollectiveWatchdog {
   std::function<void(const std::string&)> last_resort_;
   double grace_seconds_ = 0;
   std::thread thread_;
+  std::thread last_resort_thread_;
 };
 
 }  // namespace megacpp::parallel

@@ -3,12 +3,14 @@
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 #include <nccl.h>
+#include <spdlog/spdlog.h>
 
 #include <atomic>
 #include <chrono>
 #include <cstring>
 #include <deque>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "base/error.h"
@@ -106,6 +108,8 @@ struct CudaCommunicator::Impl {
   // ncclCommGetAsyncError (the watchdog's thread) and ncclCommAbort (which frees the
   // communicator) never at once; neither waits for call_mutex.
   std::mutex state_mutex;
+  // Asked: every later call fails with abort_reason. Done: ncclCommAbort has freed `comm`.
+  std::atomic<bool> abort_requested{false};
   std::atomic<bool> aborted{false};
   // The texts failure messages use, read by any thread.
   std::mutex text_mutex;
@@ -118,8 +122,10 @@ struct CudaCommunicator::Impl {
     std::lock_guard lock(text_mutex);
     return name;
   }
-  // sum_over_ranks's device word and stream, made on first use.
+  // sum_over_ranks's device word, pinned host word and stream, made on first use (pinned: its
+  // copies never wait for the device inside call_mutex).
   int64_t* word = nullptr;
+  int64_t* host_word = nullptr;
   cudaStream_t stream = nullptr;
 
   // Tracking (track_collectives): each collective's events, oldest first, until seen finished.
@@ -150,6 +156,16 @@ struct CudaCommunicator::Impl {
     cudaEvent_t e = nullptr;
     MEGACPP_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     return e;
+  }
+  void give_back(cudaEvent_t e) {
+    if (e == nullptr) return;
+    std::lock_guard lock(track_mutex);
+    spare_events.push_back(e);
+  }
+  // check_nccl, giving the collective's first event back when it failed.
+  void checked(cudaEvent_t began, ncclResult_t status, const char* call) {
+    if (status != ncclSuccess) give_back(began);
+    check_nccl(status, call);
   }
   void push(std::string description, cudaEvent_t began, cudaEvent_t ended) {
     std::lock_guard lock(track_mutex);
@@ -186,6 +202,7 @@ struct CudaCommunicator::Impl {
 
   ~Impl() {
     if (word != nullptr) cudaFree(word);
+    if (host_word != nullptr) cudaFreeHost(host_word);
     if (stream != nullptr) cudaStreamDestroy(stream);
     for (const Tracked& t : in_flight) {
       cudaEventDestroy(t.began);
@@ -224,8 +241,13 @@ CudaCommunicator::CudaCommunicator(std::unique_ptr<Impl> impl, int size, int ran
 CudaCommunicator::~CudaCommunicator() {
   if (!impl_ || impl_->comm == nullptr || impl_->aborted.load()) return;
   std::lock_guard lock(impl_->call_mutex);
-  if (!impl_->aborted.load()) {
-    cudaSetDevice(device_);
+  std::lock_guard state(impl_->state_mutex);
+  if (impl_->aborted.load()) return;
+  cudaSetDevice(device_);
+  // An abort asked for and not yet done: its peers are gone, so no collective teardown.
+  if (impl_->abort_requested.load()) {
+    ncclCommAbort(impl_->comm);
+  } else {
     ncclCommDestroy(impl_->comm);
   }
 }
@@ -242,7 +264,7 @@ std::unique_ptr<CudaCommunicator> CudaCommunicator::split(int color, int key) co
   auto impl = std::make_unique<Impl>();
   MEGACPP_CUDA_CHECK(cudaSetDevice(device_));
   std::lock_guard lock(impl_->call_mutex);
-  if (impl_->aborted.load()) fail_aborted(impl_->group_name(), impl_->reason());
+  if (impl_->abort_requested.load()) fail_aborted(impl_->group_name(), impl_->reason());
   check_nccl(ncclCommSplit(impl_->comm, color, key, &impl->comm, nullptr), "ncclCommSplit");
   int size = 0, rank = 0;
   check_nccl(ncclCommCount(impl->comm, &size), "ncclCommCount");
@@ -255,12 +277,13 @@ void CudaCommunicator::all_reduce(void* data, int64_t count, CollectiveType type
                                   void* stream) {
   Impl& m = *impl_;
   std::lock_guard lock(m.call_mutex);
-  if (m.aborted.load()) fail_aborted(m.group_name(), m.reason());
+  if (m.abort_requested.load()) fail_aborted(m.group_name(), m.reason());
   const auto s = static_cast<cudaStream_t>(stream);
   cudaEvent_t began = m.mark_before(s);
-  check_nccl(ncclAllReduce(data, data, static_cast<size_t>(count), nccl_type(type), nccl_op(op),
-                           m.comm, s),
-             "ncclAllReduce");
+  m.checked(began,
+            ncclAllReduce(data, data, static_cast<size_t>(count), nccl_type(type), nccl_op(op),
+                          m.comm, s),
+            "ncclAllReduce");
   if (m.tracking) {
     m.mark_after(s, began, describe("all-reduce", count, type),
                  static_cast<double>(count) * static_cast<double>(type_bytes(type)) / 1048576.0);
@@ -271,11 +294,12 @@ void CudaCommunicator::all_gather(const void* send, void* receive, int64_t count
                                   CollectiveType type, void* stream) {
   Impl& m = *impl_;
   std::lock_guard lock(m.call_mutex);
-  if (m.aborted.load()) fail_aborted(m.group_name(), m.reason());
+  if (m.abort_requested.load()) fail_aborted(m.group_name(), m.reason());
   const auto s = static_cast<cudaStream_t>(stream);
   cudaEvent_t began = m.mark_before(s);
-  check_nccl(ncclAllGather(send, receive, static_cast<size_t>(count), nccl_type(type), m.comm, s),
-             "ncclAllGather");
+  m.checked(began,
+            ncclAllGather(send, receive, static_cast<size_t>(count), nccl_type(type), m.comm, s),
+            "ncclAllGather");
   if (m.tracking) {
     m.mark_after(s, began, describe("all-gather", count, type),
                  static_cast<double>(count) * static_cast<double>(type_bytes(type)) / 1048576.0);
@@ -284,83 +308,106 @@ void CudaCommunicator::all_gather(const void* send, void* receive, int64_t count
 
 int64_t CudaCommunicator::sum_over_ranks(int64_t value) {
   Impl& m = *impl_;
-  int64_t sum = 0;
   {
     std::lock_guard lock(m.call_mutex);
-    if (m.aborted.load()) fail_aborted(m.group_name(), m.reason());
+    if (m.abort_requested.load()) fail_aborted(m.group_name(), m.reason());
     MEGACPP_CUDA_CHECK(cudaSetDevice(device_));
     if (m.word == nullptr) {
       MEGACPP_CUDA_CHECK(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking));
       MEGACPP_CUDA_CHECK(cudaMalloc(&m.word, sizeof(int64_t)));
+      MEGACPP_CUDA_CHECK(cudaMallocHost(&m.host_word, sizeof(int64_t)));
     }
+    *m.host_word = value;  // the previous vote's copy back is done (synchronized below)
     MEGACPP_CUDA_CHECK(
-        cudaMemcpyAsync(m.word, &value, sizeof(value), cudaMemcpyHostToDevice, m.stream));
+        cudaMemcpyAsync(m.word, m.host_word, sizeof(value), cudaMemcpyHostToDevice, m.stream));
     cudaEvent_t began = m.mark_before(m.stream);
-    check_nccl(ncclAllReduce(m.word, m.word, 1, ncclInt64, ncclSum, m.comm, m.stream),
-               "ncclAllReduce");
+    m.checked(began, ncclAllReduce(m.word, m.word, 1, ncclInt64, ncclSum, m.comm, m.stream),
+              "ncclAllReduce");
     m.mark_after(m.stream, began, "the ranks' vote (an all-reduce of one int64)", 0);
     MEGACPP_CUDA_CHECK(
-        cudaMemcpyAsync(&sum, m.word, sizeof(sum), cudaMemcpyDeviceToHost, m.stream));
+        cudaMemcpyAsync(m.host_word, m.word, sizeof(value), cudaMemcpyDeviceToHost, m.stream));
   }
   // Outside call_mutex: an abort must be able to end this wait.
   MEGACPP_CUDA_CHECK(cudaStreamSynchronize(m.stream));
-  if (m.aborted.load()) fail_aborted(m.group_name(), m.reason());
-  return sum;
+  if (m.abort_requested.load()) fail_aborted(m.group_name(), m.reason());
+  return *m.host_word;
 }
 
 void CudaCommunicator::begin_batch() {
   Impl& m = *impl_;
-  m.call_mutex.lock();
-  if (m.aborted.load()) {
-    m.call_mutex.unlock();
-    fail_aborted(m.group_name(), m.reason());
-  }
+  std::unique_lock lock(m.call_mutex);
+  if (m.abort_requested.load()) fail_aborted(m.group_name(), m.reason());
+  check_nccl(ncclGroupStart(), "ncclGroupStart");
   if (m.batch_depth++ == 0) {
     m.batch_collectives = 0;
     m.batch_mib = 0;
     m.batch_began = nullptr;
     m.batch_stream = nullptr;
   }
-  check_nccl(ncclGroupStart(), "ncclGroupStart");
+  lock.release();  // held until end_batch
 }
 
 void CudaCommunicator::end_batch() {
   Impl& m = *impl_;
   // Unlocks the lock begin_batch took, whatever happens here.
   std::lock_guard lock(m.call_mutex, std::adopt_lock);
-  check_nccl(ncclGroupEnd(), "ncclGroupEnd");
-  if (--m.batch_depth == 0 && m.batch_began != nullptr) {
-    cudaEvent_t ended = m.take_event();
-    MEGACPP_CUDA_CHECK(cudaEventRecord(ended, m.batch_stream));
-    m.push(fmt::format("a batch of {} collectives, {:.1f} MiB in all", m.batch_collectives,
-                       m.batch_mib),
-           m.batch_began, ended);
-    m.batch_began = nullptr;
+  const bool outermost = --m.batch_depth == 0;
+  const ncclResult_t status = ncclGroupEnd();
+  if (!outermost || m.batch_began == nullptr) {
+    check_nccl(status, "ncclGroupEnd");
+    return;
+  }
+  cudaEvent_t began = std::exchange(m.batch_began, nullptr);
+  m.checked(began, status, "ncclGroupEnd");
+  cudaEvent_t ended = m.take_event();
+  MEGACPP_CUDA_CHECK(cudaEventRecord(ended, m.batch_stream));
+  m.push(
+      fmt::format("a batch of {} collectives, {:.1f} MiB in all", m.batch_collectives, m.batch_mib),
+      began, ended);
+}
+
+CudaCommunicator::Batch::Batch(CudaCommunicator& group) : group_(&group) {
+  group.begin_batch();
+}
+
+CudaCommunicator::Batch::~Batch() {
+  if (group_ == nullptr) return;
+  // Unwinding from a collective of the batch that threw: the batch still ends (the group call
+  // closed, the lock released); its own error is the one that propagates.
+  try {
+    group_->end_batch();
+  } catch (const std::exception& e) {
+    spdlog::warn("ending an NCCL batch after an error: {}", e.what());
   }
 }
 
-void CudaCommunicator::abort(const std::string& reason) {
+void CudaCommunicator::Batch::end() {
+  std::exchange(group_, nullptr)->end_batch();
+}
+
+bool CudaCommunicator::abort(const std::string& reason) {
   Impl& m = *impl_;
-  if (m.aborted.load()) return;
   {
     std::lock_guard lock(m.text_mutex);
     if (m.abort_reason.empty()) m.abort_reason = reason;
   }
+  m.abort_requested.store(true);
+  if (m.aborted.load()) return true;
   std::unique_lock call(m.call_mutex, std::defer_lock);
-  if (!call.try_lock_for(std::chrono::seconds(1))) {
-    // A call of this communicator is blocked inside NCCL: freeing the communicator under it is
-    // not safe, and nothing else reaches that wait. Marked aborted (later calls fail with the
-    // reason); the watchdog's last resort ends the process.
-    m.aborted.store(true);
-    return;
-  }
+  // A call of this communicator blocked inside NCCL holds the lock: freeing the communicator
+  // under it is not safe. The caller tries again later.
+  if (!call.try_lock_for(std::chrono::seconds(1))) return false;
   std::lock_guard state(m.state_mutex);
-  if (m.aborted.exchange(true)) return;
-  ncclCommAbort(m.comm);
+  if (!m.aborted.load()) {
+    cudaSetDevice(device_);
+    ncclCommAbort(m.comm);
+    m.aborted.store(true);
+  }
+  return true;
 }
 
 bool CudaCommunicator::aborted() const {
-  return impl_->aborted.load();
+  return impl_->abort_requested.load();
 }
 
 void CudaCommunicator::set_name(std::string name) {

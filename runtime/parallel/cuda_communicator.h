@@ -56,15 +56,30 @@ class CudaCommunicator final : public WatchedGroup {
   // (stop after this step). Synchronous, on the communicator's own stream.
   int64_t sum_over_ranks(int64_t value);
   // Collectives between begin_batch() and end_batch() are launched together (ncclGroupStart /
-  // ncclGroupEnd): many small reductions cost about one launch.
+  // ncclGroupEnd): many small reductions cost about one launch. A batch holds this
+  // communicator's lock throughout, and its collectives share one stream. Batch ends it also
+  // when a collective inside throws.
   void begin_batch();
   void end_batch();
+  class Batch {
+   public:
+    explicit Batch(CudaCommunicator& group);
+    ~Batch();
+    Batch(const Batch&) = delete;
+    Batch& operator=(const Batch&) = delete;
+    void end();  // launches the batch; throws what ncclGroupEnd reports
+
+   private:
+    CudaCommunicator* group_;
+  };
 
   // Fails this communicator's pending and future collectives; idempotent, any thread. Later
-  // calls throw kFailedPrecondition naming `reason`.
-  void abort(const std::string& reason) override;
-  void abort() { abort("aborted by its owner"); }
-  bool aborted() const;
+  // calls throw kFailedPrecondition naming `reason`. Returns false when a call of this
+  // communicator is blocked inside NCCL, so that the communicator could not be freed yet (ask
+  // again later); the destructor then finishes the abort.
+  bool abort(const std::string& reason) override;
+  bool abort() { return abort("aborted by its owner"); }
+  bool aborted() const;  // an abort was asked for
 
   // What failure messages call this group, e.g. "tensor-parallel group (world ranks 0-1)".
   void set_name(std::string name);

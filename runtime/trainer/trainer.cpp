@@ -556,9 +556,15 @@ class CudaBackend final : public StepBackend {
   // Every rank is handed the whole batch; its replica trains on its own rows of it.
   double forward_backward(const int32_t* tokens, double grad_scale,
                           bool last_micro_batch) override {
-    return model_->forward_backward(own_rows(tokens), grad_scale, last_micro_batch);
+    const double loss = model_->forward_backward(own_rows(tokens), grad_scale, last_micro_batch);
+    throw_if_watchdog_fired();
+    return loss;
   }
-  double forward(const int32_t* tokens) override { return model_->forward(own_rows(tokens)); }
+  double forward(const int32_t* tokens) override {
+    const double loss = model_->forward(own_rows(tokens));
+    throw_if_watchdog_fired();
+    return loss;
+  }
   int64_t sum_over_ranks(int64_t value) override {
     return world_ ? world_->sum_over_ranks(value) : value;
   }
@@ -568,15 +574,13 @@ class CudaBackend final : public StepBackend {
   std::string plan_cache_file() const override { return plans_->file().string(); }
   double update(double lr) override {
     const double norm = model_->optimizer_step(lr);
-    // A collective the watchdog aborted returns with garbage: the step must not count.
-    if (watchdog_) {
-      if (const std::string why = watchdog_->reason(); !why.empty()) {
-        fail(ErrorKind::kFailedPrecondition, "{}", why);
-      }
-    }
+    throw_if_watchdog_fired();
     return norm;
   }
-  void sync_host() override { model_->download(host_.parameters(), &optimizer_); }
+  void sync_host() override {
+    model_->download(host_.parameters(), &optimizer_);
+    throw_if_watchdog_fired();  // before a checkpoint is written from what came down
+  }
   std::string device() const override { return device_; }
   uint64_t device_bytes() const override { return model_->device_bytes_in_use(); }
   void set_profiling(bool on) override { model_->set_profiling(on); }
@@ -616,6 +620,13 @@ class CudaBackend final : public StepBackend {
   }
 
  private:
+  // A collective the watchdog aborted returns with garbage: nothing computed since may count.
+  void throw_if_watchdog_fired() const {
+    if (!watchdog_) return;
+    if (const std::string why = watchdog_->reason(); !why.empty()) {
+      fail(ErrorKind::kFailedPrecondition, "{}", why);
+    }
+  }
   const int32_t* own_rows(const int32_t* tokens) const {
     return tokens + static_cast<size_t>(first_row_) * (seqlen_ + 1);
   }

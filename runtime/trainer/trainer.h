@@ -139,7 +139,7 @@ struct TrainOptions {
   // other ranks fails the job (runtime/parallel/collective_watchdog.h); 0 turns the watchdog off.
   // It must exceed the longest time one rank spends between collectives while the others wait
   // (rank 0 writing a checkpoint).
-  double collective_timeout_seconds = 600;
+  double collective_timeout_seconds = 300;
   // Called with the reason when the collective watchdog fired and this rank's work was still
   // stuck 5 s later (blocked inside an NCCL call the abort cannot reach): it should end the
   // process. Unset: the rank stays stuck (the daemon's progress watchdog ends it).

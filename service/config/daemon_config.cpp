@@ -296,6 +296,18 @@ DaemonConfig parse_daemon_config(const json& j, const std::string& source,
                   "must not be below jobs.restart_backoff_seconds={}: it caps the backoff",
                   c.jobs.restart_backoff_seconds);
     }
+    if (!v->contains("collective_timeout_seconds") && c.jobs.progress_timeout_seconds > 0) {
+      // Unset: below the progress watchdog's, whatever that is.
+      c.jobs.collective_timeout_seconds =
+          std::min(c.jobs.collective_timeout_seconds, c.jobs.progress_timeout_seconds / 2);
+    }
+    if (c.jobs.collective_timeout_seconds > 0 && c.jobs.progress_timeout_seconds > 0 &&
+        c.jobs.collective_timeout_seconds >= c.jobs.progress_timeout_seconds) {
+      jobs.refuse("collective_timeout_seconds", json(c.jobs.collective_timeout_seconds),
+                  "must be below jobs.progress_timeout_seconds={} (or either 0): the rank waiting "
+                  "for a hung one must report it before the progress watchdog stops the job",
+                  c.jobs.progress_timeout_seconds);
+    }
   }
 
   if (const json* v = top.get("security")) {

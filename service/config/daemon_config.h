@@ -41,8 +41,10 @@ struct DaemonJobsConfig {
   int progress_timeout_seconds = 600;
   // Several-GPU jobs: a collective that has waited this long for the other ranks (a rank hung)
   // fails the job from inside the waiting rank, its NCCL communicators aborted
-  // (runtime/parallel/collective_watchdog.h); 0 disables it.
-  int collective_timeout_seconds = 600;
+  // (runtime/parallel/collective_watchdog.h); 0 disables it. Below progress_timeout_seconds
+  // (when both are on), so that the rank waiting for a hung one reports first; unset, at most
+  // half of it.
+  int collective_timeout_seconds = 300;
   // Time an executor gets after SIGTERM (cancel, watchdog, time limit) before SIGKILL.
   int cancel_grace_seconds = 30;
   // The daemon stops a job still running this long after its spec.max_seconds: the executor

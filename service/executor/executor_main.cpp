@@ -156,8 +156,8 @@ int main(int argc, char** argv) {
     options.on_stuck_rank = [&observer](const std::string& reason) {
       const std::string message =
           reason +
-          "; this rank stayed blocked inside a CUDA or NCCL call after the abort, so its "
-          "executor exits";
+          "; this rank's work was still stuck 5 s after the abort (a CUDA or NCCL call the "
+          "abort does not reach), so its executor exits";
       spdlog::error("{}", message);
       observer.send_failure(message);
       std::_Exit(3);

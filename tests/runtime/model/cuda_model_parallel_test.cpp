@@ -336,7 +336,8 @@ TEST_P(CudaModelParallelStep, DataParallelOverEveryGpuEqualsOneGpuWithTheWholeBa
 // Data parallel, two micro-batches a step: the gradients averaged block by block during the last
 // micro-batch's backward (the default) against one all-reduce after it. The same sums of the same
 // values; only NCCL's chunking differs, which at two ranks (one addition per element) changes no
-// bit, so the bound is the DP one and the bits are reported.
+// bit, and at more may change the order of the sum: the bound is the DP one, the bits are
+// reported. The profiled ops show which way each run reduced.
 TEST_P(CudaModelParallelStep, DataParallelOverlappedReductionEqualsTheOneAfterTheBackward) {
   MEGACPP_REQUIRE_GPUS(2);
   const ParallelCase& c = GetParam();
@@ -358,10 +359,17 @@ TEST_P(CudaModelParallelStep, DataParallelOverlappedReductionEqualsTheOneAfterTh
       AdamW<float> fresh(host.parameters(), OptimizerConfig{});
       gpu.upload(host.parameters(), &fresh);
       gpu.zero_grad();
+      gpu.set_profiling(true);
       const int32_t* mine = tokens.data() + static_cast<size_t>(2 * rank) * micro_rows;
       double loss = gpu.forward_backward(mine, 0.5, false);
       loss += gpu.forward_backward(mine + micro_rows, 0.5, true);
       per_rank[static_cast<size_t>(rank)] = gpu.download_gradients();
+      gpu.optimizer_step(kLearningRate);  // harvests the profiled laps
+      bool overlapped = false;
+      for (const OpTime& t : gpu.op_times()) {
+        overlapped |= t.op == "data-parallel gradient all-reduce (not hidden)";
+      }
+      EXPECT_EQ(overlapped, overlap) << "rank " << rank;
       if (rank == 0) losses[overlap ? 0 : 1] = loss;
     });
     if (HasFailure()) return;

@@ -22,6 +22,9 @@ namespace {
 using Clock = CollectiveWatchdog::Clock;
 using std::chrono::milliseconds;
 
+// Orders the first abort of each group across groups.
+std::atomic<int> abort_clock{0};
+
 class FakeGroup final : public WatchedGroup {
  public:
   explicit FakeGroup(std::string name) : name_(std::move(name)) {}
@@ -34,10 +37,20 @@ class FakeGroup final : public WatchedGroup {
     std::lock_guard lock(mutex_);
     return error_;
   }
-  void abort(const std::string& reason) override {
+  bool abort(const std::string& reason) override {
     std::lock_guard lock(mutex_);
-    ++aborts_;
+    if (aborts_++ == 0) first_abort_ = ++abort_clock;
     abort_reason_ = reason;
+    if (refusals_left_ > 0) {
+      --refusals_left_;
+      return false;
+    }
+    return true;
+  }
+  // The next `n` aborts cannot be done yet (a call of the group is inside NCCL).
+  void refuse_aborts(int n) {
+    std::lock_guard lock(mutex_);
+    refusals_left_ = n;
   }
 
   void set_pending(std::optional<PendingCollective> p) {
@@ -56,6 +69,10 @@ class FakeGroup final : public WatchedGroup {
     std::lock_guard lock(mutex_);
     return abort_reason_;
   }
+  int first_abort() const {
+    std::lock_guard lock(mutex_);
+    return first_abort_;
+  }
 
  private:
   std::string name_;
@@ -63,6 +80,8 @@ class FakeGroup final : public WatchedGroup {
   std::optional<PendingCollective> pending_;
   std::string error_;
   int aborts_ = 0;
+  int refusals_left_ = 0;
+  int first_abort_ = 0;
   std::string abort_reason_;
 };
 
@@ -193,6 +212,22 @@ TEST(CollectiveWatchdog, ItsLastResortRunsOnlyWhenTheOwnerStaysStuckPastTheGrace
     while (freed.aborts() == 0) std::this_thread::sleep_for(milliseconds(5));
   }
   EXPECT_EQ(later.load(), 0);
+}
+
+TEST(CollectiveWatchdog, AbortsTheStuckGroupFirstAndRetriesAnAbortThatCouldNotBeDone) {
+  FakeGroup world("world group (world ranks 0-1)"),
+      tensor("tensor-parallel group (world ranks 0-1)");
+  tensor.set_pending(collective(4, true));
+  tensor.refuse_aborts(3);
+  CollectiveWatchdog dog(0.05, {&world, &tensor});
+  dog.start(0.01);
+  // Retried every poll until done: the fourth try succeeds.
+  while (tensor.aborts() < 4) std::this_thread::sleep_for(milliseconds(5));
+  std::this_thread::sleep_for(milliseconds(50));
+  EXPECT_EQ(tensor.aborts(), 4) << "an abort that was done was asked again";
+  EXPECT_EQ(world.aborts(), 1);
+  EXPECT_LT(tensor.first_abort(), world.first_abort()) << "the stuck group is aborted first";
+  EXPECT_NE(dog.reason().find("collective 4 of the tensor-parallel group"), std::string::npos);
 }
 
 TEST(CollectiveWatchdog, ItsThreadStopsWithTheWatchdog) {

@@ -251,7 +251,7 @@ TEST(DaemonConfig, JobSupervisionAndStreamLimitsHaveDefaultsAndRules) {
   EXPECT_EQ(d.limits.max_watch_streams, 64);
   EXPECT_EQ(d.limits.job_event_history_bytes, 1u << 20);
   EXPECT_EQ(d.jobs.progress_timeout_seconds, 600);
-  EXPECT_EQ(d.jobs.collective_timeout_seconds, 600);
+  EXPECT_EQ(d.jobs.collective_timeout_seconds, 300);
   EXPECT_EQ(d.jobs.cancel_grace_seconds, 30);
   EXPECT_EQ(d.jobs.time_limit_grace_seconds, 300);
   EXPECT_EQ(d.jobs.restart_backoff_seconds, 10);
@@ -268,6 +268,13 @@ TEST(DaemonConfig, JobSupervisionAndStreamLimitsHaveDefaultsAndRules) {
   EXPECT_EQ(c.limits.job_event_history_bytes, 65536u);
   EXPECT_EQ(c.jobs.progress_timeout_seconds, 0);  // the watchdog off
   EXPECT_EQ(c.jobs.collective_timeout_seconds, 0);
+  // Unset, it stays below the progress watchdog's.
+  EXPECT_EQ(
+      parse(with({{"jobs", {{"progress_timeout_seconds", 100}}}})).jobs.collective_timeout_seconds,
+      50);
+  EXPECT_EQ(
+      parse(with({{"jobs", {{"progress_timeout_seconds", 0}}}})).jobs.collective_timeout_seconds,
+      300);
   EXPECT_EQ(c.jobs.cancel_grace_seconds, 2);
   EXPECT_EQ(c.jobs.time_limit_grace_seconds, 5);
   EXPECT_EQ(c.jobs.restart_backoff_seconds, 1);
@@ -286,6 +293,8 @@ TEST(DaemonConfig, JobSupervisionAndStreamLimitsHaveDefaultsAndRules) {
        "jobs.progress_timeout_seconds=2.5 must be an integer"},
       {with({{"jobs", {{"collective_timeout_seconds", -3}}}}),
        "jobs.collective_timeout_seconds=-3 must not be negative"},
+      {with({{"jobs", {{"collective_timeout_seconds", 600}}}}),
+       "jobs.collective_timeout_seconds=600 must be below jobs.progress_timeout_seconds=600"},
       {with({{"jobs", {{"cancel_grace_seconds", 0}}}}),
        "jobs.cancel_grace_seconds=0 must be positive"},
       {with({{"jobs", {{"time_limit_grace_seconds", -5}}}}),
