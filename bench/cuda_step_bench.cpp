@@ -6,13 +6,15 @@
 //
 //   cuda_step_bench [--preset bench-350m|bench-1.3b] [--rank 4] [--batch 4] [--seqlen 8192]
 //                   [--steps 8] [--cuda-graphs] [--tensor-parallel 1] [--data-parallel 1]
-//                   [--no-overlap] [--json FILE]
+//                   [--no-overlap] [--recompute-in-proj] [--json FILE]
 // --tensor-parallel T --data-parallel D: the step on T·D GPUs (ranks as threads of this process,
 // one GPU each, joined by NCCL as the executor's rank processes are); --batch is the global batch
 // (each replica takes batch / D). Times are rank 0's; the collectives appear as ops.
 // --rank 1 is the SISO variant of the preset (chunk 64, as the official R = 1 path runs).
 // --no-overlap: data parallel, the gradients averaged in one all-reduce after the backward rather
 // than block by block during it (for the comparison).
+// --recompute-in-proj: the Mamba-3 in_proj outputs recomputed in the backward, not kept
+// (CudaModelMemory; the recompute_in_proj gate).
 // --cuda-graphs: the timed steps replay the step captured as a CUDA graph (the profiled steps
 // after them run eagerly); compare with a run without it for the cuda_graphs gate's receipt.
 #include <cstdio>
@@ -58,6 +60,7 @@ struct Options {
   int tensor_parallel = 1;
   int data_parallel = 1;
   bool overlap = true;  // CudaModel::set_overlapped_gradient_reduction
+  bool recompute_in_proj = false;
   std::string json;
 };
 
@@ -85,6 +88,8 @@ Options parse(int argc, char** argv) {
       o.tensor_parallel = std::stoi(value());
     } else if (a == "--data-parallel") {
       o.data_parallel = std::stoi(value());
+    } else if (a == "--recompute-in-proj") {
+      o.recompute_in_proj = true;
     } else if (a == "--no-overlap") {
       o.overlap = false;
     } else if (a == "--json") {
@@ -168,7 +173,8 @@ RankResult run_rank(const Options& o, const megacpp::Model<float>& host,
   };
   r.phases.emplace_back("host setup (model, init, moments, tokens)",
                         std::chrono::duration<double>(mark - start).count());
-  CudaModel model(host, rows, o.seqlen, optimizer, device, parallel);
+  CudaModel model(host, rows, o.seqlen, optimizer, device, parallel, nullptr,
+                  megacpp::CudaModelMemory{o.recompute_in_proj});
   phase("CudaModel construction (context, arena, plans)");
   model.upload(host.parameters(), &moments);
   model.set_step_graph(o.cuda_graphs);
@@ -280,6 +286,7 @@ int run(const Options& o) {
       {"tensor_parallel", o.tensor_parallel},
       {"data_parallel", o.data_parallel},
       {"overlapped_gradient_reduction", o.overlap && o.data_parallel > 1},
+      {"recompute_in_proj", o.recompute_in_proj},
       {"parameters", host.parameters().total()},
       {"first_loss", first_loss},
       {"seconds_to_first_step", to_first_step},
@@ -293,12 +300,13 @@ int run(const Options& o) {
       {"device_bytes_in_use", in_use},
       {"planned_bytes", r.planned}};
   std::printf(
-      "%s R=%d chunk %d, batch %d x seqlen %d%s, TP=%d DP=%d%s: step min/median/max "
+      "%s R=%d chunk %d, batch %d x seqlen %d%s%s, TP=%d DP=%d%s: step min/median/max "
       "%.1f/%.1f/%.1f ms, "
       "%.0f tokens/s, %.1f model TFLOP/s, MFU %.1f%% of the %.0f TFLOP/s GEMM ceiling, "
       "%.1f GiB in use, first step after %.1f s\n",
       o.preset.c_str(), o.rank, config.ssm.chunk_size, o.batch, o.seqlen,
-      o.cuda_graphs ? " (step graph)" : "", o.tensor_parallel, o.data_parallel,
+      o.cuda_graphs ? " (step graph)" : "", o.recompute_in_proj ? " (in_proj recomputed)" : "",
+      o.tensor_parallel, o.data_parallel,
       o.data_parallel > 1 ? (o.overlap ? " overlapped" : " not overlapped") : "", sorted.front(),
       median, sorted.back(), tokens_per_step / (median / 1e3), flops / (median / 1e3) / 1e12,
       100 * flops / (median / 1e3) / ceiling,

@@ -304,6 +304,11 @@ ValidatedJob validate_job_spec(const megacpp::v1::JobSpec& spec, const DaemonCon
     // Checked after the gates so their decisions are recorded with the refusal.
 #ifdef MEGACPP_HAVE_CUDA
     out.train_job["device"] = "cuda";
+    for (const gates::GateDecision& d : out.gate_decisions) {
+      if (d.gate == "recompute_in_proj" && d.decision == gates::Decision::kOn) {
+        out.train_job["recompute_in_proj"] = true;
+      }
+    }
     // Checked and repaired at startup (service/preconditions): shared by every job of the
     // daemon, merged under a lock when two write at once.
     if (!config.cache_dirs.empty()) {

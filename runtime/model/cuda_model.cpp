@@ -100,6 +100,7 @@ struct CudaModel::Impl {
   // Data parallel: the gradient ranges of each block (then one more bucket: embedding, final norm,
   // lm_head), averaged over the DP group on reduce_stream as soon as the backward is done with
   // them, while it goes on with the blocks below (forward_backward's last micro-batch).
+  bool recompute_in_proj = false;  // CudaModelMemory
   bool overlap_dp = true;
   bool overlap_now = false;  // this forward_backward averages its buckets as it goes
   bool dp_reduced = false;   // the gradients since zero_grad were averaged in the backward
@@ -445,7 +446,8 @@ void CudaModel::Impl::gather_to_host(const float* local, float* global) const {
 
 CudaModel::CudaModel(const Model<float>& host, int batch, int seqlen,
                      const OptimizerConfig& optimizer, int device,
-                     const CudaModelParallel& parallel, cuda::GemmPlanCache* plan_cache)
+                     const CudaModelParallel& parallel, cuda::GemmPlanCache* plan_cache,
+                     const CudaModelMemory& memory)
     : impl_(std::make_unique<Impl>()) {
   Impl& m = *impl_;
   if (batch <= 0 || seqlen <= 0) {
@@ -484,6 +486,8 @@ CudaModel::CudaModel(const Model<float>& host, int batch, int seqlen,
 
   // Sizes of the shared backward scratch: the largest need of any sublayer.
   size_t scratch_a = rows * dm, scratch_b = rows * dm, scratch_c = 0, param_scratch = 0;
+  m.recompute_in_proj = memory.recompute_in_proj;
+  size_t shared_proj = 0;  // recompute_in_proj: one in_proj output for every Mamba layer
   size_t workspace = 0, scan_backward = 0;
   const auto need_workspace = [&](size_t bytes) {
     workspace = std::max(workspace, bytes);
@@ -538,7 +542,11 @@ CudaModel::CudaModel(const Model<float>& host, int batch, int seqlen,
       const ops::Mamba3PreprocessShape& s = layer->shape;
       const size_t cols = static_cast<size_t>(s.columns());
       const size_t di = static_cast<size_t>(s.d_inner());
-      a.reserve(&layer->proj, rows * cols, q + "proj");
+      if (memory.recompute_in_proj) {
+        shared_proj = std::max(shared_proj, rows * cols);  // pointed at after allocate()
+      } else {
+        a.reserve(&layer->proj, rows * cols, q + "proj");
+      }
       a.reserve(&layer->scan_in, scan_input_elements(s, rows), q + "scan inputs");
       a.reserve(&layer->y, rows * di, q + "y");
       scratch_a = std::max(scratch_a, rows * di);    // dy of the scan
@@ -637,7 +645,14 @@ CudaModel::CudaModel(const Model<float>& host, int batch, int seqlen,
   a.reserve(reinterpret_cast<char**>(&m.norm_workspace), norm_bytes, "gradient norm tables");
   a.reserve(reinterpret_cast<char**>(&m.adamw_workspace), adamw_bytes, "AdamW tables");
 
+  uint16_t* shared_proj_buffer = nullptr;
+  if (shared_proj > 0) {
+    a.reserve(&shared_proj_buffer, shared_proj, "in_proj output (shared, recomputed)");
+  }
   a.allocate();
+  for (Impl::Block& b : m.blocks) {
+    if (b.mamba && m.recompute_in_proj) b.mamba->proj = shared_proj_buffer;
+  }
 
   void* ws = m.op_workspace;
   const size_t wsb = m.op_workspace_bytes;
@@ -990,6 +1005,11 @@ void CudaModel::Impl::mamba_backward(MambaLayer& l, const uint16_t* x) {
   m.lap("mamba parameter-gradient adds");
   float* pre = g.d + h;
   cuda::PreprocessDeviceParamGrads pre_grads{pre, pre + h, pre + h + sh.state};
+  if (m.recompute_in_proj) {
+    // The same GEMM on the same input as the forward's: the same bits.
+    l.in_linear->forward(x, m.bf16(l.in_proj), nullptr, cuda::RowsOut{l.proj, nullptr}, m.s());
+    m.lap("mamba in_proj recompute");
+  }
   l.preprocess->backward(l.proj, {m.value(l.dt_bias), m.value(l.b_norm), m.value(l.c_norm)},
                          {gin.z, gin.x, gin.k, gin.q, gin.adt, gin.dt, gin.trap, gin.angles}, dproj,
                          pre_grads, m.s());

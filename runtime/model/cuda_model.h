@@ -57,6 +57,15 @@ struct CudaModelParallel {
   parallel::CudaCommunicator* data_group = nullptr;    // null exactly when data_parallel == 1
 };
 
+// What the step keeps from the forward for its backward, and what it recomputes instead.
+struct CudaModelMemory {
+  // Each Mamba-3 layer's in_proj output ([rows, in_proj columns] bf16: 310 MB a layer at
+  // bench-350m's micro-batch) is not kept: every layer's forward writes it to one shared buffer,
+  // and the backward recomputes it there with the same GEMM on the same input (the same bits), at
+  // the price of one more in_proj GEMM per Mamba layer. The recompute_in_proj feature gate.
+  bool recompute_in_proj = false;
+};
+
 // The device time of one op of the step (e.g. "mamba scan backward"), summed over its calls in
 // the profiled steps (every layer's call is one call).
 struct OpTime {
@@ -80,7 +89,7 @@ class CudaModel {
   // (kernels/cuda/gemm_plan_cache.h); null: cuBLASLt's heuristic for each.
   CudaModel(const Model<float>& host, int batch, int seqlen, const OptimizerConfig& optimizer,
             int device = 0, const CudaModelParallel& parallel = {},
-            cuda::GemmPlanCache* plan_cache = nullptr);
+            cuda::GemmPlanCache* plan_cache = nullptr, const CudaModelMemory& memory = {});
   ~CudaModel();
   CudaModel(const CudaModel&) = delete;
   CudaModel& operator=(const CudaModel&) = delete;

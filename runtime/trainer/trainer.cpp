@@ -151,11 +151,30 @@ std::vector<TrainBlendEntry> parse_blend(const json& list, const std::string& wh
 
 TrainJob parse_train_job(const json& j, const std::string& source) {
   if (!j.is_object()) fail(ErrorKind::kInvalidArgument, "{}: a job must be a JSON object", source);
-  refuse_unknown_keys(j, {"model",      "data",        "steps",        "tensor_parallel",  "seqlen",
-                          "grad_accum", "optimizer",   "eval",         "checkpoint",       "init",
-                          "seed",       "max_seconds", "scan",         "threads",          "log",
-                          "device",     "gpu",         "device_count", "recompile_budget", "gpus",
-                          "batch",      "plan_cache"},
+  refuse_unknown_keys(j,
+                      {"model",
+                       "data",
+                       "steps",
+                       "tensor_parallel",
+                       "seqlen",
+                       "grad_accum",
+                       "optimizer",
+                       "eval",
+                       "checkpoint",
+                       "init",
+                       "seed",
+                       "max_seconds",
+                       "scan",
+                       "threads",
+                       "log",
+                       "device",
+                       "gpu",
+                       "device_count",
+                       "recompile_budget",
+                       "gpus",
+                       "batch",
+                       "plan_cache",
+                       "recompute_in_proj"},
                       source);
   TrainJob job;
   if (!j.contains("model") || !j["model"].is_object()) {
@@ -327,6 +346,13 @@ TrainJob parse_train_job(const json& j, const std::string& source) {
   job.gpu = static_cast<int>(top("gpu", 0, 0, L::kMaxGpu));
   job.plan_cache = read_field<std::string>(j, "plan_cache", source, "");
   job.recompile_budget = top("recompile_budget", 0, 0, L::kMaxRecompileBudget);
+  job.recompute_in_proj = read_field<bool>(j, "recompute_in_proj", source, false);
+  if (job.recompute_in_proj && job.device != TrainDevice::kCuda) {
+    fail(ErrorKind::kInvalidArgument,
+         "{}: recompute_in_proj=true needs device=\"cuda\" (the CPU runtime keeps every "
+         "activation)",
+         source);
+  }
   job.device_count = static_cast<int>(top("device_count", 1, 1, L::kMaxDevices));
   job.tensor_parallel = static_cast<int>(top("tensor_parallel", 1, 1, L::kMaxDevices));
   if (j.contains("gpus")) {
@@ -541,7 +567,8 @@ class CudaBackend final : public StepBackend {
     for (const std::string& problem : plan_cache_problems_) {
       spdlog::warn("plan cache: {} (the plans are rebuilt)", problem);
     }
-    model_ = std::make_unique<CudaModel>(host, rows_, job.seqlen, job.optimizer, gpu, par, plans_);
+    model_ = std::make_unique<CudaModel>(host, rows_, job.seqlen, job.optimizer, gpu, par, plans_,
+                                         CudaModelMemory{job.recompute_in_proj});
     try {
       // Now, not at the end: a job that fails later still leaves its plans for the next one.
       plans_->flush();

@@ -32,7 +32,7 @@ class GemmPlanCache;
 //  "seed": 1234, "max_seconds": 0, "scan": "chunked"|"recurrent", "threads": 0,
 //  "log": "runs/x/steps.jsonl", "device": "cpu"|"cuda", "gpu": 0,
 //  "device_count": 1, "tensor_parallel": 1, "gpus": [0, 1, ...],
-//  "plan_cache": "DIR", "recompile_budget": 0}
+//  "plan_cache": "DIR", "recompile_budget": 0, "recompute_in_proj": false}
 // Where the steps run: the CPU runtime (float), or the CUDA backend (runtime/model/cuda_model.h,
 // mixed precision) on GPU ordinal `gpu`; or, with device_count > 1 (cuda only), one process per
 // GPU rank (world rank r on GPU gpus[r]), tensor_parallel ranks per model replica and
@@ -47,6 +47,8 @@ class GemmPlanCache;
 // (kernels/cuda/gemm_plan_cache.h); empty: chosen afresh in every run. Plans built after the run's
 // first step are counted against recompile_budget: one more than it allows stops the job with
 // stop_reason "contract_violation" (its shapes are fixed, so a rebuild is a bug or a leak).
+// recompute_in_proj (cuda): the Mamba-3 layers' in_proj outputs are recomputed in the backward
+// rather than kept (runtime/model/cuda_model.h, CudaModelMemory; the feature gate of that name).
 //
 // The checkpoint's config must equal the job's model ({"model": {"config_file": "DIR/config.json"}}
 // takes it as is). A run that resumes from checkpoint.dir/latest ignores init: the resumed
@@ -94,6 +96,7 @@ struct TrainJob {
   std::vector<int> gpus;             // per world rank; empty: gpu, gpu + 1, ...
   std::filesystem::path plan_cache;  // cuda jobs' GEMM plan directory; empty: none
   int64_t recompile_budget = 0;      // plan builds allowed after the first step
+  bool recompute_in_proj = false;    // cuda: less memory for one more GEMM per Mamba layer
   int data_parallel() const { return device_count / tensor_parallel; }
   int gpu_of(int world_rank) const {
     return gpus.empty() ? gpu + world_rank : gpus[static_cast<size_t>(world_rank)];

@@ -142,6 +142,17 @@ const GateRegistry& GateRegistry::builtin() {
         {"capture and replay of forward and backward", true},
         {"pays for itself in a measured receipt", false}},
        {DeviceKind::kCuda}},
+      {"recompute_in_proj",
+       "the Mamba-3 layers' in_proj outputs are recomputed in the backward (the same GEMM, the "
+       "same bits) instead of kept from the forward: one shared buffer in place of one per "
+       "layer (CudaModelMemory). Measured (bench/RESULTS.md, H100, 2026-11-24): bench-350m, "
+       "micro-batch 4 x 8192, R=4 62.7 -> 57.8 GiB in use for 747.9 -> 756.0 ms a step "
+       "(+1.1%), R=1 47.0 -> 42.5 GiB for 409.9 -> 419.0 ms (+2.2%): memory for time, so off "
+       "unless requested",
+       GateImplementation::kImplemented,
+       {{"one shared in_proj output buffer", true},
+        {"the in_proj GEMM recomputed before the preprocessing backward", true}},
+       {DeviceKind::kCuda}},
       {"fused_out_norm",
        "fuses each mixer's residual add with the next RMSNorm: one pass over the residual stream",
        GateImplementation::kScaffold,

@@ -58,7 +58,7 @@ TEST(Daemon, TinyJobSucceedsWithEveryReceiptRecorded) {
   ASSERT_EQ(boots.size(), 1u);
   EXPECT_EQ(boots[0].status, "stopped");
   EXPECT_FALSE(store.preconditions(boots[0].id).empty());
-  EXPECT_EQ(store.gate_decisions(job.id()).size(), 4u);  // every registered gate, all "off"
+  EXPECT_EQ(store.gate_decisions(job.id()).size(), 5u);  // every registered gate, all "off"
   for (const auto& g : store.gate_decisions(job.id())) EXPECT_EQ(g.decision, "off");
   const auto receipts = store.steps(job.id(), std::nullopt, 100, false);
   ASSERT_EQ(receipts.size(), 12u);

@@ -236,6 +236,12 @@ TEST_F(SpecTest, ACudaJobRunsOnTheGpuOrIsRefusedWithTheReason) {
   EXPECT_EQ(one.train_job["device"], "cuda");
   // The daemon's first cache directory keeps the job's GEMM plans.
   EXPECT_EQ(one.train_job["plan_cache"], (config_.cache_dirs.at(0) / "plans").string());
+  EXPECT_FALSE(one.train_job.contains("recompute_in_proj"));
+  // The recompute_in_proj gate, on for a cuda job, reaches the trainer.
+  v1::JobSpec recompute = cuda;
+  recompute.add_feature_gates("recompute_in_proj");
+  const daemon::ValidatedJob lean = validate(recompute, MemoryBudget{}, 1);
+  EXPECT_EQ(lean.train_job["recompute_in_proj"], true);
   // Several GPUs: one rank per GPU, the geometry handed to the trainer.
   cuda.set_device_count(2);
   cuda.set_tensor_parallel(2);

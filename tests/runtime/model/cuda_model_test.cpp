@@ -222,6 +222,50 @@ TEST_P(CudaModelStep, TheStepGraphReplaysTheEagerStepBitwise) {
       << "the replayed steps updated the parameters differently from the eager ones";
 }
 
+// recompute_in_proj: the backward recomputes each Mamba layer's in_proj output with the forward's
+// GEMM, so a step (two accumulated micro-batches, then AdamW) gives the same bits as the step that
+// kept them, from less planned memory (one shared buffer for every Mamba layer).
+TEST_P(CudaModelStep, RecomputingTheInProjOutputsGivesTheSameStepFromLessMemory) {
+  MEGACPP_REQUIRE_GPU();
+  const StepCase& c = GetParam();
+  Pair pair(parse_model_config(c.config, c.name));
+  std::mt19937_64 rng(43);
+  const std::vector<int32_t> tokens = random_tokens(c.batch, c.seqlen, pair.config.vocab_size, rng);
+  std::vector<double> losses[2];
+  std::vector<float> grads[2], params[2];
+  size_t planned[2] = {0, 0};
+  for (int recompute = 0; recompute < 2; ++recompute) {
+    CudaModel gpu(pair.host, c.batch, c.seqlen, OptimizerConfig{}, 0, {}, nullptr,
+                  CudaModelMemory{recompute == 1});
+    planned[recompute] = gpu.planned_bytes();
+    AdamW<float> fresh(pair.host.parameters(), OptimizerConfig{});
+    gpu.upload(pair.host.parameters(), &fresh);
+    gpu.zero_grad();
+    losses[recompute].push_back(gpu.forward_backward(tokens.data(), 0.5));
+    losses[recompute].push_back(gpu.forward_backward(tokens.data(), 0.5));
+    grads[recompute] = gpu.download_gradients();
+    losses[recompute].push_back(gpu.optimizer_step(1e-3));
+    ParameterSet<float> after = pair.host.parameters();
+    gpu.download(after, nullptr);
+    params[recompute].assign(after.values().begin(), after.values().end());
+    losses[recompute].push_back(gpu.forward(tokens.data()));
+  }
+  EXPECT_EQ(losses[0], losses[1]);
+  EXPECT_EQ(0, std::memcmp(grads[0].data(), grads[1].data(), grads[0].size() * sizeof(float)))
+      << "the recomputed in_proj outputs changed the gradients";
+  EXPECT_EQ(0, std::memcmp(params[0].data(), params[1].data(), params[0].size() * sizeof(float)))
+      << "the recomputed in_proj outputs changed the step";
+  int mamba_layers = 0;
+  for (int i = 0; i < pair.config.n_layer; ++i) mamba_layers += !pair.config.is_attention_layer(i);
+  if (mamba_layers > 1) {
+    EXPECT_LT(planned[1], planned[0]);
+  } else {
+    EXPECT_LE(planned[1], planned[0]);
+  }
+  std::printf("[ %s ] planned %zu bytes keeping in_proj outputs, %zu recomputing them\n",
+              c.name.c_str(), planned[0], planned[1]);
+}
+
 TEST_P(CudaModelStep, OptimizerStepReportsTheCpuGradientNormAndRoundTripsThroughTheHost) {
   MEGACPP_REQUIRE_GPU();
   const StepCase& c = GetParam();

@@ -159,6 +159,10 @@ TEST_F(TrainerTest, JobValidationNamesTheField) {
       {[](json& j) { j["grad_accum"] = "two"; }, "grad_accum"},
       {[](json& j) { j["device"] = "tpu"; }, "device=\"tpu\" must be \"cpu\" or \"cuda\""},
       {[](json& j) { j["gpu"] = -1; }, "gpu=-1 must be >= 0"},
+      {[](json& j) { j["recompute_in_proj"] = true; },
+       "recompute_in_proj=true needs device=\"cuda\""},
+      {[](json& j) { j["recompute_in_proj"] = 1; },
+       "field recompute_in_proj = 1 has the wrong type"},
   };
   for (const auto& c : cases) {
     json j = job("x");

@@ -71,18 +71,21 @@ TEST(DeviceKind, RoundTripsAndRefusesUnknown) {
   EXPECT_TRUE(contains(message, "\"cuda\""));
 }
 
-TEST(Builtin, RegistersTheFourScaffolds) {
+TEST(Builtin, RegistersTheFourScaffoldsAndTheOneImplementedGate) {
   const GateRegistry& registry = GateRegistry::builtin();
   std::vector<std::string> names;
   for (const GateInfo& gate : registry.gates()) {
     names.push_back(gate.name);
-    EXPECT_EQ(gate.implementation, GateImplementation::kScaffold) << gate.name;
+    EXPECT_EQ(gate.implementation, gate.name == "recompute_in_proj"
+                                       ? GateImplementation::kImplemented
+                                       : GateImplementation::kScaffold)
+        << gate.name;
     EXPECT_FALSE(gate.description.empty()) << gate.name;
     EXPECT_FALSE(gate.stages.empty()) << gate.name;
     EXPECT_FALSE(gate.supported_devices.empty()) << gate.name;
   }
-  EXPECT_EQ(names,
-            (std::vector<std::string>{"psiv_cache", "tma", "cuda_graphs", "fused_out_norm"}));
+  EXPECT_EQ(names, (std::vector<std::string>{"psiv_cache", "tma", "cuda_graphs",
+                                             "recompute_in_proj", "fused_out_norm"}));
   const GateInfo* psiv = registry.find("psiv_cache");
   ASSERT_NE(psiv, nullptr);
   ASSERT_EQ(psiv->stages.size(), 3u);
@@ -97,10 +100,11 @@ TEST(Builtin, RegistersTheFourScaffolds) {
 TEST(Builtin, NothingRequestedIsAllOff) {
   for (DeviceKind device : {DeviceKind::kCpu, DeviceKind::kCuda}) {
     const auto decisions = GateRegistry::builtin().decide({}, device);
-    ASSERT_EQ(decisions.size(), 4u);
+    ASSERT_EQ(decisions.size(), 5u);
     for (const GateDecision& d : decisions) {
       EXPECT_EQ(d.decision, Decision::kOff) << d.gate;
-      EXPECT_EQ(d.implementation, GateImplementation::kScaffold);
+      EXPECT_EQ(d.implementation, d.gate == "recompute_in_proj" ? GateImplementation::kImplemented
+                                                                : GateImplementation::kScaffold);
       EXPECT_FALSE(d.stages.empty());
     }
     EXPECT_FALSE(any_refused(decisions));
@@ -109,7 +113,7 @@ TEST(Builtin, NothingRequestedIsAllOff) {
 
 TEST(Builtin, RequestedScaffoldIsRefusedNamingItsStagesAndDevice) {
   const auto decisions = GateRegistry::builtin().decide({"psiv_cache"}, DeviceKind::kCuda);
-  ASSERT_EQ(decisions.size(), 4u);
+  ASSERT_EQ(decisions.size(), 5u);
   EXPECT_TRUE(any_refused(decisions));
   const GateDecision& psiv = decision_for(decisions, "psiv_cache");
   EXPECT_EQ(psiv.decision, Decision::kRefused);
@@ -121,7 +125,7 @@ TEST(Builtin, RequestedScaffoldIsRefusedNamingItsStagesAndDevice) {
   ASSERT_EQ(psiv.stages.size(), 3u);
   EXPECT_TRUE(psiv.stages[0].done);
   EXPECT_FALSE(psiv.stages[2].done);
-  for (const char* other : {"tma", "cuda_graphs", "fused_out_norm"}) {
+  for (const char* other : {"tma", "cuda_graphs", "recompute_in_proj", "fused_out_norm"}) {
     EXPECT_EQ(decision_for(decisions, other).decision, Decision::kOff) << other;
   }
 }
@@ -139,6 +143,7 @@ TEST(Builtin, CudaGraphsIsBuiltButRefusedForItsReceipt) {
 
 TEST(Builtin, EveryScaffoldIsRefusedOnEveryDevice) {
   for (const GateInfo& gate : GateRegistry::builtin().gates()) {
+    if (gate.implementation != GateImplementation::kScaffold) continue;
     for (DeviceKind device : {DeviceKind::kCpu, DeviceKind::kCuda}) {
       const auto decisions = GateRegistry::builtin().decide({gate.name}, device);
       const GateDecision& d = decision_for(decisions, gate.name);
@@ -150,6 +155,19 @@ TEST(Builtin, EveryScaffoldIsRefusedOnEveryDevice) {
       }
     }
   }
+}
+
+TEST(Builtin, RecomputeInProjIsOnForCudaJobsAndRefusedForCpuJobs) {
+  const GateDecision cuda =
+      decision_for(GateRegistry::builtin().decide({"recompute_in_proj"}, DeviceKind::kCuda),
+                   "recompute_in_proj");
+  EXPECT_EQ(cuda.decision, Decision::kOn);
+  EXPECT_TRUE(contains(cuda.reason, "implemented for cuda")) << cuda.reason;
+  const GateDecision cpu = decision_for(
+      GateRegistry::builtin().decide({"recompute_in_proj"}, DeviceKind::kCpu), "recompute_in_proj");
+  EXPECT_EQ(cpu.decision, Decision::kRefused);
+  EXPECT_TRUE(contains(cpu.reason, "not supported on device kind cpu")) << cpu.reason;
+  EXPECT_FALSE(contains(cpu.reason, "scaffold")) << cpu.reason;
 }
 
 TEST(Builtin, CudaOnlyScaffoldOnCpuNamesBothReasons) {
@@ -169,7 +187,8 @@ TEST(Decide, UnknownGateIsInvalidArgumentListingKnownGates) {
                 &message),
             ErrorKind::kInvalidArgument);
   EXPECT_TRUE(contains(message, "warp_speed"));
-  for (const char* known : {"psiv_cache", "tma", "cuda_graphs", "fused_out_norm"}) {
+  for (const char* known :
+       {"psiv_cache", "tma", "cuda_graphs", "recompute_in_proj", "fused_out_norm"}) {
     EXPECT_TRUE(contains(message, known));
   }
 }
