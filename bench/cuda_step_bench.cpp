@@ -285,7 +285,8 @@ int run(const Options& o) {
       {"cuda_graphs", o.cuda_graphs},
       {"tensor_parallel", o.tensor_parallel},
       {"data_parallel", o.data_parallel},
-      {"overlapped_gradient_reduction", o.overlap && o.data_parallel > 1},
+      // CudaModel overlaps it only without tensor parallelism beside it.
+      {"overlapped_gradient_reduction", o.overlap && o.data_parallel > 1 && o.tensor_parallel == 1},
       {"recompute_in_proj", o.recompute_in_proj},
       {"parameters", host.parameters().total()},
       {"first_loss", first_loss},
@@ -307,9 +308,11 @@ int run(const Options& o) {
       o.preset.c_str(), o.rank, config.ssm.chunk_size, o.batch, o.seqlen,
       o.cuda_graphs ? " (step graph)" : "", o.recompute_in_proj ? " (in_proj recomputed)" : "",
       o.tensor_parallel, o.data_parallel,
-      o.data_parallel > 1 ? (o.overlap ? " overlapped" : " not overlapped") : "", sorted.front(),
-      median, sorted.back(), tokens_per_step / (median / 1e3), flops / (median / 1e3) / 1e12,
-      100 * flops / (median / 1e3) / ceiling,
+      o.data_parallel > 1
+          ? (o.overlap && o.tensor_parallel == 1 ? " overlapped" : " not overlapped")
+          : "",
+      sorted.front(), median, sorted.back(), tokens_per_step / (median / 1e3),
+      flops / (median / 1e3) / 1e12, 100 * flops / (median / 1e3) / ceiling,
       ceiling / 1e12 / (o.tensor_parallel * o.data_parallel),
       static_cast<double>(in_use) / (1 << 30), to_first_step);
   for (const auto& [name, seconds] : r.phases)

@@ -114,7 +114,8 @@ class CudaModel {
   // gradients over the DP group during its backward; earlier calls leave that to later.
   double forward_backward(const int32_t* tokens, double grad_scale, bool last_micro_batch = true);
   // Data parallel: the gradients averaged during the last micro-batch's backward (on, the
-  // default) or after it, in one all-reduce before the optimizer (off: for comparisons).
+  // default; only without tensor parallelism beside it) or after it, in one all-reduce before
+  // the optimizer (off: for comparisons).
   void set_overlapped_gradient_reduction(bool on);
   // Global gradient norm, clipping at the optimizer config's grad_clip and one AdamW update
   // with learning rate `lr` (the step counter advances first). Returns the norm before clipping.

@@ -26,7 +26,13 @@ CollectiveWatchdog::~CollectiveWatchdog() {
     stopping_ = true;
   }
   wake_.notify_all();
+  // The last resort stays armed while the poll thread may still be held inside an abort.
   if (thread_.joinable()) thread_.join();
+  {
+    std::lock_guard lock(mutex_);
+    disarmed_ = true;
+  }
+  wake_.notify_all();
   if (last_resort_thread_.joinable()) last_resort_thread_.join();
 }
 
@@ -42,6 +48,9 @@ void CollectiveWatchdog::start(double poll_seconds) {
   if (thread_.joinable()) fail(ErrorKind::kInternal, "collective watchdog started twice");
   const auto poll = std::chrono::duration_cast<Clock::duration>(
       std::chrono::duration<double>(poll_seconds > 0 ? poll_seconds : 0.05));
+  // Under the lock, which the thread takes first: fire() never sees thread_ half assigned.
+  std::lock_guard started(mutex_);
+  started_ = true;
   thread_ = std::thread([this, poll] {
     bool all_aborted = false;
     std::unique_lock lock(mutex_);
@@ -50,7 +59,7 @@ void CollectiveWatchdog::start(double poll_seconds) {
       lock.unlock();
       if (!fired) {
         try {
-          check(Clock::now());
+          look(Clock::now());
         } catch (const std::exception& e) {
           // A watchdog that cannot look is no watchdog: the job fails rather than risk a hang.
           fire(fmt::format("collective watchdog: could not check the collectives: {}", e.what()),
@@ -66,6 +75,14 @@ void CollectiveWatchdog::start(double poll_seconds) {
 }
 
 std::string CollectiveWatchdog::check(Clock::time_point now) {
+  {
+    std::lock_guard lock(mutex_);
+    if (started_) fail(ErrorKind::kInternal, "collective watchdog: check() beside its thread");
+  }
+  return look(now);
+}
+
+std::string CollectiveWatchdog::look(Clock::time_point now) {
   if (std::string done = reason(); !done.empty()) return done;
   for (Watch& w : watches_) {
     if (std::string error = w.group->asynchronous_error(); !error.empty()) {
@@ -111,12 +128,12 @@ void CollectiveWatchdog::fire(const std::string& why, const Watch* first) {
     std::lock_guard lock(mutex_);
     if (!reason_.empty()) return;
     reason_ = why;
-    if (last_resort_ && thread_.joinable()) {
+    if (last_resort_ && started_) {
       const auto grace = std::chrono::duration_cast<Clock::duration>(
           std::chrono::duration<double>(grace_seconds_));
       last_resort_thread_ = std::thread([this, grace] {
         std::unique_lock wait(mutex_);
-        if (wake_.wait_for(wait, grace, [this] { return stopping_; })) return;
+        if (wake_.wait_for(wait, grace, [this] { return disarmed_; })) return;
         const std::string told = reason_;
         wait.unlock();
         last_resort_(told);
@@ -134,12 +151,12 @@ void CollectiveWatchdog::fire(const std::string& why, const Watch* first) {
 
 bool CollectiveWatchdog::abort_groups() {
   const std::string why = reason();
-  bool all = true;
   for (Watch& w : watches_) {
-    if (!w.aborted) w.aborted = w.group->abort(why);
-    all = all && w.aborted;
+    if (w.aborted) continue;
+    if (!w.group->abort(why)) return false;
+    w.aborted = true;
   }
-  return all;
+  return true;
 }
 
 }  // namespace megacpp::parallel

@@ -68,15 +68,17 @@ class CollectiveWatchdog {
   CollectiveWatchdog(const CollectiveWatchdog&) = delete;
   CollectiveWatchdog& operator=(const CollectiveWatchdog&) = delete;
 
-  // Called on the watchdog's thread with the reason when the watchdog fired and was not
-  // destroyed `grace_seconds` later: the rank's work is stuck where the abort does not reach.
-  // Meant to end the process. Set before start().
+  // Called, on a thread of its own, with the reason when the watchdog fired and was not destroyed
+  // `grace_seconds` later: the rank's work is stuck where the abort does not reach. Meant to end
+  // the process. Set before start(). The destructor disarms it only after its poll thread has
+  // stopped (which may itself be held inside NCCL).
   void set_last_resort(std::function<void(const std::string&)> last_resort, double grace_seconds);
   // Looks every `poll_seconds` until destroyed.
   void start(double poll_seconds = 0.05);
-  // One look at the groups as of `now`. Fires (aborts every group) when a started collective has
-  // waited timeout_seconds or longer since the first look that saw it started, or a group reports
-  // an asynchronous error. Returns reason().
+  // One look at the groups as of `now`, for a watchdog that was not started (tests; refused
+  // beside the thread). Fires (aborts the groups) when a started collective has waited
+  // timeout_seconds or longer since the first look that saw it started, or a group reports an
+  // asynchronous error. Returns reason().
   std::string check(Clock::time_point now);
   // Empty until it fired; then why, once and for all.
   std::string reason() const;
@@ -89,16 +91,20 @@ class CollectiveWatchdog {
     Clock::time_point started_seen;
     bool aborted = false;
   };
+  std::string look(Clock::time_point now);
   // Sets the reason once, starts the last resort's clock, aborts (`first` first).
   void fire(const std::string& reason, const Watch* first);
-  // Aborts every group not aborted yet; true when none is left.
+  // Aborts the groups not aborted yet, in order, stopping at the first that cannot be aborted
+  // yet (the others' teardown could wait for its kernel); true when none is left.
   bool abort_groups();
 
   const double timeout_seconds_;
   std::vector<Watch> watches_;
   mutable std::mutex mutex_;
   std::condition_variable wake_;
-  bool stopping_ = false;
+  bool started_ = false;
+  bool stopping_ = false;  // the poll thread ends
+  bool disarmed_ = false;  // the last resort will not be called
   std::string reason_;
   std::function<void(const std::string&)> last_resort_;
   double grace_seconds_ = 0;

@@ -397,6 +397,9 @@ bool CudaCommunicator::abort(const std::string& reason) {
   // A call of this communicator blocked inside NCCL holds the lock: freeing the communicator
   // under it is not safe. The caller tries again later.
   if (!call.try_lock_for(std::chrono::seconds(1))) return false;
+  // The owner's own thread inside a batch (the lock is recursive): ncclGroupEnd is still to
+  // come on this communicator, so it cannot be freed now.
+  if (m.batch_depth > 0) return false;
   std::lock_guard state(m.state_mutex);
   if (!m.aborted.load()) {
     cudaSetDevice(device_);

@@ -76,7 +76,8 @@ class CudaCommunicator final : public WatchedGroup {
   // Fails this communicator's pending and future collectives; idempotent, any thread. Later
   // calls throw kFailedPrecondition naming `reason`. Returns false when a call of this
   // communicator is blocked inside NCCL, so that the communicator could not be freed yet (ask
-  // again later); the destructor then finishes the abort.
+  // again later), or when the calling thread is inside a batch of this communicator; the
+  // destructor finishes an abort still pending (in the owner's order of destruction).
   bool abort(const std::string& reason) override;
   bool abort() { return abort("aborted by its owner"); }
   bool aborted() const;  // an abort was asked for

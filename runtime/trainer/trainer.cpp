@@ -648,6 +648,8 @@ class CudaBackend final : public StepBackend {
 
  private:
   // A collective the watchdog aborted returns with garbage: nothing computed since may count.
+  // (The step's calls and sync_host check; the vote and zero_grad fail by themselves, their
+  // communicator refusing every call once an abort was asked for.)
   void throw_if_watchdog_fired() const {
     if (!watchdog_) return;
     if (const std::string why = watchdog_->reason(); !why.empty()) {

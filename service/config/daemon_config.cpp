@@ -300,6 +300,8 @@ DaemonConfig parse_daemon_config(const json& j, const std::string& source,
       // Unset: below the progress watchdog's, whatever that is.
       c.jobs.collective_timeout_seconds =
           std::min(c.jobs.collective_timeout_seconds, c.jobs.progress_timeout_seconds / 2);
+      // (A progress timeout of 1 s leaves no whole second below it: the collective watchdog is
+      // then off, and the progress watchdog alone ends a hung rank.)
     }
     if (c.jobs.collective_timeout_seconds > 0 && c.jobs.progress_timeout_seconds > 0 &&
         c.jobs.collective_timeout_seconds >= c.jobs.progress_timeout_seconds) {

@@ -236,6 +236,8 @@ TEST(CollectiveWatchdog, ItsThreadStopsWithTheWatchdog) {
   {
     CollectiveWatchdog dog(3600.0, {&group});
     dog.start(0.01);
+    // Its looks belong to its thread now.
+    EXPECT_THROW(dog.check(Clock::now()), Error);
     std::this_thread::sleep_for(milliseconds(30));
   }  // joins without waiting for the timeout
   EXPECT_EQ(group.aborts(), 0);

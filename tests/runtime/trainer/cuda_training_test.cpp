@@ -77,17 +77,18 @@ TEST_F(CudaTraining, TinyPresetTracksTheCpuLossCurveAndItsCheckpointEvaluatesOnT
   ASSERT_GE(gpu.evals.size(), 2u);
   // Two runs that round differently drift apart along the trajectory: where the loss falls
   // fastest (the first validation point) a shift of a step or two is a few percent, later the
-  // curves meet again. Measured on an H100 (2026-11-23): 2.04% at step 50, at most 0.56% after
-  // (1.4% at step 50 before the scan's state products moved to split-bf16 tensor-core
-  // products). So the whole curve is held to 1% on average, each point to 3%; a wrong op,
-  // optimizer or data order moves every point by far more.
+  // curves meet again. Each point is held to the GPU backend issue's 2%, the whole curve to 1%
+  // on average; a wrong op, optimizer or data order moves every point by far more. Measured on
+  // an H100 (2026-11-24, the session-8 kernels): 1.74% at step 50, at most 0.68% after (an
+  // earlier build: 2.04% at step 50). The runs are deterministic, so a build is within the
+  // bound or not, every time.
   double total_rel = 0;
   for (size_t i = 0; i < gpu.evals.size(); ++i) {
     const double rel = std::abs(gpu.evals[i].loss - cpu.evals[i].loss) / cpu.evals[i].loss;
     std::printf("step %5lld  val loss cpu %.5f gpu %.5f  (rel %.2e)\n",
                 static_cast<long long>(gpu.evals[i].step), cpu.evals[i].loss, gpu.evals[i].loss,
                 rel);
-    EXPECT_LE(rel, 0.03) << "validation at step " << gpu.evals[i].step;
+    EXPECT_LE(rel, 0.02) << "validation at step " << gpu.evals[i].step;
     total_rel += rel;
   }
   EXPECT_LE(total_rel / static_cast<double>(gpu.evals.size()), 0.01)
