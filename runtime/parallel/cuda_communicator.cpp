@@ -157,6 +157,11 @@ struct CudaCommunicator::Impl {
     MEGACPP_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     return e;
   }
+  // One collective: refused once an abort was asked for; `call(stream)` enqueues it on NCCL,
+  // bracketed by the tracking events. Defined below fail_aborted.
+  template <typename Call>
+  void enqueue(const char* what, const char* nccl_call, int64_t count, CollectiveType type,
+               void* on_stream, Call&& call);
   void give_back(cudaEvent_t e) {
     if (e == nullptr) return;
     std::lock_guard lock(track_mutex);
@@ -273,37 +278,35 @@ std::unique_ptr<CudaCommunicator> CudaCommunicator::split(int color, int key) co
       new CudaCommunicator(std::move(impl), size, rank, device_));
 }
 
+template <typename Call>
+void CudaCommunicator::Impl::enqueue(const char* what, const char* nccl_call, int64_t count,
+                                     CollectiveType type, void* on_stream, Call&& call) {
+  std::lock_guard lock(call_mutex);
+  if (abort_requested.load()) fail_aborted(group_name(), reason());
+  const auto s = static_cast<cudaStream_t>(on_stream);
+  cudaEvent_t began = mark_before(s);
+  checked(began, call(s), nccl_call);
+  if (tracking) {
+    mark_after(s, began, describe(what, count, type),
+               static_cast<double>(count) * static_cast<double>(type_bytes(type)) / 1048576.0);
+  }
+}
+
 void CudaCommunicator::all_reduce(void* data, int64_t count, CollectiveType type, ReduceOp op,
                                   void* stream) {
   Impl& m = *impl_;
-  std::lock_guard lock(m.call_mutex);
-  if (m.abort_requested.load()) fail_aborted(m.group_name(), m.reason());
-  const auto s = static_cast<cudaStream_t>(stream);
-  cudaEvent_t began = m.mark_before(s);
-  m.checked(began,
-            ncclAllReduce(data, data, static_cast<size_t>(count), nccl_type(type), nccl_op(op),
-                          m.comm, s),
-            "ncclAllReduce");
-  if (m.tracking) {
-    m.mark_after(s, began, describe("all-reduce", count, type),
-                 static_cast<double>(count) * static_cast<double>(type_bytes(type)) / 1048576.0);
-  }
+  m.enqueue("all-reduce", "ncclAllReduce", count, type, stream, [&](cudaStream_t s) {
+    return ncclAllReduce(data, data, static_cast<size_t>(count), nccl_type(type), nccl_op(op),
+                         m.comm, s);
+  });
 }
 
 void CudaCommunicator::all_gather(const void* send, void* receive, int64_t count,
                                   CollectiveType type, void* stream) {
   Impl& m = *impl_;
-  std::lock_guard lock(m.call_mutex);
-  if (m.abort_requested.load()) fail_aborted(m.group_name(), m.reason());
-  const auto s = static_cast<cudaStream_t>(stream);
-  cudaEvent_t began = m.mark_before(s);
-  m.checked(began,
-            ncclAllGather(send, receive, static_cast<size_t>(count), nccl_type(type), m.comm, s),
-            "ncclAllGather");
-  if (m.tracking) {
-    m.mark_after(s, began, describe("all-gather", count, type),
-                 static_cast<double>(count) * static_cast<double>(type_bytes(type)) / 1048576.0);
-  }
+  m.enqueue("all-gather", "ncclAllGather", count, type, stream, [&](cudaStream_t s) {
+    return ncclAllGather(send, receive, static_cast<size_t>(count), nccl_type(type), m.comm, s);
+  });
 }
 
 int64_t CudaCommunicator::sum_over_ranks(int64_t value) {
