@@ -196,7 +196,7 @@ RankResult run_rank(const Options& o, const megacpp::Model<float>& host,
     r.ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
   }
   r.in_use = model.device_bytes_in_use();
-  r.planned = model.planned_bytes();
+  r.planned = model.memory_plan().total();
   // The op breakdown comes from separate, profiled steps: the events are not in the timed ones.
   model.set_profiling(true);
   for (int i = 0; i < 3; ++i) step();
@@ -299,12 +299,12 @@ int run(const Options& o) {
       {"gemm_ceiling_tflops_per_s", ceiling / 1e12 / (o.tensor_parallel * o.data_parallel)},
       {"mfu", flops / (median / 1e3) / ceiling},
       {"device_bytes_in_use", in_use},
-      {"planned_bytes", r.planned}};
+      {"planned_bytes", r.planned}};  // the arena and the layers' workspaces
   std::printf(
       "%s R=%d chunk %d, batch %d x seqlen %d%s%s, TP=%d DP=%d%s: step min/median/max "
       "%.1f/%.1f/%.1f ms, "
       "%.0f tokens/s, %.1f model TFLOP/s, MFU %.1f%% of the %.0f TFLOP/s GEMM ceiling, "
-      "%.1f GiB in use, first step after %.1f s\n",
+      "%.1f GiB in use (%.1f planned), first step after %.1f s\n",
       o.preset.c_str(), o.rank, config.ssm.chunk_size, o.batch, o.seqlen,
       o.cuda_graphs ? " (step graph)" : "", o.recompute_in_proj ? " (in_proj recomputed)" : "",
       o.tensor_parallel, o.data_parallel,
@@ -314,7 +314,8 @@ int run(const Options& o) {
       sorted.front(), median, sorted.back(), tokens_per_step / (median / 1e3),
       flops / (median / 1e3) / 1e12, 100 * flops / (median / 1e3) / ceiling,
       ceiling / 1e12 / (o.tensor_parallel * o.data_parallel),
-      static_cast<double>(in_use) / (1 << 30), to_first_step);
+      static_cast<double>(in_use) / (1 << 30), static_cast<double>(r.planned) / (1 << 30),
+      to_first_step);
   for (const auto& [name, seconds] : r.phases)
     std::printf("  %-48s %6.2f s\n", name.c_str(), seconds);
   std::printf("%-36s %6s %10s %7s\n", "op (3 profiled steps)", "calls", "ms/step", "share");

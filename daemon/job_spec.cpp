@@ -12,6 +12,9 @@
 #include "runtime/data/dataset_tokenizer.h"
 #include "runtime/data/indexed_dataset.h"
 #include "runtime/model/memory_estimate.h"
+#ifdef MEGACPP_HAVE_CUDA
+#include "runtime/model/cuda_model.h"
+#endif
 #include "runtime/parallel/shard_plan.h"
 #include "runtime/trainer/trainer.h"
 #include "service/config/path_policy.h"
@@ -140,20 +143,59 @@ void check_memory(const megacpp::v1::JobSpec& spec, const ModelConfig& model,
           "use a smaller model",
           spec.batch(), spec.seqlen(), estimate.describe(), limit, host.total);
     }
-  } else if (budget.gpu_bytes > 0) {
-    // Tensor parallelism splits the weights and most activations across the group.
-    const uint64_t share =
-        estimate.total() / static_cast<uint64_t>(std::max(1, spec.tensor_parallel()));
-    if (share > budget.gpu_bytes) {
-      refuse(
-          "batch={}, seqlen={}: the job needs about {} of memory, {} bytes per GPU over "
-          "tensor_parallel={}, more than a GPU's {} bytes: lower batch or seqlen, or use a "
-          "smaller model",
-          spec.batch(), spec.seqlen(), estimate.describe(), share,
-          std::max(1, spec.tensor_parallel()), budget.gpu_bytes);
+  }
+  // A cuda job's device memory is checked once its gates are decided (check_device_memory).
+}
+
+#ifdef MEGACPP_HAVE_CUDA
+// Beside what CudaModel::plan_memory plans, each rank's process holds its CUDA context (about
+// half a GiB on an H100), cuBLASLt's handle and, with several GPUs, NCCL's buffers.
+constexpr uint64_t kDeviceOverheadBytes = uint64_t{2} << 30;
+
+// Refuses a cuda job whose ranks would not fit a GPU of `gpu_bytes` (0: unknown, not checked):
+// the CUDA model's own plan for each TP rank's share of the micro-batch, the bytes the executor
+// will allocate, with the gates that change them.
+void check_device_memory(const megacpp::v1::JobSpec& spec, const ModelConfig& model,
+                         int device_count, int tp, bool recompute_in_proj, uint64_t gpu_bytes) {
+  if (gpu_bytes == 0) return;
+  const int replicas = device_count / tp;
+  const int micro_batch = spec.batch() / replicas;  // parse_train_job checked the split
+  const auto need = [&](bool recompute) {
+    uint64_t most = 0;
+    try {
+      for (int rank = 0; rank < tp; ++rank) {
+        const CudaMemoryPlan plan = CudaModel::plan_memory(model, micro_batch, spec.seqlen(), tp,
+                                                           rank, CudaModelMemory{recompute});
+        most = std::max(most, plan.total());
+      }
+    } catch (const Error& e) {
+      if (e.kind() != ErrorKind::kInvalidArgument) throw;
+      refuse("{}", e.what());  // a shape the CUDA kernels do not cover, named by them
+    }
+    return most + kDeviceOverheadBytes;
+  };
+  const uint64_t needed = need(recompute_in_proj);
+  if (needed <= gpu_bytes) return;
+  std::string remedies = ", split it over more GPUs (device_count with tensor_parallel)";
+  bool has_mamba = false;
+  for (int layer = 0; layer < model.n_layer; ++layer) has_mamba |= !model.is_attention_layer(layer);
+  if (!recompute_in_proj && has_mamba) {
+    const uint64_t lean = need(true);
+    if (lean <= gpu_bytes) {
+      remedies += fmt::format(
+          ", or ask for the recompute_in_proj feature gate (with it each GPU needs {} bytes)",
+          lean);
     }
   }
+  refuse(
+      "batch={}, seqlen={}: each GPU of this cuda job needs {} bytes of device memory (the CUDA "
+      "model's plan for a micro-batch of {} x {} tokens over tensor_parallel={}, plus {} bytes "
+      "for the CUDA context and libraries), more than a GPU's {} bytes: lower batch or "
+      "seqlen{}",
+      spec.batch(), spec.seqlen(), needed, micro_batch, spec.seqlen(), tp, kDeviceOverheadBytes,
+      gpu_bytes, remedies);
 }
+#endif
 
 }  // namespace
 
@@ -347,6 +389,8 @@ ValidatedJob validate_job_spec(const megacpp::v1::JobSpec& spec, const DaemonCon
                                     gates::GateImplementation::kImplemented,
                                     {}});
     }
+    check_device_memory(spec, model_config, out.device_count, tp,
+                        out.train_job.value("recompute_in_proj", false), memory.gpu_bytes);
 #else
     out.gate_decisions.push_back(
         {"cuda_backend",

@@ -307,15 +307,24 @@ bf16* as_bf16(uint16_t* p) {
 
 }  // namespace
 
+namespace {
+size_t rstd_bytes_of(const Dims& d) {
+  return aligned(static_cast<size_t>(d.rows) * 2 * d.vecs * sizeof(float));
+}
+}  // namespace
+
+size_t Mamba3PreprocessCuda::workspace_bytes(const ops::Mamba3PreprocessShape& shape) {
+  validate(shape);
+  const Dims d = dims_of(shape);
+  return rstd_bytes_of(d) + aligned(static_cast<size_t>(d.tiles) * d.partial_width * sizeof(float));
+}
+
 Mamba3PreprocessCuda::Mamba3PreprocessCuda(const ops::Mamba3PreprocessShape& shape)
     : shape_(shape) {
   validate(shape);
   MEGACPP_CUDA_CHECK(cudaGetDevice(&device_));
-  const Dims d = dims_of(shape);
-  const size_t rstd_bytes = aligned(static_cast<size_t>(d.rows) * 2 * d.vecs * sizeof(float));
-  const size_t partial_bytes =
-      aligned(static_cast<size_t>(d.tiles) * d.partial_width * sizeof(float));
-  workspace_bytes_ = rstd_bytes + partial_bytes;
+  const size_t rstd_bytes = rstd_bytes_of(dims_of(shape));
+  workspace_bytes_ = workspace_bytes(shape);
   MEGACPP_CUDA_CHECK(cudaMalloc(&arena_, workspace_bytes_));
   rstd_ = static_cast<float*>(arena_);
   partials_ = reinterpret_cast<float*>(static_cast<unsigned char*>(arena_) + rstd_bytes);

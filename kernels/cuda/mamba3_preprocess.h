@@ -78,6 +78,8 @@ class Mamba3PreprocessCuda {
   // otherwise), then allocates the device workspace once: the norm scales [rows, 2·R·G]
   // and the backward tiles' partials.
   explicit Mamba3PreprocessCuda(const ops::Mamba3PreprocessShape& shape);
+  // The bytes the constructor allocates for `shape` (throws like it on a bad shape).
+  static size_t workspace_bytes(const ops::Mamba3PreprocessShape& shape);
   ~Mamba3PreprocessCuda();
   Mamba3PreprocessCuda(const Mamba3PreprocessCuda&) = delete;
   Mamba3PreprocessCuda& operator=(const Mamba3PreprocessCuda&) = delete;

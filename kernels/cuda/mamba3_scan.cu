@@ -233,6 +233,15 @@ size_t Mamba3ScanCuda::backward_workspace_bytes(const ops::ScanShape& shape) {
   return bytes_of_parts(part_sizes(scan_detail::dims_of(shape)), kForwardParts, kParts);
 }
 
+size_t Mamba3ScanCuda::own_workspace_bytes(const ops::ScanShape& shape, bool psiv_cache,
+                                           bool shared_backward) {
+  scan_detail::validate(shape);
+  const Dims d = scan_detail::dims_of(shape);
+  const size_t own = bytes_of_parts(part_sizes(d), 0, shared_backward ? kForwardParts : kParts);
+  const size_t tokens = static_cast<size_t>(d.batch) * d.seqlen * d.heads;
+  return own + (psiv_cache ? tokens * d.rank * d.headdim * sizeof(bf16) : 0);
+}
+
 Mamba3ScanCuda::Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache, bool tensor_cores,
                                void* backward_workspace, size_t backward_bytes)
     : shape_(shape), psiv_cache_(psiv_cache), tensor_cores_(tensor_cores) {
@@ -256,10 +265,8 @@ Mamba3ScanCuda::Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache, boo
   }
   const bool own_backward = backward_workspace == nullptr;
   const size_t own = bytes_of_parts(sizes, 0, own_backward ? kParts : kForwardParts);
-  const size_t B = static_cast<size_t>(d.batch), L = static_cast<size_t>(d.seqlen);
-  const size_t H = static_cast<size_t>(d.heads);
-  psiv_bytes_ = psiv_cache ? B * L * H * d.rank * d.headdim * sizeof(bf16) : 0;
-  workspace_bytes_ = own + psiv_bytes_;
+  workspace_bytes_ = own_workspace_bytes(shape, psiv_cache, !own_backward);
+  psiv_bytes_ = workspace_bytes_ - own;
   MEGACPP_CUDA_CHECK(cudaMalloc(&arena_, workspace_bytes_));
   buffers_ = new Buffers{};
   buffers_->dims = d;

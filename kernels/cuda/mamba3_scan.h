@@ -96,6 +96,10 @@ class Mamba3ScanCuda {
                           size_t backward_bytes = 0);
   // Bytes of backward()'s temporaries for `shape` (throws like the constructor on a bad shape).
   static size_t backward_workspace_bytes(const ops::ScanShape& shape);
+  // Bytes the constructor allocates for itself (workspace_bytes()): with shared_backward (a
+  // backward_workspace given), only what forward() keeps for backward().
+  static size_t own_workspace_bytes(const ops::ScanShape& shape, bool psiv_cache,
+                                    bool shared_backward);
   ~Mamba3ScanCuda();
   Mamba3ScanCuda(const Mamba3ScanCuda&) = delete;
   Mamba3ScanCuda& operator=(const Mamba3ScanCuda&) = delete;

@@ -154,8 +154,13 @@ struct CudaModel::Impl {
   size_t op_workspace_bytes = 0;
   void* scan_backward_workspace = nullptr;  // every Mamba layer's scan backward temporaries
   size_t scan_backward_bytes = 0;
-  void* norm_workspace = nullptr;   // the global norm's tables (kept)
+  void* norm_workspace = nullptr;  // the global norm's tables (kept)
+  size_t norm_workspace_bytes = 0;
   void* adamw_workspace = nullptr;  // AdamW's tables (kept)
+  size_t adamw_workspace_bytes = 0;
+  uint16_t* shared_proj = nullptr;  // recompute_in_proj: every Mamba layer's in_proj output
+  // What the layers' scans and preprocessings allocate for themselves, beside the arena.
+  size_t layer_workspace_bytes = 0;
 
   std::unique_ptr<cuda::EmbeddingCuda> embedding_op;
   std::unique_ptr<cuda::ResidualRmsNormCuda> norm_op;
@@ -163,14 +168,15 @@ struct CudaModel::Impl {
   std::unique_ptr<cuda::GradNormCuda> grad_norm_op;
   std::unique_ptr<cuda::AdamWCuda> adamw_op;
 
-  Param param(const ParameterSet<float>& set, const std::string& name, bool required = true) {
-    const int id = set.find(name);
-    if (id < 0) {
-      if (required) fail(ErrorKind::kInternal, "CudaModel: the host model has no {}", name);
-      return {};
+  Param param(const std::string& name, bool required = true) {
+    // Ids are ParameterSet's registration order, which host_entries keeps.
+    for (size_t id = 0; id < host_entries.size(); ++id) {
+      if (host_entries[id].name != name) continue;
+      const ParameterInfo& local = entries[id];
+      return {static_cast<int>(id), local.offset, local.size};
     }
-    const ParameterInfo& local = entries[static_cast<size_t>(id)];
-    return {id, local.offset, local.size};
+    if (required) fail(ErrorKind::kInternal, "CudaModel: the host model has no {}", name);
+    return {};
   }
   float* value(const Param& p) const { return p.id < 0 ? nullptr : values + p.offset; }
   float* grad(const Param& p) const { return p.id < 0 ? nullptr : grads + p.offset; }
@@ -224,7 +230,22 @@ struct CudaModel::Impl {
   }
 
   void upload_tokens(const int32_t* tokens);
-  void plan_parallel(const CudaModelParallel& parallel);
+  // planning_only: no communicators (plan_memory), so the groups are not checked.
+  void plan_parallel(const CudaModelParallel& parallel, bool planning_only = false);
+  // Every buffer of the arena reserved (the layers' structs and parameters set up on the way),
+  // and the layers' own workspace bytes counted: all from (config, batch, seqlen, the rank's
+  // geometry, memory), nothing touched on the device. The constructor allocates what this plans;
+  // plan_memory reports it.
+  void plan_buffers(const CudaModelMemory& memory);
+  // Allocates the planned arena, points the buffers into it and makes the ops.
+  void allocate_and_build(cuda::GemmPlanCache* plan_cache);
+  cuda::EmbeddingShape embedding_shape() const {
+    return {rows, config.d_model, config.padded_vocab()};
+  }
+  cuda::RmsNormShape norm_shape() const { return {rows, config.d_model, config.norm_epsilon}; }
+  cuda::LmHeadLossShape lm_head_shape() const {
+    return {rows, config.d_model, config.padded_vocab(), config.vocab_size, 0};
+  }
   void tp_all_reduce_output();
   void tp_all_reduce_input_gradient();
   void dp_average_loss();
@@ -266,7 +287,7 @@ size_t scan_input_elements(const ops::Mamba3PreprocessShape& s, size_t rows) {
 
 }  // namespace
 
-void CudaModel::Impl::plan_parallel(const CudaModelParallel& parallel) {
+void CudaModel::Impl::plan_parallel(const CudaModelParallel& parallel, bool planning_only) {
   const int tp = parallel.tensor_parallel, dp = parallel.data_parallel;
   if (tp < 1 || dp < 1 || parallel.tp_rank < 0 || parallel.tp_rank >= tp) {
     fail(ErrorKind::kInvalidArgument,
@@ -280,8 +301,10 @@ void CudaModel::Impl::plan_parallel(const CudaModelParallel& parallel) {
            g == nullptr ? 0 : g->size());
     }
   };
-  check_group("tensor-parallel", tp, parallel.tensor_group);
-  check_group("data-parallel", dp, parallel.data_group);
+  if (!planning_only) {
+    check_group("tensor-parallel", tp, parallel.tensor_group);
+    check_group("data-parallel", dp, parallel.data_group);
+  }
   if (parallel.tensor_group != nullptr && parallel.tensor_group->rank() != parallel.tp_rank) {
     fail(ErrorKind::kInternal, "CudaModel: tp_rank {} but rank {} of its tensor-parallel group",
          parallel.tp_rank, parallel.tensor_group->rank());
@@ -463,14 +486,20 @@ CudaModel::CudaModel(const Model<float>& host, int batch, int seqlen,
   m.free_before = free_device_bytes();
   MEGACPP_CUDA_CHECK(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking));
 
-  const ModelConfig& c = m.config;
   const ParameterSet<float>& set = host.parameters();
   m.host_total = set.total();
   m.host_entries = set.entries();
   m.plan_parallel(parallel);
   if (m.par.data_group != nullptr) m.plan_gradient_buckets();
-  const parallel::RankGeometry& geo = m.plan->geometry(parallel.tp_rank);
-  const size_t rows = static_cast<size_t>(m.rows), dm = static_cast<size_t>(c.d_model);
+  m.plan_buffers(memory);
+  m.allocate_and_build(plan_cache);
+}
+
+void CudaModel::Impl::plan_buffers(const CudaModelMemory& memory) {
+  Impl& m = *this;
+  const ModelConfig& c = m.config;
+  const parallel::RankGeometry& geo = m.plan->geometry(m.par.tp_rank);
+  const size_t row_count = static_cast<size_t>(m.rows), dm = static_cast<size_t>(c.d_model);
   DeviceArena& a = m.arena;
 
   const size_t n = static_cast<size_t>(m.total);
@@ -480,14 +509,15 @@ CudaModel::CudaModel(const Model<float>& host, int batch, int seqlen,
   a.reserve(&m.exp_avg_sq, n, "AdamW exp_avg_sq");
   a.reserve(&m.values_bf16, n, "bf16 weights");
 
-  m.embedding = m.param(set, "backbone.embedding.weight");
-  m.norm_f = m.param(set, "backbone.norm_f.weight");
-  m.lm_head = c.tie_embeddings ? m.embedding : m.param(set, "lm_head.weight");
+  m.embedding = m.param("backbone.embedding.weight");
+  m.norm_f = m.param("backbone.norm_f.weight");
+  m.lm_head = c.tie_embeddings ? m.embedding : m.param("lm_head.weight");
 
   // Sizes of the shared backward scratch: the largest need of any sublayer.
-  size_t scratch_a = rows * dm, scratch_b = rows * dm, scratch_c = 0, param_scratch = 0;
+  size_t scratch_a_size = row_count * dm, scratch_b_size = row_count * dm, scratch_c_size = 0,
+         param_scratch_size = 0;
   m.recompute_in_proj = memory.recompute_in_proj;
-  size_t shared_proj = 0;  // recompute_in_proj: one in_proj output for every Mamba layer
+  size_t shared_proj_size = 0;  // recompute_in_proj: one in_proj output for every Mamba layer
   size_t workspace = 0, scan_backward = 0;
   const auto need_workspace = [&](size_t bytes) {
     workspace = std::max(workspace, bytes);
@@ -497,45 +527,45 @@ CudaModel::CudaModel(const Model<float>& host, int batch, int seqlen,
   for (int i = 0; i < c.n_layer; ++i) {
     Impl::Block& b = m.blocks[static_cast<size_t>(i)];
     const std::string p = "backbone.layers." + std::to_string(i) + ".";
-    b.norm = m.param(set, p + "norm.weight");
+    b.norm = m.param(p + "norm.weight");
     m.site_weight.push_back(b.norm);
     if (c.is_attention_layer(i)) {
       auto layer = std::make_unique<Impl::AttentionLayer>();
-      layer->in_proj = m.param(set, p + "mixer.in_proj.weight");
-      layer->in_bias = m.param(set, p + "mixer.in_proj.bias", false);
-      layer->out_proj = m.param(set, p + "mixer.out_proj.weight");
-      layer->out_bias = m.param(set, p + "mixer.out_proj.bias", false);
+      layer->in_proj = m.param(p + "mixer.in_proj.weight");
+      layer->in_bias = m.param(p + "mixer.in_proj.bias", false);
+      layer->out_proj = m.param(p + "mixer.out_proj.weight");
+      layer->out_bias = m.param(p + "mixer.out_proj.bias", false);
       layer->q_heads = geo.attn_q_heads.count;
       layer->kv_heads = geo.attn_kv_heads.count;
       layer->head_dim = c.attn_head_dim();
       layer->width = (layer->q_heads + 2 * layer->kv_heads) * layer->head_dim;
       const size_t width = static_cast<size_t>(layer->width);
       const size_t ctx = static_cast<size_t>(layer->q_heads) * layer->head_dim;
-      a.reserve(&layer->qkv, rows * width, p + "qkv");
-      a.reserve(&layer->ctx, rows * ctx, p + "ctx");
-      a.reserve(&layer->lse, rows * static_cast<size_t>(layer->q_heads), p + "lse");
-      scratch_a = std::max(scratch_a, rows * ctx);    // dctx
-      scratch_b = std::max(scratch_b, rows * width);  // dqkv
+      a.reserve(&layer->qkv, row_count * width, p + "qkv");
+      a.reserve(&layer->ctx, row_count * ctx, p + "ctx");
+      a.reserve(&layer->lse, row_count * static_cast<size_t>(layer->q_heads), p + "lse");
+      scratch_a_size = std::max(scratch_a_size, row_count * ctx);    // dctx
+      scratch_b_size = std::max(scratch_b_size, row_count * width);  // dqkv
       need_workspace(cuda::LinearCuda::workspace_bytes({m.rows, c.d_model, layer->width}));
       need_workspace(cuda::LinearCuda::workspace_bytes({m.rows, static_cast<int>(ctx), c.d_model}));
-      need_workspace(cuda::CausalAttentionCuda::workspace_bytes({batch, seqlen, layer->q_heads,
+      need_workspace(cuda::CausalAttentionCuda::workspace_bytes({m.batch, m.seqlen, layer->q_heads,
                                                                  layer->kv_heads, layer->head_dim,
                                                                  c.attn_softmax_scale()}));
       b.attention = std::move(layer);
     } else {
       auto layer = std::make_unique<Impl::MambaLayer>();
       const std::string q = p + "mixer.";
-      layer->in_proj = m.param(set, q + "in_proj.weight");
-      layer->dt_bias = m.param(set, q + "dt_bias");
-      layer->b_bias = m.param(set, q + "B_bias");
-      layer->c_bias = m.param(set, q + "C_bias");
-      layer->b_norm = m.param(set, q + "B_norm.weight");
-      layer->c_norm = m.param(set, q + "C_norm.weight");
-      layer->mimo_x = m.param(set, q + "mimo_x");
-      layer->mimo_z = m.param(set, q + "mimo_z");
-      layer->mimo_o = m.param(set, q + "mimo_o");
-      layer->d = m.param(set, q + "D");
-      layer->out_proj = m.param(set, q + "out_proj.weight");
+      layer->in_proj = m.param(q + "in_proj.weight");
+      layer->dt_bias = m.param(q + "dt_bias");
+      layer->b_bias = m.param(q + "B_bias");
+      layer->c_bias = m.param(q + "C_bias");
+      layer->b_norm = m.param(q + "B_norm.weight");
+      layer->c_norm = m.param(q + "C_norm.weight");
+      layer->mimo_x = m.param(q + "mimo_x");
+      layer->mimo_z = m.param(q + "mimo_z");
+      layer->mimo_o = m.param(q + "mimo_o");
+      layer->d = m.param(q + "D");
+      layer->out_proj = m.param(q + "out_proj.weight");
       layer->shape = mamba3_preprocess_shape(c, m.rows);
       layer->shape.heads = geo.ssm_heads.count;
       layer->shape.groups = geo.ssm_groups.count;
@@ -543,37 +573,42 @@ CudaModel::CudaModel(const Model<float>& host, int batch, int seqlen,
       const size_t cols = static_cast<size_t>(s.columns());
       const size_t di = static_cast<size_t>(s.d_inner());
       if (memory.recompute_in_proj) {
-        shared_proj = std::max(shared_proj, rows * cols);  // pointed at after allocate()
+        shared_proj_size =
+            std::max(shared_proj_size, row_count * cols);  // pointed at after allocate()
       } else {
-        a.reserve(&layer->proj, rows * cols, q + "proj");
+        a.reserve(&layer->proj, row_count * cols, q + "proj");
       }
-      a.reserve(&layer->scan_in, scan_input_elements(s, rows), q + "scan inputs");
-      a.reserve(&layer->y, rows * di, q + "y");
-      scratch_a = std::max(scratch_a, rows * di);    // dy of the scan
-      scratch_b = std::max(scratch_b, rows * cols);  // dproj
-      scratch_c = std::max(scratch_c, scan_input_elements(s, rows));
+      a.reserve(&layer->scan_in, scan_input_elements(s, row_count), q + "scan inputs");
+      a.reserve(&layer->y, row_count * di, q + "y");
+      scratch_a_size = std::max(scratch_a_size, row_count * di);    // dy of the scan
+      scratch_b_size = std::max(scratch_b_size, row_count * cols);  // dproj
+      scratch_c_size = std::max(scratch_c_size, scan_input_elements(s, row_count));
       const size_t h = static_cast<size_t>(s.heads);
       const size_t rn = static_cast<size_t>(s.rank) * s.state;
       const size_t rp = static_cast<size_t>(s.rank) * s.headdim;
       // The scan's 6 parameter gradients, then the preprocessing's 3.
-      param_scratch = std::max(param_scratch, 2 * h * rn + 3 * h * rp + h + h + 2 * s.state);
-      scan_backward = std::max(scan_backward, cuda::Mamba3ScanCuda::backward_workspace_bytes(
-                                                  s.scan_shape(batch, seqlen, c.ssm.chunk_size)));
+      param_scratch_size =
+          std::max(param_scratch_size, 2 * h * rn + 3 * h * rp + h + h + 2 * s.state);
+      const ops::ScanShape scan = s.scan_shape(m.batch, m.seqlen, c.ssm.chunk_size);
+      scan_backward = std::max(scan_backward, cuda::Mamba3ScanCuda::backward_workspace_bytes(scan));
+      // As allocate_and_build makes them: no PsiV cache, the backward temporaries shared.
+      m.layer_workspace_bytes += cuda::Mamba3ScanCuda::own_workspace_bytes(scan, false, true) +
+                                 cuda::Mamba3PreprocessCuda::workspace_bytes(s);
       need_workspace(cuda::LinearCuda::workspace_bytes({m.rows, c.d_model, s.columns()}));
       need_workspace(cuda::LinearCuda::workspace_bytes({m.rows, s.d_inner(), c.d_model}));
       b.mamba = std::move(layer);
     }
     if (c.d_intermediate > 0) {
-      b.norm2 = m.param(set, p + "norm2.weight");
+      b.norm2 = m.param(p + "norm2.weight");
       m.site_weight.push_back(b.norm2);
       auto layer = std::make_unique<Impl::MlpLayer>();
-      layer->fc1 = m.param(set, p + "mlp.fc1.weight");
-      layer->fc2 = m.param(set, p + "mlp.fc2.weight");
+      layer->fc1 = m.param(p + "mlp.fc1.weight");
+      layer->fc2 = m.param(p + "mlp.fc2.weight");
       const size_t hidden = static_cast<size_t>(geo.mlp_hidden.count);
-      a.reserve(&layer->fc1_out, rows * 2 * hidden, p + "mlp fc1_out");
-      a.reserve(&layer->act, rows * hidden, p + "mlp act");
-      scratch_a = std::max(scratch_a, rows * hidden);      // dact
-      scratch_b = std::max(scratch_b, rows * 2 * hidden);  // dfc1_out
+      a.reserve(&layer->fc1_out, row_count * 2 * hidden, p + "mlp fc1_out");
+      a.reserve(&layer->act, row_count * hidden, p + "mlp act");
+      scratch_a_size = std::max(scratch_a_size, row_count * hidden);      // dact
+      scratch_b_size = std::max(scratch_b_size, row_count * 2 * hidden);  // dfc1_out
       need_workspace(
           cuda::GatedMlpCuda::workspace_bytes({m.rows, c.d_model, geo.mlp_hidden.count}));
       b.mlp = std::move(layer);
@@ -586,20 +621,20 @@ CudaModel::CudaModel(const Model<float>& host, int batch, int seqlen,
   m.normed.assign(sites, nullptr);
   m.rstd.assign(sites, nullptr);
   for (size_t k = 0; k < sites; ++k) {
-    a.reserve(&m.residual[k], rows * dm, "residual " + std::to_string(k));
-    a.reserve(&m.normed[k], rows * dm, "normed " + std::to_string(k));
-    a.reserve(&m.rstd[k], rows, "rstd " + std::to_string(k));
+    a.reserve(&m.residual[k], row_count * dm, "residual " + std::to_string(k));
+    a.reserve(&m.normed[k], row_count * dm, "normed " + std::to_string(k));
+    a.reserve(&m.rstd[k], row_count, "rstd " + std::to_string(k));
   }
-  a.reserve(&m.inputs, rows, "input tokens");
-  a.reserve(&m.targets, rows, "target tokens");
-  a.reserve(&m.delta, rows * dm, "sublayer output");
-  a.reserve(&m.ddelta, rows * dm, "sublayer output gradient");
-  a.reserve(&m.dresidual, rows * dm, "residual gradient");
-  a.reserve(&m.dnormed, rows * dm, "normed gradient");
-  a.reserve(&m.scratch_a, scratch_a, "backward scratch a");
-  a.reserve(&m.scratch_b, scratch_b, "backward scratch b");
-  a.reserve(&m.scratch_c, std::max<size_t>(scratch_c, 1), "scan input gradients");
-  a.reserve(&m.param_scratch, std::max<size_t>(param_scratch, 1), "mixer parameter gradients");
+  a.reserve(&m.inputs, row_count, "input tokens");
+  a.reserve(&m.targets, row_count, "target tokens");
+  a.reserve(&m.delta, row_count * dm, "sublayer output");
+  a.reserve(&m.ddelta, row_count * dm, "sublayer output gradient");
+  a.reserve(&m.dresidual, row_count * dm, "residual gradient");
+  a.reserve(&m.dnormed, row_count * dm, "normed gradient");
+  a.reserve(&m.scratch_a, scratch_a_size, "backward scratch a");
+  a.reserve(&m.scratch_b, scratch_b_size, "backward scratch b");
+  a.reserve(&m.scratch_c, std::max<size_t>(scratch_c_size, 1), "scan input gradients");
+  a.reserve(&m.param_scratch, std::max<size_t>(param_scratch_size, 1), "mixer parameter gradients");
   a.reserve(&m.loss, 1, "loss");
   a.reserve(&m.grad_norm, 1, "gradient norm");
   a.reserve(&m.clip_scale, 1, "clip scale");
@@ -614,12 +649,9 @@ CudaModel::CudaModel(const Model<float>& host, int batch, int seqlen,
     a.reserve(&m.gather_scratch, static_cast<size_t>(largest), "shard gather scratch");
   }
 
-  const cuda::EmbeddingShape embedding_shape{m.rows, c.d_model, c.padded_vocab()};
-  const cuda::RmsNormShape norm_shape{m.rows, c.d_model, c.norm_epsilon};
-  const cuda::LmHeadLossShape lm_head_shape{m.rows, c.d_model, c.padded_vocab(), c.vocab_size, 0};
-  need_workspace(cuda::EmbeddingCuda::workspace_bytes(embedding_shape));
-  need_workspace(cuda::ResidualRmsNormCuda::workspace_bytes(norm_shape));
-  need_workspace(cuda::LmHeadLossCuda::workspace_bytes(lm_head_shape));
+  need_workspace(cuda::EmbeddingCuda::workspace_bytes(m.embedding_shape()));
+  need_workspace(cuda::ResidualRmsNormCuda::workspace_bytes(m.norm_shape()));
+  need_workspace(cuda::LmHeadLossCuda::workspace_bytes(m.lm_head_shape()));
   m.op_workspace_bytes = workspace;
   m.scan_backward_bytes = scan_backward;
   if (scan_backward > 0) {
@@ -640,25 +672,31 @@ CudaModel::CudaModel(const Model<float>& host, int batch, int seqlen,
     adamw_refs.push_back(
         {placeholder, placeholder, placeholder, placeholder, nullptr, e.size, e.weight_decay});
   }
-  const size_t norm_bytes = cuda::GradNormCuda::workspace_bytes(grad_refs);
-  const size_t adamw_bytes = cuda::AdamWCuda::workspace_bytes(adamw_refs);
-  a.reserve(reinterpret_cast<char**>(&m.norm_workspace), norm_bytes, "gradient norm tables");
-  a.reserve(reinterpret_cast<char**>(&m.adamw_workspace), adamw_bytes, "AdamW tables");
-
-  uint16_t* shared_proj_buffer = nullptr;
-  if (shared_proj > 0) {
-    a.reserve(&shared_proj_buffer, shared_proj, "in_proj output (shared, recomputed)");
+  m.norm_workspace_bytes = cuda::GradNormCuda::workspace_bytes(grad_refs);
+  m.adamw_workspace_bytes = cuda::AdamWCuda::workspace_bytes(adamw_refs);
+  a.reserve(reinterpret_cast<char**>(&m.norm_workspace), m.norm_workspace_bytes,
+            "gradient norm tables");
+  a.reserve(reinterpret_cast<char**>(&m.adamw_workspace), m.adamw_workspace_bytes, "AdamW tables");
+  if (shared_proj_size > 0) {
+    a.reserve(&m.shared_proj, shared_proj_size, "in_proj output (shared, recomputed)");
   }
-  a.allocate();
+}
+
+void CudaModel::Impl::allocate_and_build(cuda::GemmPlanCache* plan_cache) {
+  Impl& m = *this;
+  const ModelConfig& c = m.config;
+  const parallel::RankGeometry& geo = m.plan->geometry(m.par.tp_rank);
+  const size_t n = static_cast<size_t>(m.total);
+  m.arena.allocate();
   for (Impl::Block& b : m.blocks) {
-    if (b.mamba && m.recompute_in_proj) b.mamba->proj = shared_proj_buffer;
+    if (b.mamba && m.recompute_in_proj) b.mamba->proj = m.shared_proj;
   }
 
   void* ws = m.op_workspace;
   const size_t wsb = m.op_workspace_bytes;
-  m.embedding_op = std::make_unique<cuda::EmbeddingCuda>(embedding_shape, ws, wsb);
-  m.norm_op = std::make_unique<cuda::ResidualRmsNormCuda>(norm_shape, ws, wsb);
-  m.lm_head_op = std::make_unique<cuda::LmHeadLossCuda>(lm_head_shape, ws, wsb, plan_cache);
+  m.embedding_op = std::make_unique<cuda::EmbeddingCuda>(m.embedding_shape(), ws, wsb);
+  m.norm_op = std::make_unique<cuda::ResidualRmsNormCuda>(m.norm_shape(), ws, wsb);
+  m.lm_head_op = std::make_unique<cuda::LmHeadLossCuda>(m.lm_head_shape(), ws, wsb, plan_cache);
   for (Impl::Block& b : m.blocks) {
     if (b.attention) {
       Impl::AttentionLayer& l = *b.attention;
@@ -667,7 +705,7 @@ CudaModel::CudaModel(const Model<float>& host, int batch, int seqlen,
       l.out_linear = std::make_unique<cuda::LinearCuda>(
           cuda::LinearShape{m.rows, l.q_heads * l.head_dim, c.d_model}, ws, wsb, plan_cache);
       l.attention = std::make_unique<cuda::CausalAttentionCuda>(
-          cuda::AttentionShape{batch, seqlen, l.q_heads, l.kv_heads, l.head_dim,
+          cuda::AttentionShape{m.batch, m.seqlen, l.q_heads, l.kv_heads, l.head_dim,
                                c.attn_softmax_scale()},
           ws, wsb);
     }
@@ -680,7 +718,7 @@ CudaModel::CudaModel(const Model<float>& host, int batch, int seqlen,
       l.preprocess = std::make_unique<cuda::Mamba3PreprocessCuda>(l.shape);
       // The layers' backwards run one after another: they share the scan's temporaries.
       l.scan = std::make_unique<cuda::Mamba3ScanCuda>(
-          l.shape.scan_shape(batch, seqlen, c.ssm.chunk_size), false, true,
+          l.shape.scan_shape(m.batch, m.seqlen, c.ssm.chunk_size), false, true,
           m.scan_backward_workspace, m.scan_backward_bytes);
     }
     if (b.mlp) {
@@ -688,16 +726,18 @@ CudaModel::CudaModel(const Model<float>& host, int batch, int seqlen,
           cuda::GatedMlpShape{m.rows, c.d_model, geo.mlp_hidden.count}, ws, wsb, plan_cache);
     }
   }
-  grad_refs.clear();
+  std::vector<cuda::GradTensorRef> grad_refs;
   for (const Impl::Range& r : m.owned) grad_refs.push_back({m.grads + r.offset, r.count});
-  m.grad_norm_op = std::make_unique<cuda::GradNormCuda>(grad_refs, m.norm_workspace, norm_bytes);
-  adamw_refs.clear();
+  m.grad_norm_op =
+      std::make_unique<cuda::GradNormCuda>(grad_refs, m.norm_workspace, m.norm_workspace_bytes);
+  std::vector<cuda::AdamWTensorRef> adamw_refs;
   for (const ParameterInfo& e : m.entries) {
     adamw_refs.push_back({m.values + e.offset, m.grads + e.offset, m.exp_avg + e.offset,
                           m.exp_avg_sq + e.offset, m.values_bf16 + e.offset, e.size,
                           e.weight_decay});
   }
-  m.adamw_op = std::make_unique<cuda::AdamWCuda>(adamw_refs, m.adamw_workspace, adamw_bytes);
+  m.adamw_op =
+      std::make_unique<cuda::AdamWCuda>(adamw_refs, m.adamw_workspace, m.adamw_workspace_bytes);
   MEGACPP_CUDA_CHECK(cudaMemsetAsync(m.grads, 0, n * sizeof(float), m.stream));
   MEGACPP_CUDA_CHECK(cudaMemsetAsync(m.exp_avg, 0, n * sizeof(float), m.stream));
   MEGACPP_CUDA_CHECK(cudaMemsetAsync(m.exp_avg_sq, 0, n * sizeof(float), m.stream));
@@ -727,6 +767,41 @@ int CudaModel::seqlen() const {
 }
 size_t CudaModel::planned_bytes() const {
   return impl_->arena.bytes();
+}
+
+CudaMemoryPlan CudaModel::memory_plan() const {
+  return {impl_->arena.bytes(), impl_->layer_workspace_bytes};
+}
+
+CudaMemoryPlan CudaModel::plan_memory(const ModelConfig& config, int batch, int seqlen,
+                                      int tensor_parallel, int tp_rank,
+                                      const CudaModelMemory& memory) {
+  if (batch <= 0 || seqlen <= 0) {
+    fail(ErrorKind::kInvalidArgument, "batch={} and seqlen={} must be positive", batch, seqlen);
+  }
+  Impl m;
+  m.config = config;
+  m.batch = batch;
+  m.seqlen = seqlen;
+  m.rows = batch * seqlen;
+  // The host model's parameter list without its values: the shard plan lists every parameter
+  // in ParameterSet's registration order with its global shape.
+  const parallel::ShardPlan global(config, parallel::ParallelConfig{1, 1});
+  for (const parallel::ParameterPlan& p : global.parameters()) {
+    ParameterInfo e;
+    e.name = p.name;
+    e.shape = p.shape;
+    e.offset = m.host_total;
+    e.size = p.numel();
+    m.host_entries.push_back(std::move(e));
+    m.host_total += p.numel();
+  }
+  CudaModelParallel parallel;
+  parallel.tensor_parallel = tensor_parallel;
+  parallel.tp_rank = tp_rank;
+  m.plan_parallel(parallel, true);
+  m.plan_buffers(memory);
+  return {m.arena.bytes(), m.layer_workspace_bytes};
 }
 
 size_t CudaModel::device_bytes_in_use() const {

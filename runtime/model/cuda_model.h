@@ -66,6 +66,16 @@ struct CudaModelMemory {
   bool recompute_in_proj = false;
 };
 
+// The device memory a CudaModel takes: its one planned allocation and what its Mamba-3 layers'
+// scans and preprocessings allocate beside it (the chunk states the forward keeps for the
+// backward, the norm scales). The CUDA context, the libraries' handles and NCCL's buffers come
+// on top.
+struct CudaMemoryPlan {
+  uint64_t arena = 0;
+  uint64_t layer_workspaces = 0;
+  uint64_t total() const { return arena + layer_workspaces; }
+};
+
 // The device time of one op of the step (e.g. "mamba scan backward"), summed over its calls in
 // the profiled steps (every layer's call is one call).
 struct OpTime {
@@ -146,6 +156,15 @@ class CudaModel {
   int seqlen() const;
   // Bytes of the one planned allocation.
   size_t planned_bytes() const;
+  // The planned allocation and the layers' own workspaces.
+  CudaMemoryPlan memory_plan() const;
+  // What the constructor would allocate for this config, shape and TP rank (`memory` as the
+  // constructor's), planned by the same code without the host model's values and without
+  // touching the device's memory: what megacppd checks a cuda job against at submit. Throws as
+  // the constructor does for a shape or geometry the kernels or the shard plan refuse.
+  static CudaMemoryPlan plan_memory(const ModelConfig& config, int batch, int seqlen,
+                                    int tensor_parallel = 1, int tp_rank = 0,
+                                    const CudaModelMemory& memory = {});
   // Device memory this model holds now (the planned allocation, the scan's and preprocessing's
   // workspaces, the libraries' handles), measured as the drop in the device's free memory since
   // just before construction.

@@ -18,6 +18,10 @@
 #include "runtime/config/model_config.h"
 #include "runtime/data/prepare.h"
 #include "runtime/model/model.h"
+#ifdef MEGACPP_HAVE_CUDA
+#include "runtime/model/cuda_model.h"
+#include "tests/support/gpu.h"
+#endif
 #include "runtime/trainer/trainer.h"
 #include "tests/daemon/daemon_harness.h"
 
@@ -203,8 +207,15 @@ TEST_F(SpecTest, JobThatCannotFitIsRefusedWithTheEstimate) {
   EXPECT_NE(message.find("more than the 1048576 bytes"), std::string::npos) << message;
   EXPECT_EQ(refusal(small_job()), "");
   EXPECT_EQ(refusal(small_job(), MemoryBudget{}), "");
+}
 
-  // A cuda job is measured against one GPU's memory, split over tensor_parallel.
+// A cuda job is measured against one GPU's memory by the CUDA model's own plan for it
+// (CudaModel::plan_memory), with its gates: anchors.md's bench-350m at micro-batch 4 x 8192 fits
+// an 80 GB H100 (the CPU model's estimate, fp32 throughout, said 315 GiB), and a GPU between its
+// needs with and without recompute_in_proj takes it only with the gate, as the refusal says.
+TEST_F(SpecTest, ACudaJobIsMeasuredByTheCudaModelsPlanWithItsGates) {
+#ifdef MEGACPP_HAVE_CUDA
+  MEGACPP_REQUIRE_GPU();  // the plan asks CUB for its sort sizes, which needs a device
   v1::JobSpec cuda = small_job();
   cuda.set_device_kind("cuda");
   try {
@@ -214,8 +225,37 @@ TEST_F(SpecTest, JobThatCannotFitIsRefusedWithTheEstimate) {
     EXPECT_NE(std::string(e.what()).find("more than a GPU's 1048576 bytes"), std::string::npos)
         << e.what();
   }
-  EXPECT_NO_THROW(validate(cuda, MemoryBudget{0, 80 * kGiB}, 1));
   EXPECT_NO_THROW(validate(cuda, MemoryBudget{0, 0}, 1));  // memory unknown: not checked
+
+  v1::JobSpec bench = cuda;
+  bench.set_preset("bench-350m");
+  bench.set_batch(4);
+  bench.set_seqlen(8192);
+  bench.clear_valid_data();
+  const uint64_t h100 = uint64_t{85'899'345'920};  // 80 GiB, as an H100 reports it
+  EXPECT_NO_THROW(validate(bench, MemoryBudget{0, h100}, 1));
+  const ModelConfig config = model_preset("bench-350m");
+  const uint64_t kept = CudaModel::plan_memory(config, 4, 8192).total();
+  const uint64_t lean = CudaModel::plan_memory(config, 4, 8192, 1, 0, {true}).total();
+  ASSERT_LT(lean, kept);
+  const uint64_t between = kGiB * 2 + (kept + lean) / 2;  // 2 GiB: the daemon's allowance
+  std::string message;
+  try {
+    validate(bench, MemoryBudget{0, between}, 1);
+    ADD_FAILURE() << "bench-350m was accepted on a GPU it needs recompute_in_proj to fit";
+  } catch (const Error& e) {
+    message = e.what();
+  }
+  EXPECT_NE(message.find("spec.batch=4, seqlen=8192: each GPU of this cuda job needs"),
+            std::string::npos)
+      << message;
+  EXPECT_NE(message.find("or ask for the recompute_in_proj feature gate"), std::string::npos)
+      << message;
+  bench.add_feature_gates("recompute_in_proj");
+  EXPECT_NO_THROW(validate(bench, MemoryBudget{0, between}, 1));
+#else
+  GTEST_SKIP() << "GPU test: this build has no CUDA (MEGACPP_CUDA=OFF)";
+#endif
 }
 
 // A cuda job's gate decision: on (the train job runs on the GPU) in a CUDA build, refused with

@@ -386,6 +386,43 @@ TEST_P(CudaModelParallelStep, DataParallelOverlappedReductionEqualsTheOneAfterTh
               c.name.c_str(), world, bitwise_equal(grads[0], grads[1]) ? "yes" : "no");
 }
 
+// recompute_in_proj beside tensor parallelism: each rank recomputes its shard of the in_proj
+// outputs with the forward's GEMM, so the TP step gives the same bits as the one that kept them;
+// and each rank's memory is what CudaModel::plan_memory (megacppd's submit-time check) plans for
+// that rank from the config alone.
+TEST_P(CudaModelParallelStep, TensorParallelRecomputingTheInProjOutputsGivesTheSameStep) {
+  MEGACPP_REQUIRE_GPUS(2);
+  const ParallelCase& c = GetParam();
+  const int world = gpu_world();
+  const ModelConfig config = config_for(c, world);
+  Model<float> host(config);
+  init_host(host);
+  std::mt19937_64 rng(47);
+  const std::vector<int32_t> tokens = random_tokens(c.batch, c.seqlen, config.vocab_size, rng);
+  std::vector<std::vector<StepResult>> runs(2, std::vector<StepResult>(static_cast<size_t>(world)));
+  for (int recompute = 0; recompute < 2; ++recompute) {
+    run_ranks(world, world, [&](int rank, const CudaModelParallel& p) {
+      const CudaModelMemory memory{recompute == 1};
+      CudaModel gpu(host, c.batch, c.seqlen, OptimizerConfig{}, rank, p, nullptr, memory);
+      const CudaMemoryPlan plan =
+          CudaModel::plan_memory(config, c.batch, c.seqlen, world, rank, memory);
+      EXPECT_EQ(plan.arena, gpu.memory_plan().arena) << "rank " << rank;
+      EXPECT_EQ(plan.layer_workspaces, gpu.memory_plan().layer_workspaces) << "rank " << rank;
+      runs[static_cast<size_t>(recompute)][static_cast<size_t>(rank)] =
+          run_step(gpu, host, tokens.data());
+    });
+    if (HasFailure()) return;
+  }
+  for (int rank = 0; rank < world; ++rank) {
+    const StepResult& kept = runs[0][static_cast<size_t>(rank)];
+    const StepResult& lean = runs[1][static_cast<size_t>(rank)];
+    EXPECT_EQ(kept.loss, lean.loss) << "rank " << rank;
+    EXPECT_EQ(kept.norm, lean.norm) << "rank " << rank;
+    EXPECT_TRUE(bitwise_equal(kept.grads, lean.grads)) << "gradients, rank " << rank;
+    EXPECT_TRUE(bitwise_equal(kept.params, lean.params)) << "parameters, rank " << rank;
+  }
+}
+
 TEST_P(CudaModelParallelStep, DataParallelTensorParallelGroupsEqualOneGpu) {
   MEGACPP_REQUIRE_GPUS(4);
   expect_mesh_equals_one_gpu(GetParam(), gpu_world(), 2, kTensorParallelGradient);

@@ -28,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "runtime/layers/mamba3_mixer.h"
 #include "runtime/model/cuda_model.h"
 #include "runtime/model/model.h"
 #include "tests/support/bf16.h"
@@ -235,9 +236,19 @@ TEST_P(CudaModelStep, RecomputingTheInProjOutputsGivesTheSameStepFromLessMemory)
   std::vector<float> grads[2], params[2];
   size_t planned[2] = {0, 0};
   for (int recompute = 0; recompute < 2; ++recompute) {
-    CudaModel gpu(pair.host, c.batch, c.seqlen, OptimizerConfig{}, 0, {}, nullptr,
-                  CudaModelMemory{recompute == 1});
+    const CudaModelMemory memory{recompute == 1};
+    CudaModel gpu(pair.host, c.batch, c.seqlen, OptimizerConfig{}, 0, {}, nullptr, memory);
     planned[recompute] = gpu.planned_bytes();
+    // What megacppd checks a job against at submit, planned from the config alone, is what the
+    // constructor allocated, and no more than the device gave up.
+    const CudaMemoryPlan plan =
+        CudaModel::plan_memory(pair.config, c.batch, c.seqlen, 1, 0, memory);
+    EXPECT_EQ(plan.arena, gpu.memory_plan().arena);
+    EXPECT_EQ(plan.layer_workspaces, gpu.memory_plan().layer_workspaces);
+    EXPECT_GE(gpu.device_bytes_in_use(), plan.total());
+    std::printf("[ %s ] recompute_in_proj=%d: planned %llu bytes, the device gave up %zu\n",
+                c.name.c_str(), recompute, static_cast<unsigned long long>(plan.total()),
+                gpu.device_bytes_in_use());
     AdamW<float> fresh(pair.host.parameters(), OptimizerConfig{});
     gpu.upload(pair.host.parameters(), &fresh);
     gpu.zero_grad();
@@ -311,6 +322,30 @@ TEST_P(CudaModelStep, OptimizerStepReportsTheCpuGradientNormAndRoundTripsThrough
 
 INSTANTIATE_TEST_SUITE_P(Configs, CudaModelStep, ::testing::ValuesIn(step_cases()),
                          [](const auto& test) { return test.param.name; });
+
+// anchors.md's bench-350m at micro-batch 4 x 8192 fits an 80 GB H100 (the memory bound),
+// and recompute_in_proj frees every Mamba layer's in_proj output but one: what megacppd's
+// submit-time check (daemon/job_spec.cpp) computes, without allocating it.
+TEST(CudaModelMemoryPlan, Bench350mFitsAnH100AndTheGateFreesTheInProjOutputs) {
+  MEGACPP_REQUIRE_GPU();  // the plan asks CUB for its sort sizes, which needs a device
+  const ModelConfig config = model_preset("bench-350m");
+  const int batch = 4, seqlen = 8192;
+  const CudaMemoryPlan kept = CudaModel::plan_memory(config, batch, seqlen);
+  const CudaMemoryPlan lean = CudaModel::plan_memory(config, batch, seqlen, 1, 0, {true});
+  constexpr uint64_t kGiB = uint64_t{1} << 30;
+  EXPECT_LT(kept.total(), 78 * kGiB);  // an H100's 80 GB less the context and libraries
+  int mamba_layers = 0;
+  for (int i = 0; i < config.n_layer; ++i) mamba_layers += !config.is_attention_layer(i);
+  const ops::Mamba3PreprocessShape shape = mamba3_preprocess_shape(config, batch * seqlen);
+  const uint64_t proj_bytes = static_cast<uint64_t>(batch) * seqlen * shape.columns() * 2;
+  EXPECT_EQ(kept.arena - lean.arena, static_cast<uint64_t>(mamba_layers - 1) * proj_bytes);
+  EXPECT_EQ(kept.layer_workspaces, lean.layer_workspaces);
+  std::printf(
+      "bench-350m R=4, 4 x 8192: planned %.2f GiB (arena %.2f, layer workspaces %.2f); "
+      "with recompute_in_proj %.2f GiB\n",
+      static_cast<double>(kept.total()) / kGiB, static_cast<double>(kept.arena) / kGiB,
+      static_cast<double>(kept.layer_workspaces) / kGiB, static_cast<double>(lean.total()) / kGiB);
+}
 
 TEST(CudaModelInput, RefusesTokensOutsideTheVocabularyNamingThePosition) {
   MEGACPP_REQUIRE_GPU();
