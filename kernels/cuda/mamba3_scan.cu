@@ -90,6 +90,12 @@ void validate(const ops::ScanShape& s) {
            "Mamba3ScanCuda: ScanShape.angles={} must lie in [0, state/2={}]", s.angles,
            s.state / 2);
   }
+  // load_scalars gives each token and each rotation pair one thread of the smallest block.
+  if (s.chunk > kThreads || s.angles > kThreads) {
+    refuse(ErrorKind::kInvalidArgument,
+           "Mamba3ScanCuda: ScanShape.chunk={} and angles={} must each be at most {}", s.chunk,
+           s.angles, kThreads);
+  }
   const size_t need = plan_for(dims_of(s), kBackwardKernel).total;
   const int limit = device_shared_limit();
   if (need > static_cast<size_t>(limit)) {

@@ -6,43 +6,69 @@
 #include "kernels/cuda/mamba3_scan_device.cuh"
 
 namespace megacpp::cuda::scan_detail {
+#ifdef MEGACPP_SCAN_PHASES
+__device__ unsigned long long g_phase_cycles[24];
+#define PHASE(k)                                                                          \
+  do {                                                                                    \
+    if (threadIdx.x == 0) {                                                               \
+      const long long now_ = clock64();                                                   \
+      atomicAdd(&g_phase_cycles[k], static_cast<unsigned long long>(now_ - phase_last_)); \
+      phase_last_ = now_;                                                                 \
+    }                                                                                     \
+  } while (0)
+#else
+#define PHASE(k) (void)0
+#endif
 namespace {
 
-// d_o = dy ⊙ silu(z ⊙ mimo_z) ⊙ mimo_o, rows (i, r), fp32. With z_dy, also the chunk's z and
-// dy as loaded (bf16 [C][P] each, z then dy; zeros for padded tokens), for the epilogue.
+// d_o = dy ⊙ silu(z ⊙ mimo_z) ⊙ mimo_o, rows (i, r), fp32; an index is (row, p). With z_dy,
+// also the chunk's z and dy as loaded (bf16 [C][P] each, z then dy; zeros for padded tokens), for
+// the epilogue; with mimo_copy, the head's mimo_z then mimo_o ([R][P] each, fp32).
 template <class D>
-__device__ void load_d_o(const D& d, const DevInputs& in, const bf16* dy, const ChunkPos& pos,
-                         float* dst, int ld, bf16* z_dy = nullptr) {
-  const int P = d.headdim, R = d.rank;
+struct DOutLoader {
   struct Loaded {
     bf16 z, mimo_z, dy, mimo_o;
   };
-  for_each_batched<kLoadBatch>(
-      d.rows * P,
-      [&](int idx) {
-        const int row = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
-        const int i = d.by_rank.div(row), r = d.by_rank.mod(row);
-        const bf16 zero = __float2bfloat16(0.f);
-        Loaded loaded{zero, zero, zero, zero};
-        if (i < pos.len) {
-          const size_t th = token_head(d, pos.b, pos.t0 + i, pos.h);
-          const size_t wr = (static_cast<size_t>(pos.h) * R + r) * P + p;
-          loaded = {in.z[th * P + p], in.mimo_z[wr], dy[th * P + p], in.mimo_o[wr]};
-        }
-        return loaded;
-      },
-      [&](int idx, const Loaded& loaded) {
-        const int row = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
-        // Padded tokens loaded zeros: gate 0, value 0.
-        const float gate = to_f(loaded.z) * to_f(loaded.mimo_z);
-        dst[row * ld + p] = to_f(loaded.dy) * gate * sigmoidf(gate) * to_f(loaded.mimo_o);
-        if (z_dy != nullptr && d.by_rank.mod(row) == 0) {
-          const int at = d.by_rank.div(row) * P + p;
-          z_dy[at] = loaded.z;
-          z_dy[d.chunk * P + at] = loaded.dy;
-        }
-      });
-}
+  const D& d;
+  const DevInputs& in;
+  const bf16* dy;
+  const ChunkPos& pos;
+  float* dst;
+  int ld;
+  bf16* z_dy = nullptr;
+  float* mimo_copy = nullptr;
+
+  __device__ __forceinline__ Loaded load(int idx) const {
+    const int P = d.headdim, R = d.rank;
+    const int row = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
+    const int i = d.by_rank.div(row), r = d.by_rank.mod(row);
+    const bf16 zero = __float2bfloat16(0.f);
+    Loaded loaded{zero, zero, zero, zero};
+    if (i < pos.len) {
+      const size_t th = token_head(d, pos.b, pos.t0 + i, pos.h);
+      const size_t wr = (static_cast<size_t>(pos.h) * R + r) * P + p;
+      loaded = {in.z[th * P + p], in.mimo_z[wr], dy[th * P + p], in.mimo_o[wr]};
+    }
+    return loaded;
+  }
+  __device__ __forceinline__ void store(int idx, const Loaded& loaded) const {
+    const int P = d.headdim, R = d.rank;
+    const int row = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
+    const int i = d.by_rank.div(row), r = d.by_rank.mod(row);
+    // Padded tokens loaded zeros: gate 0, value 0.
+    const float gate = to_f(loaded.z) * to_f(loaded.mimo_z);
+    dst[row * ld + p] = to_f(loaded.dy) * gate * sigmoidf(gate) * to_f(loaded.mimo_o);
+    if (z_dy != nullptr && r == 0) {
+      const int at = i * P + p;
+      z_dy[at] = loaded.z;
+      z_dy[d.chunk * P + at] = loaded.dy;
+    }
+    if (mimo_copy != nullptr && i == 0) {
+      mimo_copy[r * P + p] = to_f(loaded.mimo_z);
+      mimo_copy[(R + r) * P + p] = to_f(loaded.mimo_o);
+    }
+  }
+};
 
 // dL/dE_c through chunk c's own outputs: Σ_{i,r} e^{l_i} d_o_{i,r} q_{i,r}ᵀ.
 template <bool kTensor, class D>
@@ -58,7 +84,7 @@ __global__ void chunk_dstate_kernel(D d, SmemPlan plan, DevInputs in, Work w, co
   const SmemStrides ld = strides_of<D>(plan);
   const int ld_qk = ld.qk, ld_mp = ld.mp;
   load_rotated(d, in.q, in.q_bias, pos, cosv, sinv, q_rot, ld_qk);
-  load_d_o(d, in, dy, pos, d_o, ld_mp);
+  load_alone(d.rows * d.headdim, DOutLoader<D>{d, in, dy, pos, d_o, ld_mp});
   __syncthreads();
   const int N = d.state, P = d.headdim, C = d.chunk;
   const size_t bhc = (static_cast<size_t>(pos.b) * d.heads + pos.h) * d.chunks + pos.c;
@@ -197,6 +223,9 @@ __global__ void __launch_bounds__(kBackwardThreads)
     chunk_backward_kernel(D d, SmemPlan plan, DevInputs in, Work w, bool read_psiv, const bf16* dy,
                           DevGrads grads) {
   extern __shared__ __align__(16) unsigned char smem[];
+#ifdef MEGACPP_SCAN_PHASES
+  long long phase_last_ = clock64();
+#endif
   float* sc = reinterpret_cast<float*>(smem + plan.token_scalars);
   float* cosv = reinterpret_cast<float*>(smem + plan.rotation_cos);
   float* sinv = reinterpret_cast<float*>(smem + plan.rotation_sin);
@@ -214,6 +243,10 @@ __global__ void __launch_bounds__(kBackwardThreads)
   float* d_qk = reinterpret_cast<float*>(smem + plan.d_qk);
   float* sum_scratch = reinterpret_cast<float*>(smem + plan.sum_scratch);
   float* d_theta = reinterpret_cast<float*>(smem + plan.d_theta);
+  // The head's mimo_x, then mimo_z and mimo_o, [R][P] fp32 each: loaded once with PsiV and dO,
+  // read by the epilogue and dx instead of global memory inside their loops.
+  float* mimo_x = reinterpret_cast<float*>(smem + plan.mimo_params);
+  float* mimo_zo = mimo_x + d.rank * d.headdim;
   // The group's dQ and dK sums, when they stay in shared memory (plan_backward).
   float* dq_sum = plan.dq_acc != 0 ? reinterpret_cast<float*>(smem + plan.dq_acc) : nullptr;
   float* dk_sum = plan.dk_acc != 0 ? reinterpret_cast<float*>(smem + plan.dk_acc) : nullptr;
@@ -246,8 +279,14 @@ __global__ void __launch_bounds__(kBackwardThreads)
   // The chunk's v for mimo_x's partial, in the scores' space when it fits: written only after
   // finish_qk_grad for k has passed its last barrier, when neither the scores nor d_qk (which may
   // share that space) are read again for the head.
-  bf16* v_tokens =
-      C * P * sizeof(bf16) <= M * ld_mm * sizeof(float) ? reinterpret_cast<bf16*>(scores) : nullptr;
+  // With a space of its own (plan_backward) and PsiV computed rather than read from the cache, v
+  // arrives there with PsiV's loads at the head's start: the dx pass then waits on no load.
+  bf16* v_early =
+      plan.v_tokens != 0 && !read_psiv ? reinterpret_cast<bf16*>(smem + plan.v_tokens) : nullptr;
+  bf16* v_tokens = v_early != nullptr ? v_early
+                   : C * P * sizeof(bf16) <= M * ld_mm * sizeof(float)
+                       ? reinterpret_cast<bf16*>(scores)
+                       : nullptr;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   const ChunkPos group_pos = chunk_pos(d, blockIdx.y, true, blockIdx.x);
   const size_t slot = static_cast<size_t>(group_pos.b) * d.chunks + group_pos.c;
@@ -268,12 +307,18 @@ __global__ void __launch_bounds__(kBackwardThreads)
     float* d_partial = mo_partial + R * P;
     const float skip = to_f(in.d[h]);
 
+    PHASE(17);
     load_scalars(d, in, w, pos, sc, cosv, sinv);
-    load_rotated(d, in.q, in.q_bias, pos, cosv, sinv, q_rot, ld_qk);
-    load_rotated(d, in.k, in.k_bias, pos, cosv, sinv, k_rot, ld_qk);
-    load_psiv(d, in, pos, w.psiv, read_psiv, false, psiv, ld_pv);
-    load_d_o(d, in, dy, pos, d_o, ld_mp, z_dy);
+    PHASE(19);
+    load_rotated_qk(d, in, pos, cosv, sinv, q_rot, k_rot, ld_qk);
+    PHASE(20);
+    PHASE(21);
+    load_together(M * P,
+                  PsivLoader<D>{d, in, pos, w.psiv, read_psiv, false, psiv, ld_pv, mimo_x, v_early},
+                  DOutLoader<D>{d, in, dy, pos, d_o, ld_mp, z_dy, mimo_zo});
+    PHASE(22);
     for_each_state_element(d, w.states + bhc * matrix, set_state);
+    PHASE(23);
     fill_weights(d, sc, weights);
     for (int idx = threadIdx.x; idx < C * A; idx += blockDim.x) d_theta[idx] = 0.f;
     for (int i = threadIdx.x; i < C; i += blockDim.x) {
@@ -282,6 +327,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
       sc[kDKappa * C + i] = 0.f;
     }
     __syncthreads();
+    PHASE(0);
 
     // Recompute the forward: scores, weighted scores and o.
     bf16_gemm<kTensor, false, false>(
@@ -304,6 +350,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
       }
     }
     __syncthreads();
+    PHASE(1);
     // dL/dl_i from the entry term e^{l_i} (Q Eᵀ)_i: one warp per token.
     for (int i = warp; i < C; i += warps) {
       float dot = 0.f;
@@ -315,6 +362,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
       if (lane == 0) sc[kScratch * C + i] = sc[kEntryDecay * C + i] * dot;
     }
     __syncthreads();
+    PHASE(2);
     // The bf16 dO (and its lo part when split). Unsplit, E is dead until dO E reloads it, and its
     // space takes the bf16 dO.
     for (int idx = threadIdx.x; idx < M * P; idx += blockDim.x) {
@@ -326,6 +374,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
       if (split) d_o_lo[row * ld_pv + p] = __float2bfloat16(value - to_f(hi));
     }
     __syncthreads();
+    PHASE(3);
     bf16_gemm<kTensor, false, true>(M, P, M, weighted, ld_sw, psiv, ld_pv,
                                     [&](int i, int p, float value) {
                                       o[i * ld_mp + p] += value + skip * to_f(psiv[i * ld_pv + p]);
@@ -339,6 +388,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
                                      d_psiv[i * ld_mp + p] = value + skip * d_o[i * ld_mp + p];
                                    });
     __syncthreads();
+    PHASE(4);
 
     // Epilogue backward (gating, mimo_o, mimo_z, D) now that o is complete.
     // z and dy of token i, element p: from z_dy, or global memory.
@@ -353,10 +403,9 @@ __global__ void __launch_bounds__(kBackwardThreads)
       const float z = zg.x, g_out = zg.y;
       float dz = 0.f;
       for (int r = 0; r < R; ++r) {
-        const size_t wr = (static_cast<size_t>(h) * R + r) * P + p;
-        const float mz = to_f(in.mimo_z[wr]);
+        const float mz = mimo_zo[r * P + p];
         const float gate = z * mz, sg = sigmoidf(gate);
-        dz += g_out * o[(i * R + r) * ld_mp + p] * to_f(in.mimo_o[wr]) * sg *
+        dz += g_out * o[(i * R + r) * ld_mp + p] * mimo_zo[(R + r) * P + p] * sg *
               (1.f + gate * (1.f - sg)) * mz;
       }
       grads.z[th * P + p] = __float2bfloat16(dz);
@@ -365,10 +414,9 @@ __global__ void __launch_bounds__(kBackwardThreads)
         R * P, pos.len,
         [&](int i, int item, float* acc) {
           const int r = d.by_headdim.div(item), p = d.by_headdim.mod(item);
-          const size_t wr = (static_cast<size_t>(h) * R + r) * P + p;
           const float2 zg = z_and_dy(i, p, token_head(d, pos.b, pos.t0 + i, h));
           const float z = zg.x, g_out = zg.y;
-          const float mz = to_f(in.mimo_z[wr]), mo = to_f(in.mimo_o[wr]);
+          const float mz = mimo_zo[item], mo = mimo_zo[R * P + item];
           const float o_ir = o[(i * R + r) * ld_mp + p];
           const float gate = z * mz, sg = sigmoidf(gate);
           acc[0] += g_out * o_ir * gate * sg;
@@ -387,6 +435,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
       const float total = block_sum(local, sum_scratch);
       if (threadIdx.x == 0) d_partial[0] = total;
     }
+    PHASE(5);
 
     // Score-weight gradients per token pair, then dSc ⊙ W (rounded once, for dQ and dK).
     for (int idx = threadIdx.x; idx < C * C; idx += blockDim.x) {
@@ -402,6 +451,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
       d_weights[idx] = d_weight;
     }
     __syncthreads();
+    PHASE(6);
     for (int idx = threadIdx.x; idx < M * M; idx += blockDim.x) {
       const int i = d.by_rows.div(idx), j = d.by_rows.mod(idx);
       weighted[i * ld_sw + j] = __float2bfloat16(d_scores[i * ld_mm + j] *
@@ -415,7 +465,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
           d_log += d_weights[i * C + j] * weights[i * C + j];
         } else if (j > i) {
           const float weight_term = d_weights[j * C + i];
-          d_kappa += weight_term * expf(sc[kLog * C + j] - sc[kLog * C + i]);
+          d_kappa += weight_term * __expf(sc[kLog * C + j] - sc[kLog * C + i]);
           d_log -= weight_term * weights[j * C + i];
         }
       }
@@ -428,6 +478,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
       }
     }
     __syncthreads();
+    PHASE(7);
 
     // dQ = dSc K + e^{l} dO E (the fp32 E reloaded: unsplit, its space held the bf16 dO; split,
     // the pairs are still E's and the fp32 E serves the exit-state product below).
@@ -436,6 +487,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
         M, N, M, weighted, ld_sw, k_rot, ld_qk,
         [&](int i, int n, float value) { d_qk[i * ld_mn + n] = value; });
     __syncthreads();
+    PHASE(8);
     {
       const auto add = [&](int i, int n, float value) {
         d_qk[i * ld_mn + n] += sc[kEntryDecay * C + d.by_rank.div(i)] * value;
@@ -450,8 +502,10 @@ __global__ void __launch_bounds__(kBackwardThreads)
       }
     }
     __syncthreads();
+    PHASE(9);
     finish_qk_grad(d, pos, hg == 0, cosv, sinv, q_rot, ld_qk, d_qk, ld_mn, d_theta, qb_partial,
                    dq_sum, w.dq_acc);
+    PHASE(10);
 
     // Exit state: dS = dL/d(exit state). dL/dl_last += e^{l_last} <dS, E>, with E still in
     // `state` (each element is read by the thread that then overwrites it with dS).
@@ -467,10 +521,12 @@ __global__ void __launch_bounds__(kBackwardThreads)
       }
     }
     __syncthreads();
+    PHASE(11);
     // dK = dScᵀ Q + exit_scale · V dS.
     bf16_gemm<kTensor, true, true>(M, N, M, weighted, ld_sw, q_rot, ld_qk,
                                    [&](int i, int n, float value) { d_qk[i * ld_mn + n] = value; });
     __syncthreads();
+    PHASE(12);
     {
       const auto add = [&](int i, int n, float value) {
         d_qk[i * ld_mn + n] += sc[kExitScale * C + d.by_rank.div(i)] * value;
@@ -494,6 +550,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
       }
     }
     __syncthreads();
+    PHASE(13);
     // One warp per token.
     for (int j = warp; j < C; j += warps) {
       float d_scale = 0.f;
@@ -521,21 +578,22 @@ __global__ void __launch_bounds__(kBackwardThreads)
       sum = warp_sum(sum);
       if (lane == 0) sc[kDLog * C + pos.len - 1] += sum;
     }
+    PHASE(14);
     finish_qk_grad(d, pos, hg == 0, cosv, sinv, k_rot, ld_qk, d_qk, ld_mn, d_theta, kb_partial,
                    dk_sum, w.dk_acc);
+    PHASE(15);
 
     // v = x ⊙ mimo_x: dx (this head's own output) and mimo_x's partial.
     for (int idx = threadIdx.x; idx < pos.len * P; idx += blockDim.x) {
       const int i = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
       const size_t th = token_head(d, pos.b, pos.t0 + i, h);
       float dx = 0.f;
-      for (int r = 0; r < R; ++r)
-        dx += d_psiv[(i * R + r) * ld_mp + p] *
-              to_f(in.mimo_x[(static_cast<size_t>(h) * R + r) * P + p]);
+      for (int r = 0; r < R; ++r) dx += d_psiv[(i * R + r) * ld_mp + p] * mimo_x[r * P + p];
       grads.v[th * P + p] = __float2bfloat16(dx);
-      if (v_tokens != nullptr) v_tokens[idx] = in.v[th * P + p];
+      if (v_tokens != nullptr && v_early == nullptr) v_tokens[idx] = in.v[th * P + p];
     }
     __syncthreads();
+    PHASE(16);
     token_sums<1>(
         R * P, pos.len,
         [&](int i, int item, float* acc) {
@@ -568,7 +626,9 @@ __global__ void __launch_bounds__(kBackwardThreads)
         A, pos.len, [&](int i, int j, float* acc) { acc[0] += d_theta[i * A + j]; },
         [&](int j, const float* acc) { w.dtheta_tot[(bh * d.chunks + pos.c) * A + j] = acc[0]; });
     __syncthreads();
+    PHASE(17);
   }
+  PHASE(18);
   if (dq_sum != nullptr) {
     // Every head is in: the group's q and k gradients of the chunk, rows G·N apart in [B, T, R,
     // G, N].
@@ -781,3 +841,20 @@ void run_backward(const BackwardLaunches& launches, bool tensor_cores, bool psiv
 }
 
 }  // namespace megacpp::cuda::scan_detail
+
+#ifdef MEGACPP_SCAN_PHASES
+namespace megacpp::cuda {
+void print_scan_phases() {
+  unsigned long long host[24];
+  cudaMemcpyFromSymbol(host, scan_detail::g_phase_cycles, sizeof(host));
+  unsigned long long total = 0;
+  for (unsigned long long v : host) total += v;
+  for (int k = 0; k < 24; ++k)
+    std::printf("phase %2d: %5.1f%%\n", k,
+                100.0 * static_cast<double>(host[k]) / static_cast<double>(total));
+  cudaMemset(scan_detail::g_phase_cycles, 0, 0);
+  unsigned long long zero[24] = {};
+  cudaMemcpyToSymbol(scan_detail::g_phase_cycles, zero, sizeof(zero));
+}
+}  // namespace megacpp::cuda
+#endif

@@ -109,6 +109,8 @@ struct SmemPlan {
                                //   backward later dL/d(QKᵀ) (= dSc ⊙ W)
   size_t d_out_bf16 = 0;       // bf16 [rows][P]: d_out rounded, the tensor-core operand
   size_t d_theta = 0;          // fp32 [C][A]: dL/dθ of each token of this head
+  size_t mimo_params = 0;      // fp32 [3][R][P]: the head's mimo_x, mimo_z, mimo_o (backward)
+  size_t v_tokens = 0;         // bf16 [C][P]: the chunk's v (backward, when it fits)
   size_t dq_acc = 0;           // fp32 [rows][N]: dL/dq summed over the group's heads, or 0 when
   size_t dk_acc = 0;           //   the sums go through the workspace (see plan_backward)
   size_t state_hi = 0;         // bf16 [P][N]: the state (E, later dS) split hi + lo once, the
@@ -226,6 +228,7 @@ inline SmemPlan plan_for(const Dims& d, ScanKernel kernel) {
     p.d_qk = m * ld_mn <= 2 * m * ld_mm ? p.scores : take(m * ld_mn * sizeof(float));
     p.sum_scratch = take(kBackwardThreads / 32 * sizeof(float));
     p.d_theta = take(c * a * sizeof(float));
+    p.mimo_params = take(3 * static_cast<size_t>(d.rank) * hp * sizeof(float));
   }
   p.total = cursor;
   return p;
@@ -236,6 +239,7 @@ inline SmemPlan plan_for(const Dims& d, ScanKernel kernel) {
 //     once, so that their products fetch operands by ldmatrix (smem_mma_split) rather than
 //     element by element with a split per fetch (the fp32 state reads were about a tenth of the
 //     kernel's stall samples); the bf16 dO then gets its own space;
+//   v: the chunk's v, loaded with PsiV at the head's start for the dx pass;
 //   accumulators: the group's dQ and dK sums: the block walks every head of the group over the
 //     same rows, so the sums need no global read-modify-write per head, and the block writes the
 //     bf16 gradients once at the end. Otherwise they go through the workspace.
@@ -258,6 +262,11 @@ inline SmemPlan plan_backward(const Dims& d, bool tensor_cores, size_t limit) {
     // The fp32 E is reloaded into `state` while the bf16 dO is still an operand.
     if (d_out_bf16_shared) p.d_out_bf16 = p.d_out_lo + d_out_half;
     p.total += split;
+  }
+  const size_t v_bytes = round16(static_cast<size_t>(d.chunk) * hp * sizeof(bf16));
+  if (p.total + v_bytes <= limit) {
+    p.v_tokens = p.total;
+    p.total += v_bytes;
   }
   const size_t sums = round16(rows * static_cast<size_t>(d.state) * sizeof(float));
   if (p.total + 2 * sums <= limit) {
@@ -330,8 +339,10 @@ void run_backward(const BackwardLaunches& launches, bool tensor_cores, bool psiv
 // ---------------------------------------------------------------------------------
 // Device functions of both passes' chunk kernels.
 
+// The hardware exponential and reciprocal (about 2 ulp): the IEEE expf and division cost five
+// times the instructions, and the backward takes three sigmoids per gated element.
 static __device__ __forceinline__ float sigmoidf(float x) {
-  return 1.f / (1.f + expf(-x));
+  return __fdividef(1.f, 1.f + __expf(-x));
 }
 
 struct ChunkPos {
@@ -444,46 +455,70 @@ static __device__ __forceinline__ void warp_scan(int count, bool reverse, bool e
 // Per-token scalars and rotation cos/sin of head pos.h for the chunk. Padded tokens
 // (i ≥ len) get zero coefficients, so they contribute nothing anywhere. The two prefix sums (l
 // over tokens, θ over tokens per rotation pair) are a warp's scan each (warp_scan); every load,
-// exponential and sincos runs on all threads.
+// exponential and sincos runs on all threads. Every global load (the token scalars, the angle
+// increments' inputs, the chunk's starting angles) is issued before the first is used: one
+// memory latency per head, where a loop of loads per kind waited for each kind in turn (the
+// scalars were 6.4% of chunk_backward's time, measured).
 template <class D>
 static __device__ void load_scalars(const D& d, const DevInputs& in, const Work& w,
                                     const ChunkPos& pos, float* sc, float* cosv, float* sinv) {
   const int C = d.chunk, A = d.angles;
-  for (int i = threadIdx.x; i < C; i += blockDim.x) {
-    float adt = 0.f, dt = 0.f, tau = 0.f, kappa = 0.f;
-    if (i < pos.len) {
-      const size_t th = token_head(d, pos.b, pos.t0 + i, pos.h);
-      adt = to_f(in.adt[th]);
-      dt = to_f(in.dt[th]);
-      tau = sigmoidf(to_f(in.trap[th]));
-      kappa = tau * dt;
-      if (pos.t0 + i + 1 < d.seqlen) {
-        const size_t next = th + d.heads;
-        kappa += (1.f - sigmoidf(to_f(in.trap[next]))) * to_f(in.dt[next]);
-      }
+  const int own = static_cast<int>(threadIdx.x);
+  // Token `own` (< C) of the chunk: adt, dt, trap, and the next token's trap and dt (κ).
+  bf16 adt = __float2bfloat16(0.f), dt = adt, trap = adt, next_trap = adt, next_dt = adt;
+  const bool token = own < C && own < pos.len;
+  const bool has_next = token && pos.t0 + own + 1 < d.seqlen;
+  if (token) {
+    const size_t th = token_head(d, pos.b, pos.t0 + own, pos.h);
+    adt = in.adt[th];
+    dt = in.dt[th];
+    trap = in.trap[th];
+    if (has_next) {
+      next_trap = in.trap[th + d.heads];
+      next_dt = in.dt[th + d.heads];
     }
-    sc[kAdt * C + i] = adt;
-    sc[kLog * C + i] = adt;  // summed in place below
-    sc[kDt * C + i] = dt;
-    sc[kTau * C + i] = tau;
-    sc[kGamma * C + i] = tau * dt;
-    sc[kKappa * C + i] = kappa;
   }
+  const size_t bh = static_cast<size_t>(pos.b) * d.heads + pos.h;
+  const float theta_start = own < A ? w.theta0[(bh * d.chunks + pos.c) * A + own] : 0.f;
   // θ increments tanh(angle)·DT·π, held in cosv until the prefix below.
-  for (int item = threadIdx.x; item < C * A; item += blockDim.x) {
-    const int i = d.by_angles.div(item), j = d.by_angles.mod(item);
-    float increment = 0.f;
-    if (i < pos.len) {
-      const int t = pos.t0 + i;
-      increment = tanhf(to_f(in.angles[(static_cast<size_t>(pos.b) * d.seqlen + t) * A + j])) *
-                  to_f(in.dt[token_head(d, pos.b, t, pos.h)]) * kPi;
+  struct Increment {
+    bf16 angle, dt;
+  };
+  for_each_batched<kLoadBatch>(
+      C * A,
+      [&](int item) {
+        const int i = d.by_angles.div(item), j = d.by_angles.mod(item);
+        Increment loaded{__float2bfloat16(0.f), __float2bfloat16(0.f)};
+        if (i < pos.len) {
+          const int t = pos.t0 + i;
+          loaded = {in.angles[(static_cast<size_t>(pos.b) * d.seqlen + t) * A + j],
+                    in.dt[token_head(d, pos.b, t, pos.h)]};
+        }
+        return loaded;
+      },
+      [&](int item, const Increment& loaded) {
+        cosv[item] = tanhf(to_f(loaded.angle)) * to_f(loaded.dt) * kPi;
+      });
+  if (own < C) {
+    float tau = 0.f, kappa = 0.f;
+    if (token) {
+      tau = sigmoidf(to_f(trap));
+      kappa = tau * to_f(dt);
+      if (has_next) kappa += (1.f - sigmoidf(to_f(next_trap))) * to_f(next_dt);
     }
-    cosv[item] = increment;
+    sc[kAdt * C + own] = to_f(adt);
+    sc[kLog * C + own] = to_f(adt);  // summed in place below
+    sc[kDt * C + own] = to_f(dt);
+    sc[kTau * C + own] = tau;
+    sc[kGamma * C + own] = tau * to_f(dt);
+    sc[kKappa * C + own] = kappa;
   }
+  // The starting angles wait in sinv (written with the sines only after the prefixes).
+  if (own < A) sinv[own] = theta_start;
   __syncthreads();
   // The prefixes, a warp each: task 0 is l over tokens, task 1 + j is θ of rotation pair j.
   const int warps = static_cast<int>(blockDim.x) / 32;
-  for (int task = static_cast<int>(threadIdx.x) / 32; task <= A; task += warps) {
+  for (int task = own / 32; task <= A; task += warps) {
     if (task == 0) {
       float* log = sc + kLog * C;
       warp_scan(
@@ -491,20 +526,18 @@ static __device__ void load_scalars(const D& d, const DevInputs& in, const Work&
           [&](int i, float value) { log[i] = value; });
     } else {
       const int j = task - 1;
-      const size_t bh = static_cast<size_t>(pos.b) * d.heads + pos.h;
       warp_scan(
-          C, false, false, w.theta0[(bh * d.chunks + pos.c) * A + j],
-          [&](int i) { return cosv[i * A + j]; },
+          C, false, false, sinv[j], [&](int i) { return cosv[i * A + j]; },
           [&](int i, float value) { cosv[i * A + j] = value; });
     }
   }
   __syncthreads();
   const float last = sc[kLog * C + (pos.len - 1)];
-  for (int i = threadIdx.x; i < C; i += blockDim.x) {
+  for (int i = own; i < C; i += blockDim.x) {
     sc[kEntryDecay * C + i] = expf(sc[kLog * C + i]);
     sc[kExitScale * C + i] = expf(last - sc[kLog * C + i]) * sc[kKappa * C + i];
   }
-  for (int item = threadIdx.x; item < C * A; item += blockDim.x) {
+  for (int item = own; item < C * A; item += blockDim.x) {
     float cs = 1.f, sn = 0.f;
     if (d.by_angles.div(item) < pos.len) sincosf(cosv[item], &sn, &cs);
     cosv[item] = cs;
@@ -513,91 +546,174 @@ static __device__ void load_scalars(const D& d, const DevInputs& in, const Work&
   __syncthreads();
 }
 
-// q or k of head pos.h for the chunk: + bias, rotated, rounded to bf16. Rows (i, r).
+// Two element loaders over the same index space in one pass (for_each_batched): every global
+// load of both is issued before either stores, so two tensors cost one memory latency per batch
+// rather than two (q and k, or PsiV and dO, loaded one after the other were 7.7% and 14.1% of
+// chunk_backward's time, measured). A loader has a Loaded type, load(idx) (loads only) and
+// store(idx, loaded).
+template <class First, class Second>
+static __device__ __forceinline__ void load_together(int items, const First& first,
+                                                     const Second& second) {
+  struct Both {
+    typename First::Loaded a;
+    typename Second::Loaded b;
+  };
+  for_each_batched<kLoadBatch>(
+      items,
+      [&](int idx) {
+        return Both{first.load(idx), second.load(idx)};
+      },
+      [&](int idx, const Both& both) {
+        first.store(idx, both.a);
+        second.store(idx, both.b);
+      });
+}
+template <class Loader>
+static __device__ __forceinline__ void load_alone(int items, const Loader& loader) {
+  for_each_batched<kLoadBatch>(
+      items, [&](int idx) { return loader.load(idx); },
+      [&](int idx, const typename Loader::Loaded& loaded) { loader.store(idx, loaded); });
+}
+
+// q or k of head pos.h for the chunk: + bias, rotated, rounded to bf16. Rows (i, r); an index
+// is (row, n < N/2), the rotation pair (n, n + N/2).
+template <class D>
+struct RotatedLoader {
+  struct Loaded {
+    bf16 a, b, a_bias, b_bias;
+  };
+  const D& d;
+  const ChunkPos& pos;
+  const bf16* chunk_src;  // the chunk's first row; rows (i, r) lie G·N apart in [B, T, R, G, N]
+  const bf16* bias;
+  const float* cosv;
+  const float* sinv;
+  bf16* dst;
+  int ld;
+
+  __device__ RotatedLoader(const D& dims, const ChunkPos& p, const bf16* src, const bf16* b,
+                           const float* c, const float* s, bf16* out, int stride)
+      : d(dims),
+        pos(p),
+        chunk_src(src + ((static_cast<size_t>(p.b) * dims.seqlen + p.t0) * dims.rank * dims.groups +
+                         p.g) *
+                            dims.state),
+        bias(b),
+        cosv(c),
+        sinv(s),
+        dst(out),
+        ld(stride) {}
+  static __device__ __forceinline__ int items(const D& d) { return d.rows * (d.state / 2); }
+
+  __device__ __forceinline__ Loaded load(int idx) const {
+    const int half = d.state / 2;
+    const int row = d.by_half.div(idx), n = d.by_half.mod(idx);
+    const int i = d.by_rank.div(row), r = d.by_rank.mod(row);
+    const bf16 zero = __float2bfloat16(0.f);
+    Loaded pair{zero, zero, zero, zero};
+    if (i < pos.len) {
+      const bf16* in_row = chunk_src + row * (d.groups * d.state);
+      const bf16* bias_row = bias + (pos.h * d.rank + r) * d.state;
+      pair = {in_row[n], in_row[n + half], bias_row[n], bias_row[n + half]};
+    }
+    return pair;
+  }
+  __device__ __forceinline__ void store(int idx, const Loaded& pair) const {
+    const int half = d.state / 2, A = d.angles;
+    const int row = d.by_half.div(idx), n = d.by_half.mod(idx);
+    const int i = d.by_rank.div(row);
+    // Padded tokens loaded zeros, so they store zeros.
+    const float a = to_f(pair.a) + to_f(pair.a_bias);
+    const float b = to_f(pair.b) + to_f(pair.b_bias);
+    float first = a, second = b;
+    if (n < A && i < pos.len) {
+      const float cs = cosv[i * A + n], sn = sinv[i * A + n];
+      first = a * cs - b * sn;
+      second = a * sn + b * cs;
+    }
+    dst[row * ld + n] = __float2bfloat16(first);
+    dst[row * ld + n + half] = __float2bfloat16(second);
+  }
+};
+
 template <class D>
 static __device__ void load_rotated(const D& d, const bf16* src, const bf16* bias,
                                     const ChunkPos& pos, const float* cosv, const float* sinv,
                                     bf16* dst, int ld) {
-  const int N = d.state, half = N / 2, R = d.rank, A = d.angles;
-  struct Pair {
-    bf16 a, b, a_bias, b_bias;
-  };
-  // Rows (i, r) of the chunk lie G·N apart in the [B, T, R, G, N] input.
-  const bf16* chunk_src =
-      src + ((static_cast<size_t>(pos.b) * d.seqlen + pos.t0) * R * d.groups + pos.g) * N;
-  const int row_stride = d.groups * N;
-  for_each_batched<kLoadBatch>(
-      d.rows * half,
-      [&](int idx) {
-        const int row = d.by_half.div(idx), n = d.by_half.mod(idx);
-        const int i = d.by_rank.div(row), r = d.by_rank.mod(row);
-        const bf16 zero = __float2bfloat16(0.f);
-        Pair pair{zero, zero, zero, zero};
-        if (i < pos.len) {
-          const bf16* in_row = chunk_src + row * row_stride;
-          const bf16* bias_row = bias + (pos.h * R + r) * N;
-          pair = {in_row[n], in_row[n + half], bias_row[n], bias_row[n + half]};
-        }
-        return pair;
-      },
-      [&](int idx, const Pair& pair) {
-        const int row = d.by_half.div(idx), n = d.by_half.mod(idx);
-        const int i = d.by_rank.div(row);
-        // Padded tokens loaded zeros, so they store zeros.
-        const float a = to_f(pair.a) + to_f(pair.a_bias);
-        const float b = to_f(pair.b) + to_f(pair.b_bias);
-        float first = a, second = b;
-        if (n < A && i < pos.len) {
-          const float cs = cosv[i * A + n], sn = sinv[i * A + n];
-          first = a * cs - b * sn;
-          second = a * sn + b * cs;
-        }
-        dst[row * ld + n] = __float2bfloat16(first);
-        dst[row * ld + n + half] = __float2bfloat16(second);
-      });
+  load_alone(RotatedLoader<D>::items(d), RotatedLoader<D>(d, pos, src, bias, cosv, sinv, dst, ld));
+}
+
+// q and k together: one memory latency for both.
+template <class D>
+static __device__ void load_rotated_qk(const D& d, const DevInputs& in, const ChunkPos& pos,
+                                       const float* cosv, const float* sinv, bf16* q_dst,
+                                       bf16* k_dst, int ld) {
+  load_together(RotatedLoader<D>::items(d),
+                RotatedLoader<D>(d, pos, in.q, in.q_bias, cosv, sinv, q_dst, ld),
+                RotatedLoader<D>(d, pos, in.k, in.k_bias, cosv, sinv, k_dst, ld));
 }
 
 // v = x ⊙ mimo_x (PsiV) of head pos.h, rows (i, r), bf16: from the cache when
 // read_cache, else computed (and stored to the cache when write_cache). Both ways give
-// the same bits, so the cache never changes results.
+// the same bits, so the cache never changes results. An index is (row, p). With mimo_x_copy,
+// also the head's mimo_x [R][P] as fp32 (loaded by the rows of token 0 either way); with v_copy
+// (not with read_cache), the chunk's v.
 template <class D>
-static __device__ void load_psiv(const D& d, const DevInputs& in, const ChunkPos& pos, bf16* cache,
-                                 bool read_cache, bool write_cache, bf16* dst, int ld) {
-  const int P = d.headdim, R = d.rank;
-  // v and mimo_x, or the cached product in `v` (mimo_x unused).
+struct PsivLoader {
   struct Loaded {
     bf16 v, mimo_x;
   };
-  for_each_batched<kLoadBatch>(
-      d.rows * P,
-      [&](int idx) {
-        const int row = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
-        const int i = d.by_rank.div(row), r = d.by_rank.mod(row);
-        const bf16 zero = __float2bfloat16(0.f);
-        Loaded loaded{zero, zero};
-        if (i < pos.len) {
-          const size_t th = token_head(d, pos.b, pos.t0 + i, pos.h);
-          if (read_cache) {
-            loaded.v = cache[(th * R + r) * P + p];
-          } else {
-            loaded = {in.v[th * P + p], in.mimo_x[(static_cast<size_t>(pos.h) * R + r) * P + p]};
-          }
-        }
-        return loaded;
-      },
-      [&](int idx, const Loaded& loaded) {
-        const int row = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
-        const int i = d.by_rank.div(row), r = d.by_rank.mod(row);
-        bf16 value = loaded.v;
-        if (!read_cache && i < pos.len) {
-          value = __float2bfloat16(to_f(loaded.v) * to_f(loaded.mimo_x));
-          if (write_cache) {
-            const size_t th = token_head(d, pos.b, pos.t0 + i, pos.h);
-            cache[(th * R + r) * P + p] = value;
-          }
-        }
-        dst[row * ld + p] = value;
-      });
+  const D& d;
+  const DevInputs& in;
+  const ChunkPos& pos;
+  bf16* cache;
+  bool read_cache, write_cache;
+  bf16* dst;
+  int ld;
+  float* mimo_x_copy = nullptr;
+  bf16* v_copy = nullptr;  // the chunk's v, [C][P] (computing PsiV only)
+
+  __device__ __forceinline__ Loaded load(int idx) const {
+    const int P = d.headdim, R = d.rank;
+    const int row = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
+    const int i = d.by_rank.div(row), r = d.by_rank.mod(row);
+    const bf16 zero = __float2bfloat16(0.f);
+    Loaded loaded{zero, zero};
+    if (i < pos.len) {
+      const size_t th = token_head(d, pos.b, pos.t0 + i, pos.h);
+      const size_t wr = (static_cast<size_t>(pos.h) * R + r) * P + p;
+      if (read_cache) {
+        loaded.v = cache[(th * R + r) * P + p];
+        if (mimo_x_copy != nullptr && i == 0) loaded.mimo_x = in.mimo_x[wr];
+      } else {
+        loaded = {in.v[th * P + p], in.mimo_x[wr]};
+      }
+    }
+    return loaded;
+  }
+  __device__ __forceinline__ void store(int idx, const Loaded& loaded) const {
+    const int P = d.headdim, R = d.rank;
+    const int row = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
+    const int i = d.by_rank.div(row), r = d.by_rank.mod(row);
+    bf16 value = loaded.v;
+    if (!read_cache && i < pos.len) {
+      value = __float2bfloat16(to_f(loaded.v) * to_f(loaded.mimo_x));
+      if (write_cache) {
+        const size_t th = token_head(d, pos.b, pos.t0 + i, pos.h);
+        cache[(th * R + r) * P + p] = value;
+      }
+    }
+    dst[row * ld + p] = value;
+    if (mimo_x_copy != nullptr && i == 0) mimo_x_copy[r * P + p] = to_f(loaded.mimo_x);
+    if (v_copy != nullptr && r == 0) v_copy[i * P + p] = loaded.v;
+  }
+};
+
+template <class D>
+static __device__ void load_psiv(const D& d, const DevInputs& in, const ChunkPos& pos, bf16* cache,
+                                 bool read_cache, bool write_cache, bf16* dst, int ld) {
+  load_alone(d.rows * d.headdim,
+             PsivLoader<D>{d, in, pos, cache, read_cache, write_cache, dst, ld});
 }
 
 // Token-level weights W[i][j] of the chunk (zero above the diagonal).

@@ -136,8 +136,7 @@ __global__ void __launch_bounds__(kOutputThreads)
   const SmemStrides ld = strides_of<D>(plan);
   const int ld_qk = ld.qk, ld_pv = ld.pv, ld_state = ld.state;
   const int ld_mp = ld.mp;
-  load_rotated(d, in.q, in.q_bias, pos, cosv, sinv, q_rot, ld_qk);
-  load_rotated(d, in.k, in.k_bias, pos, cosv, sinv, k_rot, ld_qk);
+  load_rotated_qk(d, in, pos, cosv, sinv, q_rot, k_rot, ld_qk);
   load_psiv(d, in, pos, w.psiv, read_psiv, false, psiv, ld_pv);
   // The entry state: as hi + lo pairs for the tensor-core product, else fp32.
   bf16* entry_hi = reinterpret_cast<bf16*>(smem + plan.split_hi);
