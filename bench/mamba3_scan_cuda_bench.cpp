@@ -331,9 +331,6 @@ ScanShape m3_ref(int rank, int chunk) {
 
 }  // namespace
 
-namespace megacpp::cuda {
-void print_scan_phases();
-}
 int main(int argc, char** argv) {
   int repeats = 30;
   bool profile_once = false;
@@ -346,21 +343,12 @@ int main(int argc, char** argv) {
     }
   }
   if (profile_once) {
-    for (const auto& shape : {m3_ref(4, 16), m3_ref(1, 64)}) {
-      Problem pr = make_problem(shape);
-      megacpp::cuda::Mamba3ScanCuda scan(pr.shape, false);
-      scan.forward(pr.in, pr.y);
-      scan.backward(pr.in, pr.dy, pr.grads);
-      ok(cudaDeviceSynchronize(), "profile run");
-#ifdef MEGACPP_SCAN_PHASES
-      megacpp::cuda::print_scan_phases();
-      for (int i = 0; i < 3; ++i) scan.backward(pr.in, pr.dy, pr.grads);
-      ok(cudaDeviceSynchronize(), "profile run");
-      std::printf("shape R=%d C=%d\n", shape.rank, shape.chunk);
-      megacpp::cuda::print_scan_phases();
-#endif
-      free_problem(pr);
-    }
+    Problem pr = make_problem(m3_ref(4, 16));
+    megacpp::cuda::Mamba3ScanCuda scan(pr.shape, false);
+    scan.forward(pr.in, pr.y);
+    scan.backward(pr.in, pr.dy, pr.grads);
+    ok(cudaDeviceSynchronize(), "profile run");
+    free_problem(pr);
     return 0;
   }
   const Ceilings ceil = measure_ceilings(repeats);

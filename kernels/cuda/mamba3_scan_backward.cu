@@ -6,19 +6,6 @@
 #include "kernels/cuda/mamba3_scan_device.cuh"
 
 namespace megacpp::cuda::scan_detail {
-#ifdef MEGACPP_SCAN_PHASES
-__device__ unsigned long long g_phase_cycles[24];
-#define PHASE(k)                                                                          \
-  do {                                                                                    \
-    if (threadIdx.x == 0) {                                                               \
-      const long long now_ = clock64();                                                   \
-      atomicAdd(&g_phase_cycles[k], static_cast<unsigned long long>(now_ - phase_last_)); \
-      phase_last_ = now_;                                                                 \
-    }                                                                                     \
-  } while (0)
-#else
-#define PHASE(k) (void)0
-#endif
 namespace {
 
 // d_o = dy ⊙ silu(z ⊙ mimo_z) ⊙ mimo_o, rows (i, r), fp32; an index is (row, p). With z_dy,
@@ -223,9 +210,6 @@ __global__ void __launch_bounds__(kBackwardThreads)
     chunk_backward_kernel(D d, SmemPlan plan, DevInputs in, Work w, bool read_psiv, const bf16* dy,
                           DevGrads grads) {
   extern __shared__ __align__(16) unsigned char smem[];
-#ifdef MEGACPP_SCAN_PHASES
-  long long phase_last_ = clock64();
-#endif
   float* sc = reinterpret_cast<float*>(smem + plan.token_scalars);
   float* cosv = reinterpret_cast<float*>(smem + plan.rotation_cos);
   float* sinv = reinterpret_cast<float*>(smem + plan.rotation_sin);
@@ -307,18 +291,12 @@ __global__ void __launch_bounds__(kBackwardThreads)
     float* d_partial = mo_partial + R * P;
     const float skip = to_f(in.d[h]);
 
-    PHASE(17);
     load_scalars(d, in, w, pos, sc, cosv, sinv);
-    PHASE(19);
     load_rotated_qk(d, in, pos, cosv, sinv, q_rot, k_rot, ld_qk);
-    PHASE(20);
-    PHASE(21);
     load_together(M * P,
                   PsivLoader<D>{d, in, pos, w.psiv, read_psiv, false, psiv, ld_pv, mimo_x, v_early},
                   DOutLoader<D>{d, in, dy, pos, d_o, ld_mp, z_dy, mimo_zo});
-    PHASE(22);
     for_each_state_element(d, w.states + bhc * matrix, set_state);
-    PHASE(23);
     fill_weights(d, sc, weights);
     for (int idx = threadIdx.x; idx < C * A; idx += blockDim.x) d_theta[idx] = 0.f;
     for (int i = threadIdx.x; i < C; i += blockDim.x) {
@@ -327,7 +305,6 @@ __global__ void __launch_bounds__(kBackwardThreads)
       sc[kDKappa * C + i] = 0.f;
     }
     __syncthreads();
-    PHASE(0);
 
     // Recompute the forward: scores, weighted scores and o.
     bf16_gemm<kTensor, false, false>(
@@ -350,7 +327,6 @@ __global__ void __launch_bounds__(kBackwardThreads)
       }
     }
     __syncthreads();
-    PHASE(1);
     // dL/dl_i from the entry term e^{l_i} (Q Eᵀ)_i: one warp per token.
     for (int i = warp; i < C; i += warps) {
       float dot = 0.f;
@@ -362,7 +338,6 @@ __global__ void __launch_bounds__(kBackwardThreads)
       if (lane == 0) sc[kScratch * C + i] = sc[kEntryDecay * C + i] * dot;
     }
     __syncthreads();
-    PHASE(2);
     // The bf16 dO (and its lo part when split). Unsplit, E is dead until dO E reloads it, and its
     // space takes the bf16 dO.
     for (int idx = threadIdx.x; idx < M * P; idx += blockDim.x) {
@@ -374,7 +349,6 @@ __global__ void __launch_bounds__(kBackwardThreads)
       if (split) d_o_lo[row * ld_pv + p] = __float2bfloat16(value - to_f(hi));
     }
     __syncthreads();
-    PHASE(3);
     bf16_gemm<kTensor, false, true>(M, P, M, weighted, ld_sw, psiv, ld_pv,
                                     [&](int i, int p, float value) {
                                       o[i * ld_mp + p] += value + skip * to_f(psiv[i * ld_pv + p]);
@@ -388,7 +362,6 @@ __global__ void __launch_bounds__(kBackwardThreads)
                                      d_psiv[i * ld_mp + p] = value + skip * d_o[i * ld_mp + p];
                                    });
     __syncthreads();
-    PHASE(4);
 
     // Epilogue backward (gating, mimo_o, mimo_z, D) now that o is complete.
     // z and dy of token i, element p: from z_dy, or global memory.
@@ -435,7 +408,6 @@ __global__ void __launch_bounds__(kBackwardThreads)
       const float total = block_sum(local, sum_scratch);
       if (threadIdx.x == 0) d_partial[0] = total;
     }
-    PHASE(5);
 
     // Score-weight gradients per token pair, then dSc ⊙ W (rounded once, for dQ and dK).
     for (int idx = threadIdx.x; idx < C * C; idx += blockDim.x) {
@@ -451,7 +423,6 @@ __global__ void __launch_bounds__(kBackwardThreads)
       d_weights[idx] = d_weight;
     }
     __syncthreads();
-    PHASE(6);
     for (int idx = threadIdx.x; idx < M * M; idx += blockDim.x) {
       const int i = d.by_rows.div(idx), j = d.by_rows.mod(idx);
       weighted[i * ld_sw + j] = __float2bfloat16(d_scores[i * ld_mm + j] *
@@ -478,7 +449,6 @@ __global__ void __launch_bounds__(kBackwardThreads)
       }
     }
     __syncthreads();
-    PHASE(7);
 
     // dQ = dSc K + e^{l} dO E (the fp32 E reloaded: unsplit, its space held the bf16 dO; split,
     // the pairs are still E's and the fp32 E serves the exit-state product below).
@@ -487,7 +457,6 @@ __global__ void __launch_bounds__(kBackwardThreads)
         M, N, M, weighted, ld_sw, k_rot, ld_qk,
         [&](int i, int n, float value) { d_qk[i * ld_mn + n] = value; });
     __syncthreads();
-    PHASE(8);
     {
       const auto add = [&](int i, int n, float value) {
         d_qk[i * ld_mn + n] += sc[kEntryDecay * C + d.by_rank.div(i)] * value;
@@ -502,10 +471,8 @@ __global__ void __launch_bounds__(kBackwardThreads)
       }
     }
     __syncthreads();
-    PHASE(9);
     finish_qk_grad(d, pos, hg == 0, cosv, sinv, q_rot, ld_qk, d_qk, ld_mn, d_theta, qb_partial,
                    dq_sum, w.dq_acc);
-    PHASE(10);
 
     // Exit state: dS = dL/d(exit state). dL/dl_last += e^{l_last} <dS, E>, with E still in
     // `state` (each element is read by the thread that then overwrites it with dS).
@@ -521,12 +488,10 @@ __global__ void __launch_bounds__(kBackwardThreads)
       }
     }
     __syncthreads();
-    PHASE(11);
     // dK = dScᵀ Q + exit_scale · V dS.
     bf16_gemm<kTensor, true, true>(M, N, M, weighted, ld_sw, q_rot, ld_qk,
                                    [&](int i, int n, float value) { d_qk[i * ld_mn + n] = value; });
     __syncthreads();
-    PHASE(12);
     {
       const auto add = [&](int i, int n, float value) {
         d_qk[i * ld_mn + n] += sc[kExitScale * C + d.by_rank.div(i)] * value;
@@ -550,7 +515,6 @@ __global__ void __launch_bounds__(kBackwardThreads)
       }
     }
     __syncthreads();
-    PHASE(13);
     // One warp per token.
     for (int j = warp; j < C; j += warps) {
       float d_scale = 0.f;
@@ -578,10 +542,8 @@ __global__ void __launch_bounds__(kBackwardThreads)
       sum = warp_sum(sum);
       if (lane == 0) sc[kDLog * C + pos.len - 1] += sum;
     }
-    PHASE(14);
     finish_qk_grad(d, pos, hg == 0, cosv, sinv, k_rot, ld_qk, d_qk, ld_mn, d_theta, kb_partial,
                    dk_sum, w.dk_acc);
-    PHASE(15);
 
     // v = x ⊙ mimo_x: dx (this head's own output) and mimo_x's partial.
     for (int idx = threadIdx.x; idx < pos.len * P; idx += blockDim.x) {
@@ -593,7 +555,6 @@ __global__ void __launch_bounds__(kBackwardThreads)
       if (v_tokens != nullptr && v_early == nullptr) v_tokens[idx] = in.v[th * P + p];
     }
     __syncthreads();
-    PHASE(16);
     token_sums<1>(
         R * P, pos.len,
         [&](int i, int item, float* acc) {
@@ -626,9 +587,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
         A, pos.len, [&](int i, int j, float* acc) { acc[0] += d_theta[i * A + j]; },
         [&](int j, const float* acc) { w.dtheta_tot[(bh * d.chunks + pos.c) * A + j] = acc[0]; });
     __syncthreads();
-    PHASE(17);
   }
-  PHASE(18);
   if (dq_sum != nullptr) {
     // Every head is in: the group's q and k gradients of the chunk, rows G·N apart in [B, T, R,
     // G, N].
@@ -841,20 +800,3 @@ void run_backward(const BackwardLaunches& launches, bool tensor_cores, bool psiv
 }
 
 }  // namespace megacpp::cuda::scan_detail
-
-#ifdef MEGACPP_SCAN_PHASES
-namespace megacpp::cuda {
-void print_scan_phases() {
-  unsigned long long host[24];
-  cudaMemcpyFromSymbol(host, scan_detail::g_phase_cycles, sizeof(host));
-  unsigned long long total = 0;
-  for (unsigned long long v : host) total += v;
-  for (int k = 0; k < 24; ++k)
-    std::printf("phase %2d: %5.1f%%\n", k,
-                100.0 * static_cast<double>(host[k]) / static_cast<double>(total));
-  cudaMemset(scan_detail::g_phase_cycles, 0, 0);
-  unsigned long long zero[24] = {};
-  cudaMemcpyToSymbol(scan_detail::g_phase_cycles, zero, sizeof(zero));
-}
-}  // namespace megacpp::cuda
-#endif
