@@ -73,36 +73,9 @@ __device__ __forceinline__ void mma(float* c, const uint32_t* a, uint32_t b0, ui
 #endif
 }
 
-// The copies of global tiles into shared memory are asynchronous (cp.async, 16 bytes each): a
+// The copies of global tiles into shared memory are asynchronous (copy_16_async, common.cuh): a
 // kernel starts the next key or query tile's copy before it computes on the current one, and
 // waits for it (wait_copies, then a barrier) only once that compute is done.
-__device__ __forceinline__ void copy_16_async(uint16_t* dst, const uint16_t* src, bool valid) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  // A source size of 0 reads nothing and fills the 16 bytes with zeros.
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
-                   static_cast<unsigned>(__cvta_generic_to_shared(dst))),
-               "l"(src), "r"(valid ? 16 : 0));
-#else
-  (void)dst, (void)src, (void)valid;
-#endif
-}
-
-// Closes the group of copies started since the last call.
-__device__ __forceinline__ void commit_copies() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;\n" ::);
-#endif
-}
-
-// Waits until at most kPending of this thread's committed groups are still in flight. Other
-// threads' copies are visible after the barrier that follows.
-template <int kPending>
-__device__ __forceinline__ void wait_copies() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
-#endif
-}
-
 // Rows [row0, row0 + rows) of one head, row t at base + t·stride, into a shared tile [rows][ld]
 // with ld = D + 8 (the padding puts the eight rows of an ldmatrix on distinct banks). Rows at or
 // past seqlen are zero, so that they give finite scores and add nothing. With vec, asynchronous

@@ -29,6 +29,35 @@ static __device__ __forceinline__ float to_f(bf16 x) {
   return __bfloat162float(x);
 }
 
+// Asynchronous copies into shared memory (cp.async, sm_80 and later), 16 bytes each: a kernel
+// starts a copy, computes, and waits for it (wait_copies, then a barrier) only where it needs the
+// data. A source size of 0 (valid false) reads nothing and fills the 16 bytes with zeros.
+static __device__ __forceinline__ void copy_16_async(void* dst, const void* src, bool valid) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                   static_cast<unsigned>(__cvta_generic_to_shared(dst))),
+               "l"(src), "r"(valid ? 16 : 0));
+#else
+  (void)dst, (void)src, (void)valid;
+#endif
+}
+
+// Closes the group of copies started since the last call.
+static __device__ __forceinline__ void commit_copies() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+
+// Waits until at most kPending of this thread's committed groups are still in flight. Other
+// threads' copies are visible after the barrier that follows.
+template <int kPending>
+static __device__ __forceinline__ void wait_copies() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+#endif
+}
+
 // A butterfly sum: every lane ends with the same bits (each step adds a pair in both orders, and
 // addition commutes exactly), so no broadcast is needed.
 static __device__ __forceinline__ float warp_sum(float v) {

@@ -8,6 +8,22 @@
 namespace megacpp::cuda::scan_detail {
 namespace {
 
+// chunk_backward at the fixed SISO shape (R = 1, C = 64) uses all 128 registers a thread of its
+// 512 may have: a code path added for the other shapes, even one it never takes there, made its
+// registers spill and cost it more than the path saved (measured on an H100: the epilogue's terms
+// kept in place, MIMO −1.6% and SISO +1.4%; the next head's tokens staged with cp.async, MIMO
+// −1.7% and SISO +2.7%). Those paths are compiled out of it.
+template <class D>
+constexpr bool lean_registers() {
+  if constexpr (D::kFixed) {
+    return D::rank == 1;
+  } else {
+    return false;
+  }
+}
+template <class D>
+constexpr bool kLeanRegisters = lean_registers<D>();
+
 // d_o = dy ⊙ silu(z ⊙ mimo_z) ⊙ mimo_o, rows (i, r), fp32; an index is (row, p). With z_dy,
 // also the chunk's z and dy as loaded (bf16 [C][P] each, z then dy; zeros for padded tokens), for
 // the epilogue; with mimo_copy, the head's mimo_z then mimo_o ([R][P] each, fp32).
@@ -24,6 +40,7 @@ struct DOutLoader {
   int ld;
   bf16* z_dy = nullptr;
   float* mimo_copy = nullptr;
+  const bf16* staged_z_dy = nullptr;  // the chunk's z then dy already in shared memory, [2][C][P]
 
   __device__ __forceinline__ Loaded load(int idx) const {
     const int P = d.headdim, R = d.rank;
@@ -34,7 +51,12 @@ struct DOutLoader {
     if (i < pos.len) {
       const size_t th = token_head(d, pos.b, pos.t0 + i, pos.h);
       const size_t wr = (static_cast<size_t>(pos.h) * R + r) * P + p;
-      loaded = {in.z[th * P + p], in.mimo_z[wr], dy[th * P + p], in.mimo_o[wr]};
+      if (staged_z_dy != nullptr) {
+        const int at = i * P + p;
+        loaded = {staged_z_dy[at], in.mimo_z[wr], staged_z_dy[d.chunk * P + at], in.mimo_o[wr]};
+      } else {
+        loaded = {in.z[th * P + p], in.mimo_z[wr], dy[th * P + p], in.mimo_o[wr]};
+      }
     }
     return loaded;
   }
@@ -271,8 +293,31 @@ __global__ void __launch_bounds__(kBackwardThreads)
                    : C * P * sizeof(bf16) <= M * ld_mm * sizeof(float)
                        ? reinterpret_cast<bf16*>(scores)
                        : nullptr;
+  // The next head's v, z and dy ([3][C][P]), copied 16 bytes at a time while this head computes,
+  // when the plan has the space and the tensors' rows allow it (not at the fixed SISO shape:
+  // kLeanRegisters).
+  const bool aligned = ((reinterpret_cast<uintptr_t>(in.v) | reinterpret_cast<uintptr_t>(in.z) |
+                         reinterpret_cast<uintptr_t>(dy)) %
+                        16) == 0;
+  bf16* staged = !kLeanRegisters<D> && plan.staged_tokens != 0 && aligned
+                     ? reinterpret_cast<bf16*>(smem + plan.staged_tokens)
+                     : nullptr;
+  const auto stage = [&](const ChunkPos& at) {
+    constexpr int kPiece = 8;  // bf16 per 16-byte copy
+    const int pieces = P / kPiece;
+    for (int idx = threadIdx.x; idx < 3 * C * pieces; idx += blockDim.x) {
+      const int row = idx / pieces, piece = idx % pieces;  // row = (which, token)
+      const int which = row / C, i = row % C;
+      const bf16* src = which == 0 ? in.v : which == 1 ? in.z : dy;
+      const bool valid = i < at.len;  // padded tokens are zeros
+      const size_t th = token_head(d, at.b, at.t0 + (valid ? i : 0), at.h);
+      copy_16_async(staged + row * P + piece * kPiece, src + th * P + piece * kPiece, valid);
+    }
+    commit_copies();
+  };
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   const ChunkPos group_pos = chunk_pos(d, blockIdx.y, true, blockIdx.x);
+  if (staged != nullptr) stage(group_pos);  // the group's first head
   const size_t slot = static_cast<size_t>(group_pos.b) * d.chunks + group_pos.c;
   const size_t slots = static_cast<size_t>(d.batch) * d.chunks;
 
@@ -291,11 +336,15 @@ __global__ void __launch_bounds__(kBackwardThreads)
     float* d_partial = mo_partial + R * P;
     const float skip = to_f(in.d[h]);
 
+    // This head's staged tokens: load_scalars' barriers make every thread's copies visible.
+    if (staged != nullptr) wait_copies<0>();
     load_scalars(d, in, w, pos, sc, cosv, sinv);
     load_rotated_qk(d, in, pos, cosv, sinv, q_rot, k_rot, ld_qk);
-    load_together(M * P,
-                  PsivLoader<D>{d, in, pos, w.psiv, read_psiv, false, psiv, ld_pv, mimo_x, v_early},
-                  DOutLoader<D>{d, in, dy, pos, d_o, ld_mp, z_dy, mimo_zo});
+    load_together(
+        M * P,
+        PsivLoader<D>{d, in, pos, w.psiv, read_psiv, false, psiv, ld_pv, mimo_x, v_early, staged},
+        DOutLoader<D>{d, in, dy, pos, d_o, ld_mp, z_dy, mimo_zo,
+                      staged != nullptr ? staged + C * P : nullptr});
     for_each_state_element(d, w.states + bhc * matrix, set_state);
     fill_weights(d, sc, weights);
     for (int idx = threadIdx.x; idx < C * A; idx += blockDim.x) d_theta[idx] = 0.f;
@@ -305,6 +354,12 @@ __global__ void __launch_bounds__(kBackwardThreads)
       sc[kDKappa * C + i] = 0.f;
     }
     __syncthreads();
+    // The staged tokens are read: the next head's copies start.
+    if (staged != nullptr && hg + 1 < d.heads_per_group) {
+      ChunkPos next = pos;
+      next.h = h + 1;
+      stage(next);
+    }
 
     // Recompute the forward: scores, weighted scores and o.
     bf16_gemm<kTensor, false, false>(
@@ -369,6 +424,12 @@ __global__ void __launch_bounds__(kBackwardThreads)
       return z_dy != nullptr ? make_float2(to_f(z_dy[i * P + p]), to_f(z_dy[(C + i) * P + p]))
                              : make_float2(to_f(in.z[th * P + p]), to_f(dy[th * P + p]));
     };
+    // Split, dO (fp32) is dead after D's partial and o after this epilogue: each (i, r, p) term of
+    // mimo_o's and mimo_z's partials is computed once, beside dz (one sigmoid per element where
+    // the sums over tokens took a second), and left in o and dO for those sums. Not at the fixed
+    // SISO shape (kLeanRegisters).
+    const bool terms_in_place = split && !kLeanRegisters<D>;
+    float d_local = 0.f;  // D's partial: Σ dO ⊙ PsiV
     for (int idx = threadIdx.x; idx < pos.len * P; idx += blockDim.x) {
       const int i = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
       const size_t th = token_head(d, pos.b, pos.t0 + i, h);
@@ -376,36 +437,57 @@ __global__ void __launch_bounds__(kBackwardThreads)
       const float z = zg.x, g_out = zg.y;
       float dz = 0.f;
       for (int r = 0; r < R; ++r) {
-        const float mz = mimo_zo[r * P + p];
+        const int at = (i * R + r) * ld_mp + p;
+        const float mz = mimo_zo[r * P + p], mo = mimo_zo[(R + r) * P + p];
         const float gate = z * mz, sg = sigmoidf(gate);
-        dz += g_out * o[(i * R + r) * ld_mp + p] * mimo_zo[(R + r) * P + p] * sg *
-              (1.f + gate * (1.f - sg)) * mz;
+        const float gated = g_out * o[at] * sg, slope = mo * (1.f + gate * (1.f - sg));
+        dz += gated * slope * mz;
+        if (terms_in_place) {
+          d_local += d_o[at] * to_f(psiv[(i * R + r) * ld_pv + p]);
+          o[at] = gated * gate;         // mimo_o's term
+          d_o[at] = gated * slope * z;  // mimo_z's term
+        }
       }
       grads.z[th * P + p] = __float2bfloat16(dz);
     }
-    token_sums<2>(
-        R * P, pos.len,
-        [&](int i, int item, float* acc) {
-          const int r = d.by_headdim.div(item), p = d.by_headdim.mod(item);
-          const float2 zg = z_and_dy(i, p, token_head(d, pos.b, pos.t0 + i, h));
-          const float z = zg.x, g_out = zg.y;
-          const float mz = mimo_zo[item], mo = mimo_zo[R * P + item];
-          const float o_ir = o[(i * R + r) * ld_mp + p];
-          const float gate = z * mz, sg = sigmoidf(gate);
-          acc[0] += g_out * o_ir * gate * sg;
-          acc[1] += g_out * o_ir * mo * sg * (1.f + gate * (1.f - sg)) * z;
-        },
-        [&](int item, const float* acc) {
-          mo_partial[item] = acc[0];
-          mz_partial[item] = acc[1];
-        });
-    {
-      float local = 0.f;
+    if (terms_in_place) {
+      __syncthreads();
+      token_sums<2>(
+          R * P, pos.len,
+          [&](int i, int item, float* acc) {
+            const int at = (i * R + d.by_headdim.div(item)) * ld_mp + d.by_headdim.mod(item);
+            acc[0] += o[at];
+            acc[1] += d_o[at];
+          },
+          [&](int item, const float* acc) {
+            mo_partial[item] = acc[0];
+            mz_partial[item] = acc[1];
+          });
+    } else {
+      token_sums<2>(
+          R * P, pos.len,
+          [&](int i, int item, float* acc) {
+            const int r = d.by_headdim.div(item), p = d.by_headdim.mod(item);
+            const float2 zg = z_and_dy(i, p, token_head(d, pos.b, pos.t0 + i, h));
+            const float z = zg.x, g_out = zg.y;
+            const float mz = mimo_zo[item], mo = mimo_zo[R * P + item];
+            const float o_ir = o[(i * R + r) * ld_mp + p];
+            const float gate = z * mz, sg = sigmoidf(gate);
+            acc[0] += g_out * o_ir * gate * sg;
+            acc[1] += g_out * o_ir * mo * sg * (1.f + gate * (1.f - sg)) * z;
+          },
+          [&](int item, const float* acc) {
+            mo_partial[item] = acc[0];
+            mz_partial[item] = acc[1];
+          });
       for (int idx = threadIdx.x; idx < M * P; idx += blockDim.x) {
         const int row = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
-        local += d_o[row * ld_mp + p] * to_f(psiv[row * ld_pv + p]);
+        d_local += d_o[row * ld_mp + p] * to_f(psiv[row * ld_pv + p]);
       }
-      const float total = block_sum(local, sum_scratch);
+    }
+    {
+      // Its barriers also close the sums' reads of o before d_token_weights (in o's space).
+      const float total = block_sum(d_local, sum_scratch);
       if (threadIdx.x == 0) d_partial[0] = total;
     }
 

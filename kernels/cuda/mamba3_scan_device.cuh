@@ -111,6 +111,7 @@ struct SmemPlan {
   size_t d_theta = 0;          // fp32 [C][A]: dL/dθ of each token of this head
   size_t mimo_params = 0;      // fp32 [3][R][P]: the head's mimo_x, mimo_z, mimo_o (backward)
   size_t v_tokens = 0;         // bf16 [C][P]: the chunk's v (backward, when it fits)
+  size_t staged_tokens = 0;    // bf16 [3][C][P]: the next head's v, z, dy (backward, when it fits)
   size_t dq_acc = 0;           // fp32 [rows][N]: dL/dq summed over the group's heads, or 0 when
   size_t dk_acc = 0;           //   the sums go through the workspace (see plan_backward)
   size_t state_hi = 0;         // bf16 [P][N]: the state (E, later dS) split hi + lo once, the
@@ -242,7 +243,9 @@ inline SmemPlan plan_for(const Dims& d, ScanKernel kernel) {
 //   v: the chunk's v, loaded with PsiV at the head's start for the dx pass;
 //   accumulators: the group's dQ and dK sums: the block walks every head of the group over the
 //     same rows, so the sums need no global read-modify-write per head, and the block writes the
-//     bf16 gradients once at the end. Otherwise they go through the workspace.
+//     bf16 gradients once at the end. Otherwise they go through the workspace;
+//   staged tokens: the next head's v, z and dy, copied asynchronously while the block computes the
+//     current head (their loads were the largest wait of the head's start, measured).
 inline SmemPlan plan_backward(const Dims& d, bool tensor_cores, size_t limit) {
   SmemPlan p = plan_for(d, kBackwardKernel);
   const auto round16 = [](size_t bytes) {
@@ -273,6 +276,11 @@ inline SmemPlan plan_backward(const Dims& d, bool tensor_cores, size_t limit) {
     p.dq_acc = p.total;
     p.dk_acc = p.total + sums;
     p.total += 2 * sums;
+  }
+  const size_t staged = round16(3 * static_cast<size_t>(d.chunk) * hp * sizeof(bf16));
+  if (d.headdim % 8 == 0 && p.total + staged <= limit) {
+    p.staged_tokens = p.total;
+    p.total += staged;
   }
   return p;
 }
@@ -671,7 +679,8 @@ struct PsivLoader {
   bf16* dst;
   int ld;
   float* mimo_x_copy = nullptr;
-  bf16* v_copy = nullptr;  // the chunk's v, [C][P] (computing PsiV only)
+  bf16* v_copy = nullptr;          // the chunk's v, [C][P] (computing PsiV only)
+  const bf16* staged_v = nullptr;  // the chunk's v already in shared memory, [C][P]
 
   __device__ __forceinline__ Loaded load(int idx) const {
     const int P = d.headdim, R = d.rank;
@@ -686,7 +695,7 @@ struct PsivLoader {
         loaded.v = cache[(th * R + r) * P + p];
         if (mimo_x_copy != nullptr && i == 0) loaded.mimo_x = in.mimo_x[wr];
       } else {
-        loaded = {in.v[th * P + p], in.mimo_x[wr]};
+        loaded = {staged_v != nullptr ? staged_v[i * P + p] : in.v[th * P + p], in.mimo_x[wr]};
       }
     }
     return loaded;
