@@ -38,12 +38,14 @@ done
 export MEGACPP_DAEMON=127.0.0.1:50551
 megacpp status | tee "$out/status.txt"
 
-# Refused at submit: the CLI exits non-zero with the daemon's reason.
-if megacpp submit "$out/too-big.json" > "$out/too-big.txt" 2>&1; then
-  echo "batch 8 was accepted" | tee -a "$out/too-big.txt"
-else
-  echo "batch 8 refused at submit (exit $?)" | tee -a "$out/too-big.txt"
+# Refused at submit: the CLI exits non-zero with the daemon's reason (on stderr).
+if too_big=$(megacpp submit "$out/too-big.json" 2> "$out/too-big.txt"); then
+  echo "batch 8 was accepted ($too_big): the submit-time memory check failed" |
+    tee -a "$out/too-big.txt"
+  megacpp cancel "$too_big" > /dev/null 2>&1 || true
+  exit 1
 fi
+echo "batch 8 refused at submit" | tee -a "$out/too-big.txt"
 job=$(megacpp submit "$out/job.json")
 megacpp watch "$job" > "$out/watch.log" 2>&1 || true
 megacpp job "$job" | tee "$out/job.txt"

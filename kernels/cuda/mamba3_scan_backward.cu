@@ -24,6 +24,13 @@ constexpr bool lean_registers() {
 template <class D>
 constexpr bool kLeanRegisters = lean_registers<D>();
 
+// copy_16_async is a plain no-op below sm_80: the staged tokens are used only where it copies.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+constexpr bool kAsyncCopies = false;
+#else
+constexpr bool kAsyncCopies = true;
+#endif
+
 // d_o = dy ⊙ silu(z ⊙ mimo_z) ⊙ mimo_o, rows (i, r), fp32; an index is (row, p). With z_dy,
 // also the chunk's z and dy as loaded (bf16 [C][P] each, z then dy; zeros for padded tokens), for
 // the epilogue; with mimo_copy, the head's mimo_z then mimo_o ([R][P] each, fp32).
@@ -299,7 +306,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
   const bool aligned = ((reinterpret_cast<uintptr_t>(in.v) | reinterpret_cast<uintptr_t>(in.z) |
                          reinterpret_cast<uintptr_t>(dy)) %
                         16) == 0;
-  bf16* staged = !kLeanRegisters<D> && plan.staged_tokens != 0 && aligned
+  bf16* staged = kAsyncCopies && !kLeanRegisters<D> && plan.staged_tokens != 0 && aligned
                      ? reinterpret_cast<bf16*>(smem + plan.staged_tokens)
                      : nullptr;
   const auto stage = [&](const ChunkPos& at) {

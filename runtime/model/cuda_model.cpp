@@ -770,7 +770,14 @@ size_t CudaModel::planned_bytes() const {
 }
 
 CudaMemoryPlan CudaModel::memory_plan() const {
-  return {impl_->arena.bytes(), impl_->layer_workspace_bytes};
+  // What the layers' ops allocated, as they report it (not the plan's count of it).
+  uint64_t layer_workspaces = 0;
+  for (const Impl::Block& b : impl_->blocks) {
+    if (b.mamba) {
+      layer_workspaces += b.mamba->scan->workspace_bytes() + b.mamba->preprocess->workspace_bytes();
+    }
+  }
+  return {impl_->arena.bytes(), layer_workspaces};
 }
 
 CudaMemoryPlan CudaModel::plan_memory(const ModelConfig& config, int batch, int seqlen,

@@ -156,7 +156,8 @@ class CudaModel {
   int seqlen() const;
   // Bytes of the one planned allocation.
   size_t planned_bytes() const;
-  // The planned allocation and the layers' own workspaces.
+  // The planned allocation and what the layers' scans and preprocessings allocated for themselves
+  // (as each reports it).
   CudaMemoryPlan memory_plan() const;
   // What the constructor would allocate for this config, shape and TP rank (`memory` as the
   // constructor's), planned by the same code without the host model's values and without

@@ -232,7 +232,7 @@ TEST_F(SpecTest, ACudaJobIsMeasuredByTheCudaModelsPlanWithItsGates) {
   bench.set_batch(4);
   bench.set_seqlen(8192);
   bench.clear_valid_data();
-  const uint64_t h100 = uint64_t{85'899'345'920};  // 80 GiB, as an H100 reports it
+  const uint64_t h100 = uint64_t{85'017'493'504};  // an H100 80GB HBM3's total memory
   EXPECT_NO_THROW(validate(bench, MemoryBudget{0, h100}, 1));
   const ModelConfig config = model_preset("bench-350m");
   const uint64_t kept = CudaModel::plan_memory(config, 4, 8192).total();
