@@ -138,30 +138,8 @@ __global__ void state_pass_backward_kernel(Dims d, Work w) {
   const size_t quad = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (quad >= quads) return;
   const size_t bh = blockIdx.y;
-  float4* g = reinterpret_cast<float4*>(w.gstates) + bh * d.chunks * quads + quad;
-  const float* decay = w.decay + bh * d.chunks;
-  constexpr int kBatch = 8;  // as in state_pass_kernel
-  float4 later = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int c0 = d.chunks - 1; c0 >= 0; c0 -= kBatch) {
-    float4 local[kBatch];
-    float scale[kBatch];
-#pragma unroll
-    for (int x = 0; x < kBatch; ++x) {
-      const int c = max(c0 - x, 0);
-      local[x] = g[c * quads];
-      scale[x] = decay[c];
-    }
-#pragma unroll
-    for (int x = 0; x < kBatch; ++x) {
-      if (c0 - x >= 0) {
-        g[(c0 - x) * quads] = later;
-        later.x = scale[x] * later.x + local[x].x;
-        later.y = scale[x] * later.y + local[x].y;
-        later.z = scale[x] * later.z + local[x].z;
-        later.w = scale[x] * later.w + local[x].w;
-      }
-    }
-  }
+  state_recurrence<true>(reinterpret_cast<float4*>(w.gstates) + bh * d.chunks * quads + quad, quads,
+                         w.decay + bh * d.chunks, d.chunks);
 }
 
 // Un-rotates the gradient in d_qk (w.r.t. rotated q or k, rows (i, r)) in place, adds
