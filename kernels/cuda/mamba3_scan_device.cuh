@@ -466,7 +466,8 @@ static __device__ __forceinline__ void warp_scan(int count, bool reverse, bool e
 // batch of chunks at a time (one dependent load per chunk left the pass latency-bound: 10.7 ms at
 // M3-ref, about 200 GB/s), and the next batch's loads are issued before the current batch's
 // stores, so that a batch's memory latency overlaps the previous batch's stores (they touch other
-// chunks; the compiler cannot hoist the loads itself across the in-place stores).
+// chunks; the compiler cannot hoist the loads itself across the in-place stores). chunks ≥ 1 (the
+// first batch is loaded before the loop; validate refuses an empty sequence).
 template <bool kReverse>
 static __device__ __forceinline__ void state_recurrence(float4* column, size_t stride,
                                                         const float* scale, int chunks) {
