@@ -27,15 +27,8 @@ JSON
 spec 4 "$steps" "$preset batch 4" > "$out/job.json"
 spec 8 "$steps" "$preset batch 8" > "$out/too-big.json"
 
-megacppd --config configs/daemon.json > "$out/megacppd.log" 2>&1 &
-daemon=$!
-trap 'kill -TERM $daemon 2>/dev/null; wait $daemon 2>/dev/null || true' EXIT
-for _ in $(seq 1 300); do
-  [ -f state/daemon.json ] && break
-  kill -0 $daemon 2>/dev/null || { tail -20 "$out/megacppd.log"; exit 1; }
-  sleep 0.1
-done
-export MEGACPP_DAEMON=127.0.0.1:50551
+source deploy/start-daemon.sh
+start_megacppd "$out/megacppd.log"
 megacpp status | tee "$out/status.txt"
 
 # Refused at submit: the CLI exits non-zero with the daemon's reason (on stderr).

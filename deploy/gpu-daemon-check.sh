@@ -27,15 +27,8 @@ spec "$steps" "gpu check" > "$out/job.json"
 spec 100000 "to be killed" > "$out/killed.json"
 spec 50 "after the kill" > "$out/after.json"
 
-megacppd --config configs/daemon.json > "$out/megacppd.log" 2>&1 &
-daemon=$!
-trap 'kill -TERM $daemon 2>/dev/null; wait $daemon 2>/dev/null || true' EXIT
-for _ in $(seq 1 300); do
-  [ -f state/daemon.json ] && break
-  kill -0 $daemon 2>/dev/null || { tail -20 "$out/megacppd.log"; exit 1; }
-  sleep 0.1
-done
-export MEGACPP_DAEMON=127.0.0.1:50551
+source deploy/start-daemon.sh
+start_megacppd "$out/megacppd.log"
 megacpp status | tee "$out/status-before.txt"
 
 job=$(megacpp submit "$out/job.json")

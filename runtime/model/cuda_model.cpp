@@ -765,10 +765,6 @@ int CudaModel::batch() const {
 int CudaModel::seqlen() const {
   return impl_->seqlen;
 }
-size_t CudaModel::planned_bytes() const {
-  return impl_->arena.bytes();
-}
-
 CudaMemoryPlan CudaModel::memory_plan() const {
   // What the layers' ops allocated, as they report it (not the plan's count of it).
   uint64_t layer_workspaces = 0;

@@ -154,10 +154,8 @@ class CudaModel {
 
   int batch() const;
   int seqlen() const;
-  // Bytes of the one planned allocation.
-  size_t planned_bytes() const;
-  // The planned allocation and what the layers' scans and preprocessings allocated for themselves
-  // (as each reports it).
+  // The one planned allocation (arena) and what the layers' scans and preprocessings allocated for
+  // themselves (as each reports it).
   CudaMemoryPlan memory_plan() const;
   // What the constructor would allocate for this config, shape and TP rank (`memory` as the
   // constructor's), planned by the same code without the host model's values and without

@@ -257,6 +257,32 @@ bool bitwise_equal(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
+// One step of `tokens` over a tensor-parallel group of every GPU: each rank's result. Each rank's
+// memory is also what CudaModel::plan_memory (megacppd's submit-time check) plans for that rank
+// from the config alone.
+std::vector<StepResult> tensor_parallel_step(Model<float>& host, const ParallelCase& c, int world,
+                                             const std::vector<int32_t>& tokens,
+                                             const CudaModelMemory& memory) {
+  std::vector<StepResult> ranks(static_cast<size_t>(world));
+  run_ranks(world, world, [&](int rank, const CudaModelParallel& p) {
+    CudaModel gpu(host, c.batch, c.seqlen, OptimizerConfig{}, rank, p, nullptr, memory);
+    const CudaMemoryPlan plan =
+        CudaModel::plan_memory(host.config(), c.batch, c.seqlen, world, rank, memory);
+    EXPECT_EQ(plan.arena, gpu.memory_plan().arena) << "rank " << rank;
+    EXPECT_EQ(plan.layer_workspaces, gpu.memory_plan().layer_workspaces) << "rank " << rank;
+    ranks[static_cast<size_t>(rank)] = run_step(gpu, host, tokens.data());
+  });
+  return ranks;
+}
+
+// The same loss, norm, gradients and parameters, bit for bit.
+void expect_bitwise_step(const StepResult& a, const StepResult& b, const std::string& what) {
+  EXPECT_EQ(a.loss, b.loss) << what;
+  EXPECT_EQ(a.norm, b.norm) << what;
+  EXPECT_TRUE(bitwise_equal(a.grads, b.grads)) << "gradients, " << what;
+  EXPECT_TRUE(bitwise_equal(a.params, b.params)) << "parameters, " << what;
+}
+
 class CudaModelParallelStep : public ::testing::TestWithParam<ParallelCase> {};
 
 TEST_P(CudaModelParallelStep, TensorParallelOverEveryGpuEqualsOneGpu) {
@@ -274,13 +300,9 @@ TEST_P(CudaModelParallelStep, TensorParallelOverEveryGpuEqualsOneGpu) {
     CudaModel gpu(host, c.batch, c.seqlen, OptimizerConfig{}, 0);
     one = run_step(gpu, host, tokens.data());
   }
-  std::vector<std::vector<StepResult>> runs(2, std::vector<StepResult>(static_cast<size_t>(world)));
+  std::vector<std::vector<StepResult>> runs;
   for (int run = 0; run < 2; ++run) {
-    run_ranks(world, world, [&](int rank, const CudaModelParallel& p) {
-      CudaModel gpu(host, c.batch, c.seqlen, OptimizerConfig{}, rank, p);
-      runs[static_cast<size_t>(run)][static_cast<size_t>(rank)] =
-          run_step(gpu, host, tokens.data());
-    });
+    runs.push_back(tensor_parallel_step(host, c, world, tokens, {}));
     if (HasFailure()) return;
   }
   const StepResult& r0 = runs[0][0];
@@ -288,12 +310,8 @@ TEST_P(CudaModelParallelStep, TensorParallelOverEveryGpuEqualsOneGpu) {
                     c.name + " TP=" + std::to_string(world));
   for (int run = 0; run < 2; ++run) {
     for (int rank = 0; rank < world; ++rank) {
-      const StepResult& r = runs[static_cast<size_t>(run)][static_cast<size_t>(rank)];
-      EXPECT_EQ(r.loss, r0.loss) << "run " << run << " rank " << rank;
-      EXPECT_EQ(r.norm, r0.norm) << "run " << run << " rank " << rank;
-      EXPECT_TRUE(bitwise_equal(r.grads, r0.grads)) << "gradients, run " << run << " rank " << rank;
-      EXPECT_TRUE(bitwise_equal(r.params, r0.params))
-          << "parameters, run " << run << " rank " << rank;
+      expect_bitwise_step(runs[static_cast<size_t>(run)][static_cast<size_t>(rank)], r0,
+                          "run " + std::to_string(run) + " rank " + std::to_string(rank));
     }
   }
 }
@@ -387,9 +405,7 @@ TEST_P(CudaModelParallelStep, DataParallelOverlappedReductionEqualsTheOneAfterTh
 }
 
 // recompute_in_proj beside tensor parallelism: each rank recomputes its shard of the in_proj
-// outputs with the forward's GEMM, so the TP step gives the same bits as the one that kept them;
-// and each rank's memory is what CudaModel::plan_memory (megacppd's submit-time check) plans for
-// that rank from the config alone.
+// outputs with the forward's GEMM, so the TP step gives the same bits as the one that kept them.
 TEST_P(CudaModelParallelStep, TensorParallelRecomputingTheInProjOutputsGivesTheSameStep) {
   MEGACPP_REQUIRE_GPUS(2);
   const ParallelCase& c = GetParam();
@@ -399,27 +415,13 @@ TEST_P(CudaModelParallelStep, TensorParallelRecomputingTheInProjOutputsGivesTheS
   init_host(host);
   std::mt19937_64 rng(47);
   const std::vector<int32_t> tokens = random_tokens(c.batch, c.seqlen, config.vocab_size, rng);
-  std::vector<std::vector<StepResult>> runs(2, std::vector<StepResult>(static_cast<size_t>(world)));
-  for (int recompute = 0; recompute < 2; ++recompute) {
-    run_ranks(world, world, [&](int rank, const CudaModelParallel& p) {
-      const CudaModelMemory memory{recompute == 1};
-      CudaModel gpu(host, c.batch, c.seqlen, OptimizerConfig{}, rank, p, nullptr, memory);
-      const CudaMemoryPlan plan =
-          CudaModel::plan_memory(config, c.batch, c.seqlen, world, rank, memory);
-      EXPECT_EQ(plan.arena, gpu.memory_plan().arena) << "rank " << rank;
-      EXPECT_EQ(plan.layer_workspaces, gpu.memory_plan().layer_workspaces) << "rank " << rank;
-      runs[static_cast<size_t>(recompute)][static_cast<size_t>(rank)] =
-          run_step(gpu, host, tokens.data());
-    });
-    if (HasFailure()) return;
-  }
+  const std::vector<StepResult> kept = tensor_parallel_step(host, c, world, tokens, {false});
+  if (HasFailure()) return;
+  const std::vector<StepResult> lean = tensor_parallel_step(host, c, world, tokens, {true});
+  if (HasFailure()) return;
   for (int rank = 0; rank < world; ++rank) {
-    const StepResult& kept = runs[0][static_cast<size_t>(rank)];
-    const StepResult& lean = runs[1][static_cast<size_t>(rank)];
-    EXPECT_EQ(kept.loss, lean.loss) << "rank " << rank;
-    EXPECT_EQ(kept.norm, lean.norm) << "rank " << rank;
-    EXPECT_TRUE(bitwise_equal(kept.grads, lean.grads)) << "gradients, rank " << rank;
-    EXPECT_TRUE(bitwise_equal(kept.params, lean.params)) << "parameters, rank " << rank;
+    expect_bitwise_step(kept[static_cast<size_t>(rank)], lean[static_cast<size_t>(rank)],
+                        "rank " + std::to_string(rank));
   }
 }
 

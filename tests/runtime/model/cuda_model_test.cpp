@@ -151,7 +151,7 @@ TEST_P(CudaModelStep, LossAndEveryGradientMatchTheCpuDoubleModel) {
       "[ %s ] loss gpu %.7f cpu %.7f (rel %.2e); device %zu bytes planned, %zu in use; "
       "worst gradients:",
       c.name.c_str(), got_loss, want_loss, std::abs(got_loss - want_loss) / want_loss,
-      gpu.planned_bytes(), gpu.device_bytes_in_use());
+      gpu.memory_plan().arena, gpu.device_bytes_in_use());
   for (size_t i = 0; i < std::min<size_t>(errors.size(), 6); ++i) {
     std::printf(" %s %.2e;", errors[i].second.c_str(), errors[i].first);
   }
@@ -238,7 +238,7 @@ TEST_P(CudaModelStep, RecomputingTheInProjOutputsGivesTheSameStepFromLessMemory)
   for (int recompute = 0; recompute < 2; ++recompute) {
     const CudaModelMemory memory{recompute == 1};
     CudaModel gpu(pair.host, c.batch, c.seqlen, OptimizerConfig{}, 0, {}, nullptr, memory);
-    planned[recompute] = gpu.planned_bytes();
+    planned[recompute] = gpu.memory_plan().arena;
     // What megacppd checks a job against at submit, planned from the config alone, is what the
     // constructor allocated, and no more than the device gave up.
     const CudaMemoryPlan plan =
