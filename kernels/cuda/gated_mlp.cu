@@ -141,8 +141,8 @@ void GatedMlpCuda::forward(const uint16_t* x, const uint16_t* fc1, const uint16_
 void GatedMlpCuda::backward(const uint16_t* x, const uint16_t* fc1, const uint16_t* fc2,
                             const uint16_t* fc1_out, const uint16_t* act, const uint16_t* dy,
                             RowsOut dx, float* dfc1, float* dfc2, bool accumulate,
-                            uint16_t* scratch_dact, uint16_t* scratch_dfc1_out,
-                            void* stream) const {
+                            uint16_t* scratch_dact, uint16_t* scratch_dfc1_out, void* stream,
+                            const std::function<void()>& dx_ready) const {
   require(x, "backward: x");
   require(fc1, "backward: fc1");
   require(fc2, "backward: fc2");
@@ -157,9 +157,12 @@ void GatedMlpCuda::backward(const uint16_t* x, const uint16_t* fc1, const uint16
     refuse(ErrorKind::kInvalidArgument,
            "GatedMlpCuda: backward: dx has both a bf16 and an fp32 pointer");
   }
-  fc2_.backward(act, fc2, dy, RowsOut{scratch_dact, nullptr}, dfc2, nullptr, accumulate, stream);
+  fc2_.backward_input(fc2, dy, RowsOut{scratch_dact, nullptr}, stream);
   gated_mlp_gate_backward(shape_, fc1_out, scratch_dact, scratch_dfc1_out, stream);
-  fc1_.backward(x, fc1, scratch_dfc1_out, dx, dfc1, nullptr, accumulate, stream);
+  fc1_.backward_input(fc1, scratch_dfc1_out, dx, stream);
+  if (dx_ready) dx_ready();
+  fc1_.backward_weights(x, scratch_dfc1_out, dfc1, nullptr, accumulate, stream);
+  fc2_.backward_weights(act, dy, dfc2, nullptr, accumulate, stream);
 }
 
 }  // namespace megacpp::cuda

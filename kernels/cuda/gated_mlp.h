@@ -13,6 +13,7 @@
 //   GatedMlpCuda  fc1 and fc2 as two LinearCuda (cuBLASLt) around the gate.
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 
 #include "kernels/cuda/linear.h"
 
@@ -51,11 +52,14 @@ class GatedMlpCuda {
   // null: not computed). dfc1 fp32 [2·hidden, dim] and dfc2 fp32 [dim, hidden] add into what they
   // hold when `accumulate`, otherwise are overwritten. scratch_dact bf16 [rows, hidden] and
   // scratch_dfc1_out bf16 [rows, 2·hidden] are the caller's buffers for the intermediate
-  // gradients (left holding them). Asynchronous.
+  // gradients (left holding them). Asynchronous. `dx_ready` (may be empty) is called once dx
+  // is enqueued and before both weight gradients are: where tensor parallelism starts summing
+  // dx over its group, hidden behind those two GEMMs.
   void backward(const uint16_t* x, const uint16_t* fc1, const uint16_t* fc2,
                 const uint16_t* fc1_out, const uint16_t* act, const uint16_t* dy, RowsOut dx,
                 float* dfc1, float* dfc2, bool accumulate, uint16_t* scratch_dact,
-                uint16_t* scratch_dfc1_out, void* stream = nullptr) const;
+                uint16_t* scratch_dfc1_out, void* stream = nullptr,
+                const std::function<void()>& dx_ready = {}) const;
 
   const GatedMlpShape& shape() const { return shape_; }
 

@@ -575,9 +575,15 @@ void LinearCuda::forward(const uint16_t* x, const uint16_t* weight, const float*
 void LinearCuda::backward(const uint16_t* x, const uint16_t* weight, const uint16_t* dy, RowsOut dx,
                           float* dweight, float* dbias, bool accumulate, void* stream) const {
   require(x, "backward: x");
+  require(dweight, "backward: dweight");
+  backward_input(weight, dy, dx, stream);
+  backward_weights(x, dy, dweight, dbias, accumulate, stream);
+}
+
+void LinearCuda::backward_input(const uint16_t* weight, const uint16_t* dy, RowsOut dx,
+                                void* stream) const {
   require(weight, "backward: weight");
   require(dy, "backward: dy");
-  require(dweight, "backward: dweight");
   if (dx.bf16 != nullptr && dx.f32 != nullptr) {
     refuse(ErrorKind::kInvalidArgument,
            "LinearCuda: backward: dx has both a bf16 and an fp32 pointer");
@@ -589,6 +595,15 @@ void LinearCuda::backward(const uint16_t* x, const uint16_t* weight, const uint1
   } else if (dx.f32 != nullptr) {
     run(*plans_, kDxF32, weight, "weight", dy, "dy", dx.f32, "dx", 0.f, workspace_, s);
   }
+}
+
+void LinearCuda::backward_weights(const uint16_t* x, const uint16_t* dy, float* dweight,
+                                  float* dbias, bool accumulate, void* stream) const {
+  require(x, "backward: x");
+  require(dy, "backward: dy");
+  require(dweight, "backward: dweight");
+  MEGACPP_CUDA_CHECK(cudaSetDevice(device_));
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
   run(*plans_, kDweight, x, "x", dy, "dy", dweight, "dweight", accumulate ? 1.f : 0.f, workspace_,
       s);
   if (dbias == nullptr) return;

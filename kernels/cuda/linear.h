@@ -62,6 +62,13 @@ class LinearCuda {
   // `accumulate`, otherwise are overwritten. Asynchronous.
   void backward(const uint16_t* x, const uint16_t* weight, const uint16_t* dy, RowsOut dx,
                 float* dweight, float* dbias, bool accumulate, void* stream = nullptr) const;
+  // backward() in its two halves (backward() = backward_input, then backward_weights), for a
+  // caller that starts work on dx, such as tensor parallelism's all-reduce, while the weight
+  // gradients are computed.
+  void backward_input(const uint16_t* weight, const uint16_t* dy, RowsOut dx,
+                      void* stream = nullptr) const;
+  void backward_weights(const uint16_t* x, const uint16_t* dy, float* dweight, float* dbias,
+                        bool accumulate, void* stream = nullptr) const;
 
   const LinearShape& shape() const { return shape_; }
 

@@ -247,7 +247,16 @@ struct CudaModel::Impl {
     return {rows, config.d_model, config.padded_vocab(), config.vocab_size, 0};
   }
   void tp_all_reduce_output();
-  void tp_all_reduce_input_gradient();
+  // Tensor parallel: each sublayer's input gradient (dnormed, partial on each rank) is summed over
+  // the group on tp_stream, started as soon as the sublayer has enqueued it and hidden behind its
+  // weight-gradient GEMMs, which need only the sublayer's own inputs (Megatron's overlap of the
+  // input-gradient all-reduce); the add+rmsnorm backward then waits for the sum.
+  cudaStream_t tp_stream = nullptr;
+  cudaEvent_t input_gradient_ready = nullptr;
+  cudaEvent_t input_gradient_summed = nullptr;
+  void make_tp_stream();
+  void start_input_gradient_sum();
+  void finish_input_gradient_sum();
   void dp_average_loss();
   // Every TP rank's shards of the device buffer `local` (this rank's layout) into the host's
   // global layout: a collective over the TP group.
@@ -404,11 +413,30 @@ void CudaModel::Impl::tp_all_reduce_output() {
   lap("tensor-parallel all-reduce forward");
 }
 
-void CudaModel::Impl::tp_all_reduce_input_gradient() {
+void CudaModel::Impl::make_tp_stream() {
+  // The highest priority: the all-reduce's blocks take SMs as the GEMM beside it frees them,
+  // instead of queueing behind all of its tiles.
+  int lowest = 0, highest = 0;
+  MEGACPP_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lowest, &highest));
+  MEGACPP_CUDA_CHECK(cudaStreamCreateWithPriority(&tp_stream, cudaStreamNonBlocking, highest));
+  MEGACPP_CUDA_CHECK(cudaEventCreateWithFlags(&input_gradient_ready, cudaEventDisableTiming));
+  MEGACPP_CUDA_CHECK(cudaEventCreateWithFlags(&input_gradient_summed, cudaEventDisableTiming));
+}
+
+void CudaModel::Impl::start_input_gradient_sum() {
   if (!sharded()) return;
+  MEGACPP_CUDA_CHECK(cudaEventRecord(input_gradient_ready, stream));
+  MEGACPP_CUDA_CHECK(cudaStreamWaitEvent(tp_stream, input_gradient_ready, 0));
   par.tensor_group->all_reduce(dnormed, static_cast<int64_t>(rows) * config.d_model,
-                               parallel::CollectiveType::kFloat, parallel::ReduceOp::kSum, stream);
-  lap("tensor-parallel all-reduce backward");
+                               parallel::CollectiveType::kFloat, parallel::ReduceOp::kSum,
+                               tp_stream);
+  MEGACPP_CUDA_CHECK(cudaEventRecord(input_gradient_summed, tp_stream));
+}
+
+void CudaModel::Impl::finish_input_gradient_sum() {
+  if (!sharded()) return;
+  MEGACPP_CUDA_CHECK(cudaStreamWaitEvent(stream, input_gradient_summed, 0));
+  lap("tensor-parallel all-reduce backward (not hidden)");
 }
 
 void CudaModel::Impl::dp_average_loss() {
@@ -491,6 +519,7 @@ CudaModel::CudaModel(const Model<float>& host, int batch, int seqlen,
   m.host_entries = set.entries();
   m.plan_parallel(parallel);
   if (m.par.data_group != nullptr) m.plan_gradient_buckets();
+  if (m.sharded()) m.make_tp_stream();
   m.plan_buffers(memory);
   m.allocate_and_build(plan_cache);
 }
@@ -754,6 +783,12 @@ CudaModel::~CudaModel() {
       for (cudaEvent_t e : impl_->bucket_ready) cudaEventDestroy(e);
       cudaEventDestroy(impl_->buckets_reduced);
       cudaStreamDestroy(impl_->reduce_stream);
+    }
+    if (impl_->tp_stream != nullptr) {
+      cudaStreamSynchronize(impl_->tp_stream);
+      cudaEventDestroy(impl_->input_gradient_ready);
+      cudaEventDestroy(impl_->input_gradient_summed);
+      cudaStreamDestroy(impl_->tp_stream);
     }
     cudaStreamDestroy(impl_->stream);
   }
@@ -1043,8 +1078,8 @@ void CudaModel::Impl::mamba_backward(MambaLayer& l, const uint16_t* x) {
   const size_t row_count = static_cast<size_t>(m.rows);
   uint16_t* dy = m.scratch_a;
   uint16_t* dproj = m.scratch_b;
-  l.out_linear->backward(l.y, m.bf16(l.out_proj), m.ddelta, cuda::RowsOut{dy, nullptr},
-                         m.grad(l.out_proj), nullptr, true, m.s());
+  // out_proj's weight gradient waits until dnormed is being summed (start_input_gradient_sum).
+  l.out_linear->backward_input(m.bf16(l.out_proj), m.ddelta, cuda::RowsOut{dy, nullptr}, m.s());
   m.lap("mamba out_proj backward");
   const cuda::PreprocessDeviceOutputs in = carve_scan_inputs(l.scan_in, l.shape, row_count);
   const cuda::PreprocessDeviceOutputs gin = carve_scan_inputs(m.scratch_c, l.shape, row_count);
@@ -1096,9 +1131,12 @@ void CudaModel::Impl::mamba_backward(MambaLayer& l, const uint16_t* x) {
   add(pre_grads.b_norm_weight, l.b_norm);
   add(pre_grads.c_norm_weight, l.c_norm);
   m.lap("mamba parameter-gradient adds");
-  l.in_linear->backward(x, m.bf16(l.in_proj), dproj, cuda::RowsOut{nullptr, m.dnormed},
-                        m.grad(l.in_proj), nullptr, true, m.s());
+  l.in_linear->backward_input(m.bf16(l.in_proj), dproj, cuda::RowsOut{nullptr, m.dnormed}, m.s());
   m.lap("mamba in_proj backward");
+  m.start_input_gradient_sum();
+  l.in_linear->backward_weights(x, dproj, m.grad(l.in_proj), nullptr, true, m.s());
+  l.out_linear->backward_weights(l.y, m.ddelta, m.grad(l.out_proj), nullptr, true, m.s());
+  m.lap("mamba in_proj and out_proj weight gradients");
 }
 
 void CudaModel::Impl::attention_backward(AttentionLayer& l, const uint16_t* x) {
@@ -1106,8 +1144,8 @@ void CudaModel::Impl::attention_backward(AttentionLayer& l, const uint16_t* x) {
   const ModelConfig& c = m.config;
   uint16_t* dctx = m.scratch_a;
   uint16_t* dqkv = m.scratch_b;
-  l.out_linear->backward(l.ctx, m.bf16(l.out_proj), m.ddelta, cuda::RowsOut{dctx, nullptr},
-                         m.grad(l.out_proj), m.grad(l.out_bias), true, m.s());
+  // out_proj's weight gradient waits until dnormed is being summed (start_input_gradient_sum).
+  l.out_linear->backward_input(m.bf16(l.out_proj), m.ddelta, cuda::RowsOut{dctx, nullptr}, m.s());
   m.lap("attention out_proj backward");
   const uint16_t* q = l.qkv;
   const int k_offset = l.q_heads * l.head_dim, v_offset = (l.q_heads + l.kv_heads) * l.head_dim;
@@ -1120,9 +1158,13 @@ void CudaModel::Impl::attention_backward(AttentionLayer& l, const uint16_t* x) {
                           dqkv, m.s());
     m.lap("attention rotary backward");
   }
-  l.in_linear->backward(x, m.bf16(l.in_proj), dqkv, cuda::RowsOut{nullptr, m.dnormed},
-                        m.grad(l.in_proj), m.grad(l.in_bias), true, m.s());
+  l.in_linear->backward_input(m.bf16(l.in_proj), dqkv, cuda::RowsOut{nullptr, m.dnormed}, m.s());
   m.lap("attention qkv backward");
+  m.start_input_gradient_sum();
+  l.in_linear->backward_weights(x, dqkv, m.grad(l.in_proj), m.grad(l.in_bias), true, m.s());
+  l.out_linear->backward_weights(l.ctx, m.ddelta, m.grad(l.out_proj), m.grad(l.out_bias), true,
+                                 m.s());
+  m.lap("attention qkv and out_proj weight gradients");
 }
 
 void CudaModel::Impl::drop_graph() {
@@ -1212,8 +1254,8 @@ void CudaModel::Impl::forward_backward_body(float grad_scale) {
     cuda::cast_f32_to_bf16(m.dresidual, m.ddelta, static_cast<int64_t>(elements), m.s());
     m.lap("residual gradient to bf16");
     --site;
-    sublayer_backward(m.normed[site]);
-    m.tp_all_reduce_input_gradient();
+    sublayer_backward(m.normed[site]);  // calls start_input_gradient_sum once
+    m.finish_input_gradient_sum();
     m.norm_op->backward(m.residual[site], m.value(m.site_weight[site]), m.rstd[site],
                         cuda::RowsRef{nullptr, m.dnormed}, m.dresidual, m.dresidual,
                         m.grad(m.site_weight[site]), true, m.s());
@@ -1226,7 +1268,7 @@ void CudaModel::Impl::forward_backward_body(float grad_scale) {
         Impl::MlpLayer& l = *b.mlp;
         l.mlp->backward(x, m.bf16(l.fc1), m.bf16(l.fc2), l.fc1_out, l.act, m.ddelta,
                         cuda::RowsOut{nullptr, m.dnormed}, m.grad(l.fc1), m.grad(l.fc2), true,
-                        m.scratch_a, m.scratch_b, m.s());
+                        m.scratch_a, m.scratch_b, m.s(), [&] { m.start_input_gradient_sum(); });
         m.lap("mlp backward");
       });
     }
