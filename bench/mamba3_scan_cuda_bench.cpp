@@ -5,8 +5,10 @@
 // matrix-unit rate, minimal bytes over the measured copy bandwidth), plus each kernel's
 // registers, shared memory and occupancy, and the PsiV cache on versus off.
 //
-// Usage: mamba3_scan_cuda_bench [--repeats N] [--profile-once]
-//   --profile-once: one forward + backward at M3-ref and exit (for ncu).
+// Usage: mamba3_scan_cuda_bench [--repeats N] [--profile-once [--small R C]]
+//   --profile-once: one forward + backward at M3-ref and exit (for ncu);
+//   --small R C: at M3-ref's N and P with rank R and chunk C, but batch 1, seqlen 128 and 4 heads
+//   (for compute-sanitizer's racecheck and synccheck, which run the kernels far slower).
 // Writes mamba3_scan_cuda_bench.json under $MEGACPP_RESULTS_DIR when set.
 #include <algorithm>
 #include <cmath>
@@ -334,16 +336,27 @@ ScanShape m3_ref(int rank, int chunk) {
 int main(int argc, char** argv) {
   int repeats = 30;
   bool profile_once = false;
+  int small_rank = 0, small_chunk = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--repeats" && i + 1 < argc) {
       repeats = std::max(20, std::atoi(argv[++i]));
     } else if (arg == "--profile-once") {
       profile_once = true;
+    } else if (arg == "--small" && i + 2 < argc) {
+      small_rank = std::atoi(argv[++i]);
+      small_chunk = std::atoi(argv[++i]);
     }
   }
   if (profile_once) {
-    Problem pr = make_problem(m3_ref(4, 16));
+    ScanShape shape = m3_ref(4, 16);
+    if (small_rank > 0) {
+      shape = m3_ref(small_rank, small_chunk);
+      shape.batch = 1;
+      shape.seqlen = 128;
+      shape.heads = 4;
+    }
+    Problem pr = make_problem(shape);
     megacpp::cuda::Mamba3ScanCuda scan(pr.shape, false);
     scan.forward(pr.in, pr.y);
     scan.backward(pr.in, pr.dy, pr.grads);

@@ -112,6 +112,20 @@ static __device__ float block_sum(float value, float* scratch) {
   return total;
 }
 
+// block_sum's total for thread 0 alone (the others get their warp's sum), with one barrier:
+// the same additions in the same order, so the same bits. The caller's next barrier must come
+// before thread 0's total is read by any other thread.
+static __device__ float block_sum_to_first_thread(float value, float* scratch) {
+  value = warp_sum(value);
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = value;
+  __syncthreads();
+  float total = 0.f;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < static_cast<int>(blockDim.x / 32); ++i) total += scratch[i];
+  }
+  return threadIdx.x == 0 ? total : value;
+}
+
 // C = A·B over a block: every thread owns 4×4 output tiles and sums over k in a fixed
 // order (deterministic). a(i, k), b(k, j) read operands; out(i, j, value) stores.
 // M and N are multiples of 4.

@@ -146,11 +146,13 @@ __global__ void state_pass_backward_kernel(Dims d, Work w) {
 // dL/dθ into d_theta, the bias gradient of head h into its partial, and the result into the
 // group's sum (= for the group's first head, + after: a fixed order): the block's shared
 // [rows][N] sum when smem_acc is not null, else the workspace's [B, T, R, G, N] one, acc.
+// Its last phase reads d_qk: `close` ends with a barrier, for a caller that writes d_qk's space
+// (the scores') next; without it, the caller's next barrier closes those reads.
 template <class D>
 __device__ void finish_qk_grad(const D& d, const ChunkPos& pos, bool first_head, const float* cosv,
                                const float* sinv, const bf16* rotated, int ld_rotated, float* d_qk,
                                int ld_d_qk, float* d_theta, float* bias_partial, float* smem_acc,
-                               float* acc) {
+                               float* acc, bool close) {
   const int N = d.state, half = N / 2, R = d.rank, A = d.angles;
   // Thread per (token, pair): the θ gradient of pair j sums over ranks without races.
   for (int idx = threadIdx.x; idx < d.chunk * half; idx += blockDim.x) {
@@ -182,7 +184,7 @@ __device__ void finish_qk_grad(const D& d, const ChunkPos& pos, bool first_head,
       // As the workspace's sum: the first head's term added to zero (−0 becomes +0 either way).
       smem_acc[idx] = (first_head ? 0.f : smem_acc[idx]) + here;
     }
-    __syncthreads();
+    if (close) __syncthreads();
     return;
   }
   // The chunk's rows (i, r) lie group-stride apart in the accumulator's [B, T, R, G, N] layout:
@@ -199,7 +201,7 @@ __device__ void finish_qk_grad(const D& d, const ChunkPos& pos, bool first_head,
         const int row = d.by_state.div(idx), n = d.by_state.mod(idx);
         acc_chunk[row * row_stride + n] = before + d_qk[row * ld_d_qk + n];
       });
-  __syncthreads();
+  if (close) __syncthreads();
 }
 
 // Everything the chunk contributes to every gradient, for each head of the group.
@@ -367,26 +369,25 @@ __global__ void __launch_bounds__(kBackwardThreads)
       }
     }
     __syncthreads();
-    // dL/dl_i from the entry term e^{l_i} (Q Eᵀ)_i: one warp per token.
+    // dL/dl_i from the entry term e^{l_i} (Q Eᵀ)_i: one warp per token. Each lane then scales the
+    // o elements it read by e^{l_i} and rounds their dO to bf16 (with the lo part when split;
+    // unsplit, E is dead until dO E reloads it, and its space takes the bf16 dO): no barrier
+    // between the dot's reads and those writes, and no second pass.
     for (int i = warp; i < C; i += warps) {
+      const float decay = sc[kEntryDecay * C + i];
       float dot = 0.f;
       for (int x = lane; x < R * P; x += 32) {
-        const int at = (i * R + d.by_headdim.div(x)) * ld_mp + d.by_headdim.mod(x);
-        dot += d_o[at] * o[at];
+        const int row = i * R + d.by_headdim.div(x), p = d.by_headdim.mod(x);
+        const int at = row * ld_mp + p;
+        const float out = o[at], value = d_o[at];
+        dot += value * out;
+        o[at] = out * decay;
+        const bf16 hi = __float2bfloat16(value);
+        d_o_bf16[row * ld_pv + p] = hi;
+        if (split) d_o_lo[row * ld_pv + p] = __float2bfloat16(value - to_f(hi));
       }
       dot = warp_sum(dot);
-      if (lane == 0) sc[kScratch * C + i] = sc[kEntryDecay * C + i] * dot;
-    }
-    __syncthreads();
-    // The bf16 dO (and its lo part when split). Unsplit, E is dead until dO E reloads it, and its
-    // space takes the bf16 dO.
-    for (int idx = threadIdx.x; idx < M * P; idx += blockDim.x) {
-      const int row = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
-      o[row * ld_mp + p] *= sc[kEntryDecay * C + d.by_rank.div(row)];
-      const float value = d_o[row * ld_mp + p];
-      const bf16 hi = __float2bfloat16(value);
-      d_o_bf16[row * ld_pv + p] = hi;
-      if (split) d_o_lo[row * ld_pv + p] = __float2bfloat16(value - to_f(hi));
+      if (lane == 0) sc[kScratch * C + i] = decay * dot;
     }
     __syncthreads();
     bf16_gemm<kTensor, false, true>(M, P, M, weighted, ld_sw, psiv, ld_pv,
@@ -471,8 +472,8 @@ __global__ void __launch_bounds__(kBackwardThreads)
       }
     }
     {
-      // Its barriers also close the sums' reads of o before d_token_weights (in o's space).
-      const float total = block_sum(d_local, sum_scratch);
+      // Its barrier also closes the sums' reads of o before d_token_weights (in o's space).
+      const float total = block_sum_to_first_thread(d_local, sum_scratch);
       if (threadIdx.x == 0) d_partial[0] = total;
     }
 
@@ -538,8 +539,10 @@ __global__ void __launch_bounds__(kBackwardThreads)
       }
     }
     __syncthreads();
+    // Not closed: the exit state's phase writes neither d_qk nor the sums, and its barrier comes
+    // before dK's product writes d_qk.
     finish_qk_grad(d, pos, hg == 0, cosv, sinv, q_rot, ld_qk, d_qk, ld_mn, d_theta, qb_partial,
-                   dq_sum, w.dq_acc);
+                   dq_sum, w.dq_acc, false);
 
     // Exit state: dS = dL/d(exit state). dL/dl_last += e^{l_last} <dS, E>, with E still in
     // `state` (each element is read by the thread that then overwrites it with dS).
@@ -549,7 +552,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
         local += d_exit * state[p * ld_state + n];
         set_state(p, n, d_exit);
       });
-      const float total = block_sum(local, sum_scratch);
+      const float total = block_sum_to_first_thread(local, sum_scratch);
       if (threadIdx.x == 0) {
         sc[kDLog * C + pos.len - 1] += sc[kEntryDecay * C + pos.len - 1] * total;
       }
@@ -609,8 +612,10 @@ __global__ void __launch_bounds__(kBackwardThreads)
       sum = warp_sum(sum);
       if (lane == 0) sc[kDLog * C + pos.len - 1] += sum;
     }
+    // v in the scores' space is written next (dx's pass), over d_qk.
+    const bool v_in_scores = v_tokens != nullptr && v_early == nullptr;
     finish_qk_grad(d, pos, hg == 0, cosv, sinv, k_rot, ld_qk, d_qk, ld_mn, d_theta, kb_partial,
-                   dk_sum, w.dk_acc);
+                   dk_sum, w.dk_acc, v_in_scores);
 
     // v = x ⊙ mimo_x: dx (this head's own output) and mimo_x's partial.
     for (int idx = threadIdx.x; idx < pos.len * P; idx += blockDim.x) {
@@ -619,9 +624,9 @@ __global__ void __launch_bounds__(kBackwardThreads)
       float dx = 0.f;
       for (int r = 0; r < R; ++r) dx += d_psiv[(i * R + r) * ld_mp + p] * mimo_x[r * P + p];
       grads.v[th * P + p] = __float2bfloat16(dx);
-      if (v_tokens != nullptr && v_early == nullptr) v_tokens[idx] = in.v[th * P + p];
+      if (v_in_scores) v_tokens[idx] = in.v[th * P + p];
     }
-    __syncthreads();
+    if (v_in_scores) __syncthreads();
     token_sums<1>(
         R * P, pos.len,
         [&](int i, int item, float* acc) {
