@@ -42,6 +42,19 @@ static __device__ __forceinline__ void copy_16_async(void* dst, const void* src,
 #endif
 }
 
+// copy_16_async's four-byte form, for rows that are not 16-byte aligned: cp.async on sm_80 and
+// newer; before that a plain load and store (the same data, visible to the copying thread at
+// once, as wait_copies makes it on sm_80).
+static __device__ __forceinline__ void copy_4_async(float* dst, const float* src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(
+                   static_cast<unsigned>(__cvta_generic_to_shared(dst))),
+               "l"(src));
+#else
+  *dst = *src;
+#endif
+}
+
 // Closes the group of copies started since the last call.
 static __device__ __forceinline__ void commit_copies() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800

@@ -476,6 +476,21 @@ __global__ void __launch_bounds__(kBackwardThreads)
       const float total = block_sum_to_first_thread(d_local, sum_scratch);
       if (threadIdx.x == 0) d_partial[0] = total;
     }
+    // Split, the fp32 state's space is free from here (z and dy are read): the exit state's
+    // gradient dS is copied into it now and read only at the exit-state phase, by the thread that
+    // copied each element, so that its load waits on nothing in between. (Unsplit, E is reloaded
+    // there for dO E, and dS is loaded at the phase.)
+    const auto own_state_element = [&](auto&& at) {
+      for (int idx = threadIdx.x; idx < P * N; idx += blockDim.x) {
+        at(d.by_state.div(idx), d.by_state.mod(idx), idx);
+      }
+    };
+    if (split) {
+      const float* d_exit = w.gstates + bhc * matrix;
+      own_state_element(
+          [&](int p, int n, int idx) { copy_4_async(state + p * ld_state + n, d_exit + idx); });
+      commit_copies();
+    }
 
     // Score-weight gradients per token pair, then dSc ⊙ W (rounded once, for dQ and dK).
     for (int idx = threadIdx.x; idx < C * C; idx += blockDim.x) {
@@ -518,9 +533,9 @@ __global__ void __launch_bounds__(kBackwardThreads)
     }
     __syncthreads();
 
-    // dQ = dSc K + e^{l} dO E (the fp32 E reloaded: unsplit, its space held the bf16 dO; split,
-    // the pairs are still E's and the fp32 E serves the exit-state product below).
-    load_state(d, w.states + bhc * matrix, state, ld_state);
+    // dQ = dSc K + e^{l} dO E (unsplit, the fp32 E reloaded: its space held the bf16 dO; split,
+    // the pairs are still E's).
+    if (!split) load_state(d, w.states + bhc * matrix, state, ld_state);
     bf16_gemm<kTensor, false, true>(
         M, N, M, weighted, ld_sw, k_rot, ld_qk,
         [&](int i, int n, float value) { d_qk[i * ld_mn + n] = value; });
@@ -545,13 +560,24 @@ __global__ void __launch_bounds__(kBackwardThreads)
                    dq_sum, w.dq_acc, false);
 
     // Exit state: dS = dL/d(exit state). dL/dl_last += e^{l_last} <dS, E>, with E still in
-    // `state` (each element is read by the thread that then overwrites it with dS).
+    // `state`, or split in its hi + lo pair (each element is read by the thread that then
+    // overwrites it with dS's).
     {
       float local = 0.f;
-      for_each_state_element(d, w.gstates + bhc * matrix, [&](int p, int n, float d_exit) {
-        local += d_exit * state[p * ld_state + n];
-        set_state(p, n, d_exit);
-      });
+      if (split) {
+        wait_copies<0>();  // this thread's dS elements (and the staged tokens, issued earlier)
+        own_state_element([&](int p, int n, int) {
+          const float d_exit = state[p * ld_state + n];
+          const int at = p * ld_split + n;
+          local += d_exit * (to_f(state_hi[at]) + to_f(state_lo[at]));
+          store_split(d_exit, state_hi, state_lo, at);
+        });
+      } else {
+        for_each_state_element(d, w.gstates + bhc * matrix, [&](int p, int n, float d_exit) {
+          local += d_exit * state[p * ld_state + n];
+          set_state(p, n, d_exit);
+        });
+      }
       const float total = block_sum_to_first_thread(local, sum_scratch);
       if (threadIdx.x == 0) {
         sc[kDLog * C + pos.len - 1] += sc[kEntryDecay * C + pos.len - 1] * total;
