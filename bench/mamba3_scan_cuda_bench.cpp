@@ -5,10 +5,12 @@
 // matrix-unit rate, minimal bytes over the measured copy bandwidth), plus each kernel's
 // registers, shared memory and occupancy, and the PsiV cache on versus off.
 //
-// Usage: mamba3_scan_cuda_bench [--repeats N] [--profile-once [--small R C]]
+// Usage: mamba3_scan_cuda_bench [--repeats N] [--profile-once [--small R C N]]
 //   --profile-once: one forward + backward at M3-ref and exit (for ncu);
-//   --small R C: at M3-ref's N and P with rank R and chunk C, but batch 1, seqlen 128 and 4 heads
-//   (for compute-sanitizer's racecheck and synccheck, which run the kernels far slower).
+//   --small R C N: instead, at P 64 with rank R, chunk C and state N, batch 1, seqlen 128 and
+//   4 heads, one forward + backward of each variant (tensor cores with the PsiV cache off and on,
+//   CUDA cores): for compute-sanitizer's racecheck and synccheck, which run the kernels far
+//   slower. N other than 64 takes the kernels compiled for runtime shapes.
 // Writes mamba3_scan_cuda_bench.json under $MEGACPP_RESULTS_DIR when set.
 #include <algorithm>
 #include <cmath>
@@ -336,31 +338,53 @@ ScanShape m3_ref(int rank, int chunk) {
 int main(int argc, char** argv) {
   int repeats = 30;
   bool profile_once = false;
-  int small_rank = 0, small_chunk = 0;
+  bool small = false;
+  int small_rank = 0, small_chunk = 0, small_state = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--repeats" && i + 1 < argc) {
       repeats = std::max(20, std::atoi(argv[++i]));
     } else if (arg == "--profile-once") {
       profile_once = true;
-    } else if (arg == "--small" && i + 2 < argc) {
+    } else if (arg == "--small" && i + 3 < argc) {
+      small = true;
       small_rank = std::atoi(argv[++i]);
       small_chunk = std::atoi(argv[++i]);
+      small_state = std::atoi(argv[++i]);
+    } else {
+      std::fprintf(stderr,
+                   "mamba3_scan_cuda_bench: unknown or incomplete argument %s (usage: "
+                   "[--repeats N] [--profile-once [--small R C N]])\n",
+                   arg.c_str());
+      return 2;
     }
+  }
+  if (small && (!profile_once || small_rank <= 0 || small_chunk <= 0 || small_state <= 0)) {
+    std::fprintf(stderr,
+                 "mamba3_scan_cuda_bench: --small R C N needs --profile-once and positive "
+                 "R, C and N\n");
+    return 2;
   }
   if (profile_once) {
     ScanShape shape = m3_ref(4, 16);
-    if (small_rank > 0) {
+    if (small) {
       shape = m3_ref(small_rank, small_chunk);
       shape.batch = 1;
       shape.seqlen = 128;
       shape.heads = 4;
+      shape.state = small_state;
+      shape.angles = small_state / 4;
     }
     Problem pr = make_problem(shape);
-    megacpp::cuda::Mamba3ScanCuda scan(pr.shape, false);
-    scan.forward(pr.in, pr.y);
-    scan.backward(pr.in, pr.dy, pr.grads);
-    ok(cudaDeviceSynchronize(), "profile run");
+    // (tensor cores, PsiV cache): M3-ref runs the first only.
+    const bool variants[3][2] = {{true, false}, {true, true}, {false, false}};
+    for (const auto& v : variants) {
+      megacpp::cuda::Mamba3ScanCuda scan(pr.shape, v[1], v[0]);
+      scan.forward(pr.in, pr.y);
+      scan.backward(pr.in, pr.dy, pr.grads);
+      ok(cudaDeviceSynchronize(), "profile run");
+      if (!small) break;
+    }
     free_problem(pr);
     return 0;
   }

@@ -106,28 +106,11 @@ struct FastDiv {
 #endif
 };
 
-// Block-wide sum of one float per thread: a butterfly inside each warp, then thread 0 adds the
-// warps' sums in warp order (a fixed order: deterministic). `scratch` holds blockDim.x / 32
-// floats of shared memory; blockDim.x is a multiple of 32. Every thread gets the total. Holds
-// three barriers: call it from every thread of the block.
-static __device__ float block_sum(float value, float* scratch) {
-  value = warp_sum(value);
-  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = value;
-  __syncthreads();
-  float total = 0.f;
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < static_cast<int>(blockDim.x / 32); ++i) total += scratch[i];
-    scratch[0] = total;
-  }
-  __syncthreads();
-  total = scratch[0];
-  __syncthreads();
-  return total;
-}
-
-// block_sum's total for thread 0 alone (the others get their warp's sum), with one barrier:
-// the same additions in the same order, so the same bits. The caller's next barrier must come
-// before thread 0's total is read by any other thread.
+// Block-wide sum of one float per thread, for thread 0 alone (the others get their warp's sum):
+// a butterfly inside each warp, then thread 0 adds the warps' sums in warp order (a fixed order:
+// deterministic). `scratch` holds blockDim.x / 32 floats of shared memory; blockDim.x is a
+// multiple of 32. One barrier: call it from every thread of the block; the caller's next barrier
+// must come before any other thread reads what thread 0 makes of the total, or writes `scratch`.
 static __device__ float block_sum_to_first_thread(float value, float* scratch) {
   value = warp_sum(value);
   if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = value;
@@ -137,6 +120,16 @@ static __device__ float block_sum_to_first_thread(float value, float* scratch) {
     for (int i = 0; i < static_cast<int>(blockDim.x / 32); ++i) total += scratch[i];
   }
   return threadIdx.x == 0 ? total : value;
+}
+
+// block_sum_to_first_thread's total for every thread. Three barriers.
+static __device__ float block_sum(float value, float* scratch) {
+  float total = block_sum_to_first_thread(value, scratch);
+  if (threadIdx.x == 0) scratch[0] = total;
+  __syncthreads();
+  total = scratch[0];
+  __syncthreads();
+  return total;
 }
 
 // C = A·B over a block: every thread owns 4×4 output tiles and sums over k in a fixed

@@ -52,7 +52,8 @@ class GatedMlpCuda {
   // null: not computed). dfc1 fp32 [2·hidden, dim] and dfc2 fp32 [dim, hidden] add into what they
   // hold when `accumulate`, otherwise are overwritten. scratch_dact bf16 [rows, hidden] and
   // scratch_dfc1_out bf16 [rows, 2·hidden] are the caller's buffers for the intermediate
-  // gradients (left holding them). Asynchronous. `dx_ready` (may be empty) is called once dx
+  // gradients (left holding them); dx must not alias x, dy or act, which the weight gradients
+  // read after dx is written. Asynchronous. `dx_ready` (may be empty) is called once dx
   // is enqueued and before both weight gradients are: where tensor parallelism starts summing
   // dx over its group, hidden behind those two GEMMs.
   void backward(const uint16_t* x, const uint16_t* fc1, const uint16_t* fc2,

@@ -266,8 +266,8 @@ __global__ void __launch_bounds__(kBackwardThreads)
       state[p * ld_state + n] = value;
     }
   };
-  // Split, the fp32 state's space is free from the head's start until E's reload for the
-  // exit-state product: it holds the chunk's z and dy for the epilogue when they fit.
+  // Split, the fp32 state's space is free from the head's start until dS is copied in after D's
+  // partial: it holds the chunk's z and dy for the epilogue when they fit.
   bf16* z_dy = split && C <= ld_state ? reinterpret_cast<bf16*>(state) : nullptr;
   // The chunk's v for mimo_x's partial, in the scores' space when it fits: written only after
   // finish_qk_grad for k has passed its last barrier, when neither the scores nor d_qk (which may
@@ -480,15 +480,16 @@ __global__ void __launch_bounds__(kBackwardThreads)
     // gradient dS is copied into it now and read only at the exit-state phase, by the thread that
     // copied each element, so that its load waits on nothing in between. (Unsplit, E is reloaded
     // there for dO E, and dS is loaded at the phase.)
-    const auto own_state_element = [&](auto&& at) {
+    const auto for_each_own_state_element = [&](auto&& at) {
       for (int idx = threadIdx.x; idx < P * N; idx += blockDim.x) {
         at(d.by_state.div(idx), d.by_state.mod(idx), idx);
       }
     };
     if (split) {
-      const float* d_exit = w.gstates + bhc * matrix;
-      own_state_element(
-          [&](int p, int n, int idx) { copy_4_async(state + p * ld_state + n, d_exit + idx); });
+      const float* exit_gradient = w.gstates + bhc * matrix;
+      for_each_own_state_element([&](int p, int n, int idx) {
+        copy_4_async(state + p * ld_state + n, exit_gradient + idx);
+      });
       commit_copies();
     }
 
@@ -566,7 +567,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
       float local = 0.f;
       if (split) {
         wait_copies<0>();  // this thread's dS elements (and the staged tokens, issued earlier)
-        own_state_element([&](int p, int n, int) {
+        for_each_own_state_element([&](int p, int n, int) {
           const float d_exit = state[p * ld_state + n];
           const int at = p * ld_split + n;
           local += d_exit * (to_f(state_hi[at]) + to_f(state_lo[at]));

@@ -95,7 +95,8 @@ struct SmemPlan {
   size_t state = 0;            // fp32 [P][N]: the chunk's entry state E; in the backward later
                                //   dL/d(exit state). chunk_output on the tensor cores holds E's
                                //   hi + lo pairs here instead; chunk_backward with the split
-                               //   state holds z and dy here until E's reload, and never dS
+                               //   state holds z and dy here for the epilogue, then dS (copied
+                               //   ahead) until the exit-state phase, and never the fp32 E
   size_t scores = 0;           // fp32 [rows][rows]: Q Kᵀ (backward)
   size_t d_scores = 0;         // fp32 [rows][rows]: dL/d(Q Kᵀ ⊙ W), then ⊙ W (= dL/d(Q Kᵀ))
   size_t token_weights = 0;    // fp32 [C][C]: W
@@ -262,7 +263,7 @@ inline SmemPlan plan_backward(const Dims& d, bool tensor_cores, size_t limit) {
     p.state_hi = p.total;
     p.state_lo = p.state_hi + state_half;
     p.d_out_lo = p.state_lo + state_half;
-    // The fp32 E is reloaded into `state` while the bf16 dO is still an operand.
+    // `state` holds z and dy, then dS, while the bf16 dO is still an operand.
     if (d_out_bf16_shared) p.d_out_bf16 = p.d_out_lo + d_out_half;
     p.total += split;
   }

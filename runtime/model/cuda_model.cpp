@@ -1080,7 +1080,7 @@ void CudaModel::Impl::mamba_backward(MambaLayer& l, const uint16_t* x) {
   uint16_t* dproj = m.scratch_b;
   // out_proj's weight gradient waits until dnormed is being summed (start_input_gradient_sum).
   l.out_linear->backward_input(m.bf16(l.out_proj), m.ddelta, cuda::RowsOut{dy, nullptr}, m.s());
-  m.lap("mamba out_proj backward");
+  m.lap("mamba out_proj input gradient");
   const cuda::PreprocessDeviceOutputs in = carve_scan_inputs(l.scan_in, l.shape, row_count);
   const cuda::PreprocessDeviceOutputs gin = carve_scan_inputs(m.scratch_c, l.shape, row_count);
   const cuda::ScanDeviceInputs s = m.scan_inputs(l, in);
@@ -1132,7 +1132,7 @@ void CudaModel::Impl::mamba_backward(MambaLayer& l, const uint16_t* x) {
   add(pre_grads.c_norm_weight, l.c_norm);
   m.lap("mamba parameter-gradient adds");
   l.in_linear->backward_input(m.bf16(l.in_proj), dproj, cuda::RowsOut{nullptr, m.dnormed}, m.s());
-  m.lap("mamba in_proj backward");
+  m.lap("mamba in_proj input gradient");
   m.start_input_gradient_sum();
   l.in_linear->backward_weights(x, dproj, m.grad(l.in_proj), nullptr, true, m.s());
   l.out_linear->backward_weights(l.y, m.ddelta, m.grad(l.out_proj), nullptr, true, m.s());
@@ -1146,7 +1146,7 @@ void CudaModel::Impl::attention_backward(AttentionLayer& l, const uint16_t* x) {
   uint16_t* dqkv = m.scratch_b;
   // out_proj's weight gradient waits until dnormed is being summed (start_input_gradient_sum).
   l.out_linear->backward_input(m.bf16(l.out_proj), m.ddelta, cuda::RowsOut{dctx, nullptr}, m.s());
-  m.lap("attention out_proj backward");
+  m.lap("attention out_proj input gradient");
   const uint16_t* q = l.qkv;
   const int k_offset = l.q_heads * l.head_dim, v_offset = (l.q_heads + l.kv_heads) * l.head_dim;
   l.attention->backward(q, q + k_offset, q + v_offset, l.width, l.width, l.ctx, dctx, l.lse, dqkv,
@@ -1159,7 +1159,7 @@ void CudaModel::Impl::attention_backward(AttentionLayer& l, const uint16_t* x) {
     m.lap("attention rotary backward");
   }
   l.in_linear->backward_input(m.bf16(l.in_proj), dqkv, cuda::RowsOut{nullptr, m.dnormed}, m.s());
-  m.lap("attention qkv backward");
+  m.lap("attention qkv input gradient");
   m.start_input_gradient_sum();
   l.in_linear->backward_weights(x, dqkv, m.grad(l.in_proj), m.grad(l.in_bias), true, m.s());
   l.out_linear->backward_weights(l.ctx, m.ddelta, m.grad(l.out_proj), m.grad(l.out_bias), true,
