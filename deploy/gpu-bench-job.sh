@@ -11,11 +11,9 @@ steps=${2:-5}
 preset=${3:-bench-350m}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
-rm -rf state data/gpu-bench*
-mkdir -p state data
+source deploy/start-daemon.sh
 # The corpus: this repository's tests (0.9 MB of byte tokens, ids below every vocabulary).
-megacpp data prepare --input tests --output data/gpu-bench --seed 1 --valid-fraction 0.1 \
-  > "$out/prepare.log"
+fresh_corpus gpu-bench tests "$out"
 spec() {  # BATCH STEPS NAME
   cat <<JSON
 {"name": "$3", "preset": "$preset", "device_kind": "cuda",
@@ -27,7 +25,6 @@ JSON
 spec 4 "$steps" "$preset batch 4" > "$out/job.json"
 spec 8 "$steps" "$preset batch 8" > "$out/too-big.json"
 
-source deploy/start-daemon.sh
 start_megacppd "$out/megacppd.log"
 megacpp status | tee "$out/status.txt"
 

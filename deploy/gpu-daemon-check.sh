@@ -9,11 +9,9 @@ out=$(realpath -m "$1")
 steps=${2:-300}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
-rm -rf state data/gpu-check*
-mkdir -p state data
+source deploy/start-daemon.sh
 # The corpus: this repository's own sources (every GPU machine has them with the working tree).
-megacpp data prepare --input runtime --output data/gpu-check --seed 1 --valid-fraction 0.1 \
-  > "$out/prepare.log"
+fresh_corpus gpu-check runtime "$out"
 spec() {  # STEPS NAME
   cat <<JSON
 {"name": "$2", "preset": "tiny", "device_kind": "cuda",
@@ -27,7 +25,6 @@ spec "$steps" "gpu check" > "$out/job.json"
 spec 100000 "to be killed" > "$out/killed.json"
 spec 50 "after the kill" > "$out/after.json"
 
-source deploy/start-daemon.sh
 start_megacppd "$out/megacppd.log"
 megacpp status | tee "$out/status-before.txt"
 

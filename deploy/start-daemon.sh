@@ -1,4 +1,17 @@
-# Sourced by the GPU-machine scripts: start_megacppd LOG starts megacppd (on PATH) with
+# Sourced by the GPU-machine scripts, from the repository's root.
+#
+# fresh_corpus NAME INPUT LOGDIR empties the daemon's state/ and prepares INPUT's files as the
+# byte-token corpus data/NAME_train and data/NAME_valid (a tenth held out), logging to
+# LOGDIR/prepare.log.
+fresh_corpus() {
+  local name=$1 input=$2 logdir=$3
+  rm -rf state "data/$name"*
+  mkdir -p state data
+  megacpp data prepare --input "$input" --output "data/$name" --seed 1 --valid-fraction 0.1 \
+    > "$logdir/prepare.log"
+}
+
+# start_megacppd LOG starts megacppd (on PATH) with
 # configs/daemon.json in the background, stops it when the calling script exits, waits up to
 # 30 s for its state/daemon.json (printing LOG's tail and failing if it dies first) and points
 # the CLI at it.

@@ -305,12 +305,10 @@ bf16* as_bf16(uint16_t* p) {
   return reinterpret_cast<bf16*>(p);
 }
 
-}  // namespace
-
-namespace {
 size_t rstd_bytes_of(const Dims& d) {
   return aligned(static_cast<size_t>(d.rows) * 2 * d.vecs * sizeof(float));
 }
+
 }  // namespace
 
 size_t Mamba3PreprocessCuda::workspace_bytes(const ops::Mamba3PreprocessShape& shape) {

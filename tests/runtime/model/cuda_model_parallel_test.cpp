@@ -126,6 +126,20 @@ void init_host(Model<float>& host) {
   }
 }
 
+// What every test here starts from: the case's host model with init_host's parameters, and
+// `sequences` random token sequences drawn from `seed`.
+struct CaseStart {
+  ModelConfig config;
+  Model<float> host;
+  std::vector<int32_t> tokens;
+  CaseStart(const ParallelCase& c, int world, int sequences, uint64_t seed)
+      : config(config_for(c, world)), host(config) {
+    init_host(host);
+    std::mt19937_64 rng(seed);
+    tokens = random_tokens(sequences, c.seqlen, config.vocab_size, rng);
+  }
+};
+
 // What one step leaves: the loss, the reduced global gradients, the norm, the updated parameters.
 struct StepResult {
   double loss = 0;
@@ -289,11 +303,9 @@ TEST_P(CudaModelParallelStep, TensorParallelOverEveryGpuEqualsOneGpu) {
   MEGACPP_REQUIRE_GPUS(2);
   const ParallelCase& c = GetParam();
   const int world = gpu_world();
-  const ModelConfig config = config_for(c, world);
-  Model<float> host(config);
-  init_host(host);
-  std::mt19937_64 rng(23);
-  const std::vector<int32_t> tokens = random_tokens(c.batch, c.seqlen, config.vocab_size, rng);
+  CaseStart start(c, world, c.batch, 23);
+  Model<float>& host = start.host;
+  const std::vector<int32_t>& tokens = start.tokens;
 
   StepResult one;
   {
@@ -319,13 +331,11 @@ TEST_P(CudaModelParallelStep, TensorParallelOverEveryGpuEqualsOneGpu) {
 // DP replicas of TP groups (tp = 1: data parallel alone) against one GPU with every replica's
 // batch; each replica takes c.batch rows of it.
 void expect_mesh_equals_one_gpu(const ParallelCase& c, int world, int tp, double tolerance) {
-  const ModelConfig config = config_for(c, world);
-  Model<float> host(config);
-  init_host(host);
-  std::mt19937_64 rng(31);
   const int dp = world / tp;
   const int whole = dp * c.batch;
-  const std::vector<int32_t> tokens = random_tokens(whole, c.seqlen, config.vocab_size, rng);
+  CaseStart start(c, world, whole, 31);
+  Model<float>& host = start.host;
+  const std::vector<int32_t>& tokens = start.tokens;
   StepResult one;
   {
     CudaModel gpu(host, whole, c.seqlen, OptimizerConfig{}, 0);
@@ -360,12 +370,9 @@ TEST_P(CudaModelParallelStep, DataParallelOverlappedReductionEqualsTheOneAfterTh
   MEGACPP_REQUIRE_GPUS(2);
   const ParallelCase& c = GetParam();
   const int world = gpu_world();
-  const ModelConfig config = config_for(c, world);
-  Model<float> host(config);
-  init_host(host);
-  std::mt19937_64 rng(41);
-  const std::vector<int32_t> tokens =
-      random_tokens(2 * world * c.batch, c.seqlen, config.vocab_size, rng);
+  CaseStart start(c, world, 2 * world * c.batch, 41);
+  Model<float>& host = start.host;
+  const std::vector<int32_t>& tokens = start.tokens;
   const size_t micro_rows = static_cast<size_t>(c.batch) * (c.seqlen + 1);
   std::vector<float> grads[2];
   double losses[2] = {0, 0};
@@ -410,11 +417,9 @@ TEST_P(CudaModelParallelStep, TensorParallelRecomputingTheInProjOutputsGivesTheS
   MEGACPP_REQUIRE_GPUS(2);
   const ParallelCase& c = GetParam();
   const int world = gpu_world();
-  const ModelConfig config = config_for(c, world);
-  Model<float> host(config);
-  init_host(host);
-  std::mt19937_64 rng(47);
-  const std::vector<int32_t> tokens = random_tokens(c.batch, c.seqlen, config.vocab_size, rng);
+  CaseStart start(c, world, c.batch, 47);
+  Model<float>& host = start.host;
+  const std::vector<int32_t>& tokens = start.tokens;
   const std::vector<StepResult> kept = tensor_parallel_step(host, c, world, tokens, {false});
   if (HasFailure()) return;
   const std::vector<StepResult> lean = tensor_parallel_step(host, c, world, tokens, {true});
