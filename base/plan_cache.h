@@ -32,9 +32,10 @@ namespace megacpp {
 
 inline constexpr uint32_t kPlanCacheFormatVersion = 1;
 // Bounds that a sane record keeps; a length beyond them is taken as corruption rather than a
-// request to allocate gigabytes.
+// request to allocate gigabytes. A value may be a cuDNN execution plan's JSON form, which carries
+// its compiled kernels.
 inline constexpr uint32_t kPlanCacheMaxKeyBytes = 4096;
-inline constexpr uint32_t kPlanCacheMaxValueBytes = 1u << 20;
+inline constexpr uint32_t kPlanCacheMaxValueBytes = 16u << 20;
 
 // CRC-32 (IEEE 802.3, the polynomial zlib uses), continuing from `crc` (0 to start).
 uint32_t crc32(std::string_view bytes, uint32_t crc = 0);

@@ -14,7 +14,10 @@
 // --no-overlap: data parallel, the gradients averaged in one all-reduce after the backward rather
 // than block by block during it (for the comparison).
 // --recompute-in-proj: the Mamba-3 in_proj outputs recomputed in the backward, not kept
-// (CudaModelMemory; the recompute_in_proj gate).
+// (CudaModelOptions; the recompute_in_proj gate).
+// --attention cudnn|megacpp: cuDNN's fused attention (the default) or our own kernels.
+// --nondeterministic: cuDNN's attention backward sums dQ in any order (the
+// nondeterministic_attention gate).
 // --cuda-graphs: the timed steps replay the step captured as a CUDA graph (the profiled steps
 // after them run eagerly); compare with a run without it for the cuda_graphs gate's receipt.
 #include <cstdio>
@@ -61,6 +64,8 @@ struct Options {
   int data_parallel = 1;
   bool overlap = true;  // CudaModel::set_overlapped_gradient_reduction
   bool recompute_in_proj = false;
+  std::string attention = "cudnn";
+  bool deterministic = true;
   std::string json;
 };
 
@@ -90,6 +95,14 @@ Options parse(int argc, char** argv) {
       o.data_parallel = std::stoi(value());
     } else if (a == "--recompute-in-proj") {
       o.recompute_in_proj = true;
+    } else if (a == "--attention") {
+      o.attention = value();
+      if (o.attention != "cudnn" && o.attention != "megacpp") {
+        megacpp::fail(megacpp::ErrorKind::kInvalidArgument,
+                      "--attention {} must be cudnn or megacpp", o.attention);
+      }
+    } else if (a == "--nondeterministic") {
+      o.deterministic = false;
     } else if (a == "--no-overlap") {
       o.overlap = false;
     } else if (a == "--json") {
@@ -173,8 +186,12 @@ RankResult run_rank(const Options& o, const megacpp::Model<float>& host,
   };
   r.phases.emplace_back("host setup (model, init, moments, tokens)",
                         std::chrono::duration<double>(mark - start).count());
-  CudaModel model(host, rows, o.seqlen, optimizer, device, parallel, nullptr,
-                  megacpp::CudaModelMemory{o.recompute_in_proj});
+  CudaModel model(
+      host, rows, o.seqlen, optimizer, device, parallel, nullptr,
+      megacpp::CudaModelOptions{o.recompute_in_proj,
+                                o.attention == "megacpp" ? megacpp::AttentionEngine::kMegacpp
+                                                         : megacpp::AttentionEngine::kCudnn,
+                                o.deterministic});
   phase("CudaModel construction (context, arena, plans)");
   model.upload(host.parameters(), &moments);
   model.set_step_graph(o.cuda_graphs);
@@ -288,6 +305,8 @@ int run(const Options& o) {
       // CudaModel overlaps it only without tensor parallelism beside it.
       {"overlapped_gradient_reduction", o.overlap && o.data_parallel > 1 && o.tensor_parallel == 1},
       {"recompute_in_proj", o.recompute_in_proj},
+      {"attention", o.attention},
+      {"deterministic", o.deterministic},
       {"parameters", host.parameters().total()},
       {"first_loss", first_loss},
       {"seconds_to_first_step", to_first_step},
@@ -301,13 +320,15 @@ int run(const Options& o) {
       {"device_bytes_in_use", in_use},
       {"planned_bytes", r.planned}};  // the arena and the layers' workspaces
   std::printf(
-      "%s R=%d chunk %d, batch %d x seqlen %d%s%s, TP=%d DP=%d%s: step min/median/max "
+      "%s R=%d chunk %d, batch %d x seqlen %d%s%s, %s attention%s, TP=%d DP=%d%s: step "
+      "min/median/max "
       "%.1f/%.1f/%.1f ms, "
       "%.0f tokens/s, %.1f model TFLOP/s, MFU %.1f%% of the %.0f TFLOP/s GEMM ceiling, "
       "%.1f GiB in use (%.1f planned), first step after %.1f s\n",
       o.preset.c_str(), o.rank, config.ssm.chunk_size, o.batch, o.seqlen,
       o.cuda_graphs ? " (step graph)" : "", o.recompute_in_proj ? " (in_proj recomputed)" : "",
-      o.tensor_parallel, o.data_parallel,
+      o.attention.c_str(), o.deterministic ? "" : " (nondeterministic)", o.tensor_parallel,
+      o.data_parallel,
       o.data_parallel > 1
           ? (o.overlap && o.tensor_parallel == 1 ? " overlapped" : " not overlapped")
           : "",

@@ -157,17 +157,19 @@ constexpr uint64_t kDeviceOverheadBytes = uint64_t{2} << 30;
 // the CUDA model's own plan for each TP rank's share of the micro-batch, the bytes the executor
 // will allocate, with the gates that change them.
 void check_device_memory(const megacpp::v1::JobSpec& spec, const ModelConfig& model,
-                         int device_count, int tp, bool recompute_in_proj, uint64_t gpu_bytes) {
+                         int device_count, int tp, bool recompute_in_proj, bool deterministic,
+                         uint64_t gpu_bytes) {
   if (gpu_bytes == 0) return;
   const int replicas = device_count / tp;
   const int micro_batch = spec.batch() / replicas;  // parse_train_job checked the split
   // 0: the plan could not be made here (the CUDA runtime failed in the daemon's process).
-  const auto need = [&](bool recompute) -> uint64_t {
+  const auto need = [&](bool recompute, bool reproducible) -> uint64_t {
     uint64_t most = 0;
     try {
       for (int rank = 0; rank < tp; ++rank) {
-        const CudaMemoryPlan plan = CudaModel::plan_memory(model, micro_batch, spec.seqlen(), tp,
-                                                           rank, CudaModelMemory{recompute});
+        const CudaMemoryPlan plan = CudaModel::plan_memory(
+            model, micro_batch, spec.seqlen(), tp, rank,
+            CudaModelOptions{recompute, AttentionEngine::kCudnn, reproducible});
         most = std::max(most, plan.total());
       }
     } catch (const Error& e) {
@@ -181,16 +183,27 @@ void check_device_memory(const megacpp::v1::JobSpec& spec, const ModelConfig& mo
     }
     return most + kDeviceOverheadBytes;
   };
-  const uint64_t needed = need(recompute_in_proj);
+  const uint64_t needed = need(recompute_in_proj, deterministic);
   if (needed == 0 || needed <= gpu_bytes) return;
   std::string remedies = ", split it over more GPUs (device_count with tensor_parallel)";
   bool has_mamba = false;
   for (int layer = 0; layer < model.n_layer; ++layer) has_mamba |= !model.is_attention_layer(layer);
   if (!recompute_in_proj && has_mamba) {
-    const uint64_t lean = need(true);
+    const uint64_t lean = need(true, deterministic);
     if (lean != 0 && lean <= gpu_bytes) {
       remedies += fmt::format(
           ", or ask for the recompute_in_proj feature gate (with it each GPU needs {} bytes)",
+          lean);
+    }
+  }
+  if (deterministic) {
+    // The deterministic attention backward keeps dS (batch · heads · seqlen² bf16) in cuDNN's
+    // workspace.
+    const uint64_t lean = need(recompute_in_proj, false);
+    if (lean != 0 && lean <= gpu_bytes) {
+      remedies += fmt::format(
+          ", or ask for the nondeterministic_attention feature gate (with it each GPU needs {} "
+          "bytes)",
           lean);
     }
   }
@@ -357,6 +370,9 @@ ValidatedJob validate_job_spec(const megacpp::v1::JobSpec& spec, const DaemonCon
       if (d.gate == "recompute_in_proj" && d.decision == gates::Decision::kOn) {
         out.train_job["recompute_in_proj"] = true;
       }
+      if (d.gate == "nondeterministic_attention" && d.decision == gates::Decision::kOn) {
+        out.train_job["deterministic"] = false;
+      }
     }
     // Checked and repaired at startup (service/preconditions): shared by every job of the
     // daemon, merged under a lock when two write at once.
@@ -397,7 +413,8 @@ ValidatedJob validate_job_spec(const megacpp::v1::JobSpec& spec, const DaemonCon
                                     {}});
     }
     check_device_memory(spec, model_config, out.device_count, tp,
-                        out.train_job.value("recompute_in_proj", false), memory.gpu_bytes);
+                        out.train_job.value("recompute_in_proj", false),
+                        out.train_job.value("deterministic", true), memory.gpu_bytes);
 #else
     out.gate_decisions.push_back(
         {"cuda_backend",

@@ -2,6 +2,7 @@
 // linked into this library (check.h), so strings are built with iostreams.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
+#include <cudnn.h>
 
 #include <iostream>
 #include <sstream>
@@ -23,7 +24,8 @@ std::string GemmPlanKey::to_string() const {
 
 std::string cublaslt_scope_prefix() {
   std::ostringstream prefix;
-  prefix << "cublaslt-" << cublasLtGetVersion() << "/";
+  // cuDNN's version too: the file also holds CausalAttentionCudnn's plans.
+  prefix << "cublaslt-" << cublasLtGetVersion() << "/cudnn-" << cudnnGetVersion() << "/";
   return prefix.str();
 }
 
@@ -72,8 +74,11 @@ void GemmPlanCache::flush() {
 }
 
 std::string GemmPlanCache::find(const GemmPlanKey& key) const {
+  return find_text(key.to_string());
+}
+
+std::string GemmPlanCache::find_text(const std::string& text) const {
   const std::lock_guard<std::mutex> lock(mutex_);
-  const std::string text = key.to_string();
   if (store_) {
     const std::string* value = store_->find(text);
     return value == nullptr ? std::string() : *value;
@@ -89,14 +94,20 @@ void GemmPlanCache::record_hit() {
 
 void GemmPlanCache::record_build(const GemmPlanKey& key, std::string value, const std::string& what,
                                  bool stale) {
+  record_build_text(key.to_string(), std::move(value), what, stale);
+}
+
+void GemmPlanCache::record_build_text(const std::string& key, std::string value,
+                                      const std::string& what, bool stale) {
   const std::lock_guard<std::mutex> lock(mutex_);
   ++ledger_.builds;
   if (stale) ++ledger_.stale;
   ledger_.last_build = what;
+  if (value.empty()) return;
   if (store_) {
-    store_->put(key.to_string(), std::move(value));
+    store_->put(key, std::move(value));
   } else {
-    memory_[key.to_string()] = std::move(value);
+    memory_[key] = std::move(value);
   }
 }
 

@@ -1,9 +1,11 @@
 #pragma once
-// cuBLASLt algorithm choices kept across processes (base/plan_cache.h's store), so that a job
-// restarted or repeated on the same machine skips the heuristic: the scope of the file is the
-// cuBLASLt version (cublasLtGetVersion), the GPU's architecture (sm_XY) and its name, the key
-// inside it everything the heuristic was asked (LinearCuda's GemmPlanKey): transposes, types,
-// m/n/k, leading dimensions, the alignments promised, the epilogue and the workspace limit.
+// cuBLASLt algorithm choices and cuDNN execution plans kept across processes (base/plan_cache.h's
+// store), so that a job restarted or repeated on the same machine skips the heuristics and
+// cuDNN's kernel compilation: the scope of the file is the cuBLASLt and cuDNN versions
+// (cublasLtGetVersion, cudnnGetVersion), the GPU's architecture (sm_XY) and its name, the key
+// inside it everything the heuristic was asked (LinearCuda's GemmPlanKey: transposes, types,
+// m/n/k, leading dimensions, the alignments promised, the epilogue and the workspace limit; for
+// CausalAttentionCudnn its graph, shape, strides and determinism).
 //
 // A cached algorithm is not trusted: LinearCuda checks it with cublasLtMatmulAlgoCheck and the
 // same workspace and alignment rules a fresh choice must meet; one that fails is stale, dropped
@@ -40,9 +42,10 @@ struct GemmPlanKey {
   std::string to_string() const;
 };
 
-// "cublaslt-<cublasLtGetVersion()>/": how every scope made by this build begins. A plan file
-// whose scope begins otherwise was made by another cuBLASLt and is stale (the daemon's startup
-// check removes it). Reads the library's version only: touches no device.
+// "cublaslt-<cublasLtGetVersion()>/cudnn-<cudnnGetVersion()>/": how every scope made by this
+// build begins. A plan file whose scope begins otherwise was made by another cuBLASLt or cuDNN
+// and is stale (the daemon's startup check removes it). Reads the libraries' versions only:
+// touches no device.
 std::string cublaslt_scope_prefix();
 // Whether a plan file's scope was written by this build's cuBLASLt (else its plans are stale).
 bool is_current_cublaslt_scope(std::string_view scope);
@@ -74,6 +77,11 @@ class GemmPlanCache {
   // A plan was built (on a miss, or after a stale entry: `stale`); `what` names the GEMM and
   // its shape for the ledger.
   void record_build(const GemmPlanKey& key, std::string value, const std::string& what, bool stale);
+  // The same for plans keyed by their own text (CausalAttentionCudnn's cuDNN plans, whose key
+  // begins with the cuDNN version). An empty value is counted but not stored.
+  std::string find_text(const std::string& key) const;
+  void record_build_text(const std::string& key, std::string value, const std::string& what,
+                         bool stale);
 
  private:
   int device_ = 0;

@@ -9,6 +9,7 @@
 
 #include "kernels/cuda/adamw.h"
 #include "kernels/cuda/attention.h"
+#include "kernels/cuda/attention_cudnn.h"
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/embedding.h"
 #include "kernels/cuda/gated_mlp.h"
@@ -60,7 +61,10 @@ struct CudaModel::Impl {
     Param in_proj, in_bias, out_proj, out_bias;
     int q_heads = 0, kv_heads = 0, head_dim = 0, width = 0;
     std::unique_ptr<cuda::LinearCuda> in_linear, out_linear;
+    // One of the two, as CudaModelOptions::attention says. Every attention layer has the same
+    // shape: they share one cuDNN op, whose plans are built (and their kernels compiled) once.
     std::unique_ptr<cuda::CausalAttentionCuda> attention;
+    std::shared_ptr<cuda::CausalAttentionCudnn> attention_cudnn;
     uint16_t* qkv = nullptr;  // [rows, width], q and k rotated
     uint16_t* ctx = nullptr;  // [rows, q_heads·head_dim]
     float* lse = nullptr;     // [batch, q_heads, seqlen]
@@ -100,7 +104,9 @@ struct CudaModel::Impl {
   // Data parallel: the gradient ranges of each block (then one more bucket: embedding, final norm,
   // lm_head), averaged over the DP group on reduce_stream as soon as the backward is done with
   // them, while it goes on with the blocks below (forward_backward's last micro-batch).
-  bool recompute_in_proj = false;  // CudaModelMemory
+  bool recompute_in_proj = false;  // CudaModelOptions
+  AttentionEngine attention_engine = AttentionEngine::kCudnn;
+  bool deterministic = true;
   bool overlap_dp = true;
   bool overlap_now = false;  // this forward_backward averages its buckets as it goes
   bool dp_reduced = false;   // the gradients since zero_grad were averaged in the backward
@@ -236,7 +242,7 @@ struct CudaModel::Impl {
   // and the layers' own workspace bytes counted: all from (config, batch, seqlen, the rank's
   // geometry, memory), nothing touched on the device. The constructor allocates what this plans;
   // plan_memory reports it.
-  void plan_buffers(const CudaModelMemory& memory);
+  void plan_buffers(const CudaModelOptions& memory);
   // Allocates the planned arena, points the buffers into it and makes the ops.
   void allocate_and_build(cuda::GemmPlanCache* plan_cache);
   cuda::EmbeddingShape embedding_shape() const {
@@ -498,7 +504,7 @@ void CudaModel::Impl::gather_to_host(const float* local, float* global) const {
 CudaModel::CudaModel(const Model<float>& host, int batch, int seqlen,
                      const OptimizerConfig& optimizer, int device,
                      const CudaModelParallel& parallel, cuda::GemmPlanCache* plan_cache,
-                     const CudaModelMemory& memory)
+                     const CudaModelOptions& memory)
     : impl_(std::make_unique<Impl>()) {
   Impl& m = *impl_;
   if (batch <= 0 || seqlen <= 0) {
@@ -524,7 +530,7 @@ CudaModel::CudaModel(const Model<float>& host, int batch, int seqlen,
   m.allocate_and_build(plan_cache);
 }
 
-void CudaModel::Impl::plan_buffers(const CudaModelMemory& memory) {
+void CudaModel::Impl::plan_buffers(const CudaModelOptions& memory) {
   Impl& m = *this;
   const ModelConfig& c = m.config;
   const parallel::RankGeometry& geo = m.plan->geometry(m.par.tp_rank);
@@ -546,6 +552,8 @@ void CudaModel::Impl::plan_buffers(const CudaModelMemory& memory) {
   size_t scratch_a_size = row_count * dm, scratch_b_size = row_count * dm, scratch_c_size = 0,
          param_scratch_size = 0;
   m.recompute_in_proj = memory.recompute_in_proj;
+  m.attention_engine = memory.attention;
+  m.deterministic = memory.deterministic;
   size_t shared_proj_size = 0;  // recompute_in_proj: one in_proj output for every Mamba layer
   size_t workspace = 0, scan_backward = 0;
   const auto need_workspace = [&](size_t bytes) {
@@ -577,9 +585,11 @@ void CudaModel::Impl::plan_buffers(const CudaModelMemory& memory) {
       scratch_b_size = std::max(scratch_b_size, row_count * width);  // dqkv
       need_workspace(cuda::LinearCuda::workspace_bytes({m.rows, c.d_model, layer->width}));
       need_workspace(cuda::LinearCuda::workspace_bytes({m.rows, static_cast<int>(ctx), c.d_model}));
-      need_workspace(cuda::CausalAttentionCuda::workspace_bytes({m.batch, m.seqlen, layer->q_heads,
-                                                                 layer->kv_heads, layer->head_dim,
-                                                                 c.attn_softmax_scale()}));
+      const cuda::AttentionShape shape{m.batch,         m.seqlen,        layer->q_heads,
+                                       layer->kv_heads, layer->head_dim, c.attn_softmax_scale()};
+      need_workspace(m.attention_engine == AttentionEngine::kCudnn
+                         ? cuda::CausalAttentionCudnn::workspace_bytes(shape, m.deterministic)
+                         : cuda::CausalAttentionCuda::workspace_bytes(shape));
       b.attention = std::move(layer);
     } else {
       auto layer = std::make_unique<Impl::MambaLayer>();
@@ -726,6 +736,7 @@ void CudaModel::Impl::allocate_and_build(cuda::GemmPlanCache* plan_cache) {
   m.embedding_op = std::make_unique<cuda::EmbeddingCuda>(m.embedding_shape(), ws, wsb);
   m.norm_op = std::make_unique<cuda::ResidualRmsNormCuda>(m.norm_shape(), ws, wsb);
   m.lm_head_op = std::make_unique<cuda::LmHeadLossCuda>(m.lm_head_shape(), ws, wsb, plan_cache);
+  std::shared_ptr<cuda::CausalAttentionCudnn> shared_attention;
   for (Impl::Block& b : m.blocks) {
     if (b.attention) {
       Impl::AttentionLayer& l = *b.attention;
@@ -733,10 +744,18 @@ void CudaModel::Impl::allocate_and_build(cuda::GemmPlanCache* plan_cache) {
           cuda::LinearShape{m.rows, c.d_model, l.width}, ws, wsb, plan_cache);
       l.out_linear = std::make_unique<cuda::LinearCuda>(
           cuda::LinearShape{m.rows, l.q_heads * l.head_dim, c.d_model}, ws, wsb, plan_cache);
-      l.attention = std::make_unique<cuda::CausalAttentionCuda>(
-          cuda::AttentionShape{m.batch, m.seqlen, l.q_heads, l.kv_heads, l.head_dim,
-                               c.attn_softmax_scale()},
-          ws, wsb);
+      const cuda::AttentionShape shape{m.batch,    m.seqlen,   l.q_heads,
+                                       l.kv_heads, l.head_dim, c.attn_softmax_scale()};
+      if (m.attention_engine == AttentionEngine::kCudnn) {
+        if (!shared_attention) {
+          // q, k and v are views into the packed qkv rows.
+          shared_attention = std::make_shared<cuda::CausalAttentionCudnn>(
+              shape, l.width, l.width, m.deterministic, ws, wsb, m.device, plan_cache);
+        }
+        l.attention_cudnn = shared_attention;
+      } else {
+        l.attention = std::make_unique<cuda::CausalAttentionCuda>(shape, ws, wsb);
+      }
     }
     if (b.mamba) {
       Impl::MambaLayer& l = *b.mamba;
@@ -813,7 +832,7 @@ CudaMemoryPlan CudaModel::memory_plan() const {
 
 CudaMemoryPlan CudaModel::plan_memory(const ModelConfig& config, int batch, int seqlen,
                                       int tensor_parallel, int tp_rank,
-                                      const CudaModelMemory& memory) {
+                                      const CudaModelOptions& memory) {
   if (batch <= 0 || seqlen <= 0) {
     fail(ErrorKind::kInvalidArgument, "batch={} and seqlen={} must be positive", batch, seqlen);
   }
@@ -1031,8 +1050,13 @@ void CudaModel::Impl::attention_forward(AttentionLayer& l, const uint16_t* x) {
     m.lap("attention rotary forward");
   }
   const uint16_t* q = l.qkv;
-  l.attention->forward(q, q + l.q_heads * l.head_dim, q + (l.q_heads + l.kv_heads) * l.head_dim,
-                       l.width, l.width, l.ctx, l.lse, m.s());
+  const uint16_t* k = q + l.q_heads * l.head_dim;
+  const uint16_t* v = q + (l.q_heads + l.kv_heads) * l.head_dim;
+  if (l.attention_cudnn) {
+    l.attention_cudnn->forward(q, k, v, l.ctx, l.lse, m.s());
+  } else {
+    l.attention->forward(q, k, v, l.width, l.width, l.ctx, l.lse, m.s());
+  }
   m.lap("attention core forward");
   // Under tensor parallelism the bias is added once, by rank 0, into the sum of the ranks' parts.
   l.out_linear->forward(l.ctx, m.bf16(l.out_proj),
@@ -1149,8 +1173,13 @@ void CudaModel::Impl::attention_backward(AttentionLayer& l, const uint16_t* x) {
   m.lap("attention out_proj input gradient");
   const uint16_t* q = l.qkv;
   const int k_offset = l.q_heads * l.head_dim, v_offset = (l.q_heads + l.kv_heads) * l.head_dim;
-  l.attention->backward(q, q + k_offset, q + v_offset, l.width, l.width, l.ctx, dctx, l.lse, dqkv,
-                        dqkv + k_offset, dqkv + v_offset, m.s());
+  if (l.attention_cudnn) {
+    l.attention_cudnn->backward(q, q + k_offset, q + v_offset, l.ctx, dctx, l.lse, dqkv,
+                                dqkv + k_offset, dqkv + v_offset, m.s());
+  } else {
+    l.attention->backward(q, q + k_offset, q + v_offset, l.width, l.width, l.ctx, dctx, l.lse, dqkv,
+                          dqkv + k_offset, dqkv + v_offset, m.s());
+  }
   m.lap("attention core backward");
   if (c.attn.rotary_emb_dim > 0) {
     cuda::rotary_backward({m.batch, m.seqlen, l.width, 0, l.q_heads + l.kv_heads, l.head_dim,
@@ -1349,6 +1378,15 @@ std::vector<OpTime> CudaModel::op_times() const {
 std::vector<cuda::KernelAttributes> CudaModel::scan_kernel_attributes() const {
   for (const Impl::Block& b : impl_->blocks) {
     if (b.mamba) return cuda::kernel_attributes(b.mamba->scan->shape());
+  }
+  return {};
+}
+
+std::string CudaModel::attention_plans() const {
+  // Every layer's plans are built for the same shape: the first one speaks for all.
+  for (const Impl::Block& b : impl_->blocks) {
+    if (b.attention && b.attention->attention_cudnn)
+      return b.attention->attention_cudnn->describe();
   }
   return {};
 }

@@ -57,13 +57,26 @@ struct CudaModelParallel {
   parallel::CudaCommunicator* data_group = nullptr;    // null exactly when data_parallel == 1
 };
 
-// What the step keeps from the forward for its backward, and what it recomputes instead.
-struct CudaModelMemory {
+// Which attention kernels run (CudaModelOptions::attention).
+enum class AttentionEngine {
+  kCudnn,    // cuDNN's fused flash attention (kernels/cuda/attention_cudnn.h), the default
+  kMegacpp,  // our own flash-style kernels (kernels/cuda/attention.h)
+};
+
+// How the step runs where there is a choice: what it keeps from the forward for its backward and
+// what it recomputes instead, which attention kernels it uses and whether it is bitwise
+// reproducible.
+struct CudaModelOptions {
   // Each Mamba-3 layer's in_proj output ([rows, in_proj columns] bf16: 310 MB a layer at
   // bench-350m's micro-batch) is not kept: every layer's forward writes it to one shared buffer,
   // and the backward recomputes it there with the same GEMM on the same input (the same bits), at
   // the price of one more in_proj GEMM per Mamba layer. The recompute_in_proj feature gate.
   bool recompute_in_proj = false;
+  AttentionEngine attention = AttentionEngine::kCudnn;
+  // Two runs of a step give the same bits. Off, cuDNN's attention backward sums dQ in whatever
+  // order its engine likes: faster, and without the batch · heads · seqlen² bf16 workspace the
+  // deterministic one keeps dS in. Our own kernels are deterministic either way.
+  bool deterministic = true;
 };
 
 // The device memory a CudaModel takes: its one planned allocation and what its Mamba-3 layers'
@@ -99,7 +112,7 @@ class CudaModel {
   // (kernels/cuda/gemm_plan_cache.h); null: cuBLASLt's heuristic for each.
   CudaModel(const Model<float>& host, int batch, int seqlen, const OptimizerConfig& optimizer,
             int device = 0, const CudaModelParallel& parallel = {},
-            cuda::GemmPlanCache* plan_cache = nullptr, const CudaModelMemory& memory = {});
+            cuda::GemmPlanCache* plan_cache = nullptr, const CudaModelOptions& memory = {});
   ~CudaModel();
   CudaModel(const CudaModel&) = delete;
   CudaModel& operator=(const CudaModel&) = delete;
@@ -151,6 +164,9 @@ class CudaModel {
   // What the runtime says about each kernel the Mamba-3 scan launches at this model's shape
   // (registers, shared memory, occupancy); empty for a model without Mamba-3 layers.
   std::vector<cuda::KernelAttributes> scan_kernel_attributes() const;
+  // The attention layers' cuDNN plans (engines, workspace, whether from the plan cache); empty
+  // with our own kernels or without attention layers.
+  std::string attention_plans() const;
 
   int batch() const;
   int seqlen() const;
@@ -163,7 +179,7 @@ class CudaModel {
   // the constructor does for a shape or geometry the kernels or the shard plan refuse.
   static CudaMemoryPlan plan_memory(const ModelConfig& config, int batch, int seqlen,
                                     int tensor_parallel = 1, int tp_rank = 0,
-                                    const CudaModelMemory& memory = {});
+                                    const CudaModelOptions& memory = {});
   // Device memory this model holds now (the planned allocation, the scan's and preprocessing's
   // workspaces, the libraries' handles), measured as the drop in the device's free memory since
   // just before construction.

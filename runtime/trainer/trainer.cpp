@@ -174,7 +174,9 @@ TrainJob parse_train_job(const json& j, const std::string& source) {
                        "gpus",
                        "batch",
                        "plan_cache",
-                       "recompute_in_proj"},
+                       "recompute_in_proj",
+                       "attention",
+                       "deterministic"},
                       source);
   TrainJob job;
   if (!j.contains("model") || !j["model"].is_object()) {
@@ -352,6 +354,20 @@ TrainJob parse_train_job(const json& j, const std::string& source) {
          "{}: recompute_in_proj=true needs device=\"cuda\" (the CPU runtime keeps every "
          "activation)",
          source);
+  }
+  job.attention = read_field<std::string>(j, "attention", source, "cudnn");
+  if (job.attention != "cudnn" && job.attention != "megacpp") {
+    fail(ErrorKind::kInvalidArgument,
+         "{}: attention=\"{}\" must be \"cudnn\" (cuDNN's fused flash attention) or "
+         "\"megacpp\" (megacpp's own kernels)",
+         source, job.attention);
+  }
+  job.deterministic = read_field<bool>(j, "deterministic", source, true);
+  if (job.device != TrainDevice::kCuda && (j.contains("attention") || !job.deterministic)) {
+    fail(ErrorKind::kInvalidArgument,
+         "{}: {} needs device=\"cuda\" (the CPU runtime has one attention, and is "
+         "deterministic)",
+         source, j.contains("attention") ? "attention" : "deterministic=false");
   }
   job.device_count = static_cast<int>(top("device_count", 1, 1, L::kMaxDevices));
   job.tensor_parallel = static_cast<int>(top("tensor_parallel", 1, 1, L::kMaxDevices));
@@ -567,8 +583,12 @@ class CudaBackend final : public StepBackend {
     for (const std::string& problem : plan_cache_problems_) {
       spdlog::warn("plan cache: {} (the plans are rebuilt)", problem);
     }
-    model_ = std::make_unique<CudaModel>(host, rows_, job.seqlen, job.optimizer, gpu, par, plans_,
-                                         CudaModelMemory{job.recompute_in_proj});
+    model_ = std::make_unique<CudaModel>(
+        host, rows_, job.seqlen, job.optimizer, gpu, par, plans_,
+        CudaModelOptions{
+            job.recompute_in_proj,
+            job.attention == "megacpp" ? AttentionEngine::kMegacpp : AttentionEngine::kCudnn,
+            job.deterministic});
     try {
       // Now, not at the end: a job that fails later still leaves its plans for the next one.
       plans_->flush();
@@ -624,6 +644,14 @@ class CudaBackend final : public StepBackend {
       r.time_ms_median = t.median_ms;
       r.time_ms_max = t.max_ms;
       r.samples = static_cast<int>(t.calls);
+      out.push_back(std::move(r));
+    }
+    // cuDNN's attention engines: chosen by its heuristic (or loaded from the plan cache).
+    if (const std::string plans = model_->attention_plans(); !plans.empty()) {
+      KernelRecord r;
+      r.kernel = "cuDNN fused attention";
+      r.device = device_;
+      r.launch = {{"kind", "cudnn_plans"}, {"op", "attention core"}, {"plans", plans}};
       out.push_back(std::move(r));
     }
     // The scan's own kernels: what the runtime says about each at this shape.

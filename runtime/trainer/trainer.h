@@ -32,7 +32,8 @@ class GemmPlanCache;
 //  "seed": 1234, "max_seconds": 0, "scan": "chunked"|"recurrent", "threads": 0,
 //  "log": "runs/x/steps.jsonl", "device": "cpu"|"cuda", "gpu": 0,
 //  "device_count": 1, "tensor_parallel": 1, "gpus": [0, 1, ...],
-//  "plan_cache": "DIR", "recompile_budget": 0, "recompute_in_proj": false}
+//  "plan_cache": "DIR", "recompile_budget": 0, "recompute_in_proj": false,
+//  "attention": "cudnn"|"megacpp", "deterministic": true}
 // Where the steps run: the CPU runtime (float), or the CUDA backend (runtime/model/cuda_model.h,
 // mixed precision) on GPU ordinal `gpu`; or, with device_count > 1 (cuda only), one process per
 // GPU rank (world rank r on GPU gpus[r]), tensor_parallel ranks per model replica and
@@ -48,7 +49,11 @@ class GemmPlanCache;
 // first step are counted against recompile_budget: one more than it allows stops the job with
 // stop_reason "contract_violation" (its shapes are fixed, so a rebuild is a bug or a leak).
 // recompute_in_proj (cuda): the Mamba-3 layers' in_proj outputs are recomputed in the backward
-// rather than kept (runtime/model/cuda_model.h, CudaModelMemory; the feature gate of that name).
+// rather than kept (runtime/model/cuda_model.h, CudaModelOptions; the feature gate of that name).
+// attention (cuda): cuDNN's fused flash attention (the default) or megacpp's own kernels.
+// deterministic (cuda): two runs give the same bits (the default); false lets cuDNN's attention
+// backward sum in any order, faster and without its batch · heads · seqlen² workspace (the
+// nondeterministic_attention feature gate). Their plans are kept in plan_cache as well.
 //
 // The checkpoint's config must equal the job's model ({"model": {"config_file": "DIR/config.json"}}
 // takes it as is). A run that resumes from checkpoint.dir/latest ignores init: the resumed
@@ -97,6 +102,8 @@ struct TrainJob {
   std::filesystem::path plan_cache;  // cuda jobs' GEMM plan directory; empty: none
   int64_t recompile_budget = 0;      // plan builds allowed after the first step
   bool recompute_in_proj = false;    // cuda: less memory for one more GEMM per Mamba layer
+  std::string attention = "cudnn";   // cuda: "cudnn" or "megacpp" (CudaModelOptions::attention)
+  bool deterministic = true;         // cuda: false lets cuDNN's attention backward sum in any order
   int data_parallel() const { return device_count / tensor_parallel; }
   int gpu_of(int world_rank) const {
     return gpus.empty() ? gpu + world_rank : gpus[static_cast<size_t>(world_rank)];

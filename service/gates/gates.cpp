@@ -145,13 +145,23 @@ const GateRegistry& GateRegistry::builtin() {
       {"recompute_in_proj",
        "the Mamba-3 layers' in_proj outputs are recomputed in the backward (the same GEMM, the "
        "same bits) instead of kept from the forward: one shared buffer in place of one per "
-       "layer (CudaModelMemory). Measured (bench/RESULTS.md, H100, 2026-11-24): bench-350m, "
+       "layer (CudaModelOptions). Measured (bench/RESULTS.md, H100, 2026-11-24): bench-350m, "
        "micro-batch 4 x 8192, R=4 62.7 -> 57.8 GiB in use for 747.9 -> 756.0 ms a step "
        "(+1.1%), R=1 47.0 -> 42.5 GiB for 409.9 -> 419.0 ms (+2.2%): memory for time, so off "
        "unless requested",
        GateImplementation::kImplemented,
        {{"one shared in_proj output buffer", true},
         {"the in_proj GEMM recomputed before the preprocessing backward", true}},
+       {DeviceKind::kCuda}},
+      {"nondeterministic_attention",
+       "cuDNN's attention backward accumulates dQ in fp32 in whatever order its engine likes "
+       "instead of the deterministic engine, which keeps dS (batch x heads x seqlen^2 bf16) in its "
+       "workspace: two runs of the job no longer give the same bits. Measured (bench/RESULTS.md, "
+       "H100, 2026-11-24): at A-ref (batch 8, seqlen 8192, 16 heads of 64) forward+backward "
+       "12.04 -> 9.20 ms and 17.2 GB -> 0.3 GB of workspace. Off unless requested: deterministic "
+       "is the default",
+       GateImplementation::kImplemented,
+       {{"cuDNN's fp32-accumulated dQ graph", true}, {"the job's deterministic=false", true}},
        {DeviceKind::kCuda}},
       {"fused_out_norm",
        "fuses each mixer's residual add with the next RMSNorm: one pass over the residual stream",

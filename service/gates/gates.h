@@ -55,7 +55,7 @@ struct GateDecision {
 class GateRegistry {
  public:
   // The gates this build knows: psiv_cache, tma, cuda_graphs, recompute_in_proj,
-  // fused_out_norm.
+  // nondeterministic_attention, fused_out_norm.
   static const GateRegistry& builtin();
 
   // Throws Error(kInternal) for an inconsistent registry: an empty or badly spelled name, a name

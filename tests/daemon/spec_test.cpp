@@ -253,6 +253,29 @@ TEST_F(SpecTest, ACudaJobIsMeasuredByTheCudaModelsPlanWithItsGates) {
       << message;
   bench.add_feature_gates("recompute_in_proj");
   EXPECT_NO_THROW(validate(bench, MemoryBudget{0, between}, 1));
+
+  // The deterministic attention backward's dS workspace: a GPU between the needs with and
+  // without it takes the job only with the nondeterministic_attention gate, which the train job
+  // then carries as deterministic=false.
+  const uint64_t summed_in_any_order =
+      CudaModel::plan_memory(config, 4, 8192, 1, 0, {true, AttentionEngine::kCudnn, false}).total();
+  ASSERT_LT(summed_in_any_order, lean);
+  const uint64_t below_ds = kGiB * 2 + (lean + summed_in_any_order) / 2;
+  message.clear();
+  try {
+    validate(bench, MemoryBudget{0, below_ds}, 1);
+    ADD_FAILURE() << "bench-350m was accepted on a GPU it needs nondeterministic attention on";
+  } catch (const Error& e) {
+    message = e.what();
+  }
+  EXPECT_NE(message.find("or ask for the nondeterministic_attention feature gate"),
+            std::string::npos)
+      << message;
+  EXPECT_EQ(validate(bench, MemoryBudget{0, between}, 1).train_job.value("deterministic", true),
+            true);
+  bench.add_feature_gates("nondeterministic_attention");
+  const daemon::ValidatedJob fast = validate(bench, MemoryBudget{0, below_ds}, 1);
+  EXPECT_EQ(fast.train_job.value("deterministic", true), false);
 #else
   GTEST_SKIP() << "GPU test: this build has no CUDA (MEGACPP_CUDA=OFF)";
 #endif

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <limits>
 #include <memory>
 #include <random>
@@ -18,12 +19,14 @@
 
 #include "kernels/cpu/attention.h"
 #include "kernels/cuda/attention.h"
+#include "kernels/cuda/attention_cudnn.h"
 
 namespace {
 
 namespace oracle = megacpp::testing::oracle;
 using megacpp::cuda::AttentionShape;
 using megacpp::cuda::CausalAttentionCuda;
+using megacpp::cuda::CausalAttentionCudnn;
 using oracle::DType;
 using oracle::Role;
 
@@ -226,6 +229,91 @@ struct Attention {
   }
 };
 
+// The same function through cuDNN's fused attention (kernels/cuda/attention_cudnn.h), on the
+// cases it takes: rows 16-byte aligned (no odd pad), more than one token, and with a cuDNN before
+// 9.16 seqlen a multiple of 128. Two variants: deterministic (two runs give the same bits) and
+// cuDNN's fp32-accumulated dQ (checked against the oracle only).
+struct AttentionCudnn : Attention {
+  static constexpr const char* kName = "CausalAttentionCudnn";
+
+  static std::vector<Case> cases() {
+    const bool any_length = megacpp::cuda::cudnn_runtime_version() >= 91600;
+    std::vector<Case> out;
+    for (Case c : Attention::cases()) {
+      if (c.layout.pad != 0 || c.shape.seqlen < 2) continue;
+      if (!any_length && c.shape.seqlen % 128 != 0) continue;
+      c.variants = {Variant{"deterministic", -1, false}, Variant{"nondeterministic", -1, true}};
+      out.push_back(c);
+    }
+    return out;
+  }
+
+  static oracle::Gpu gpu(const Case& c, const Variant& variant, oracle::DeviceTensors& t) {
+    const AttentionShape s = c.shape;
+    const bool packed = c.layout.packed;
+    const bool deterministic = !variant.nondeterministic;
+    const auto workspace = std::make_shared<oracle::DeviceBuffer>(
+        CausalAttentionCudnn::workspace_bytes(s, deterministic));
+    const Views<uint16_t> in =
+        views<uint16_t>(c, packed ? t.bf16("qkv") : nullptr, packed ? nullptr : t.bf16("q"),
+                        packed ? nullptr : t.bf16("k"), packed ? nullptr : t.bf16("v"));
+    const Views<uint16_t> grad =
+        views<uint16_t>(c, packed ? t.bf16("dqkv") : nullptr, packed ? nullptr : t.bf16("dq"),
+                        packed ? nullptr : t.bf16("dk"), packed ? nullptr : t.bf16("dv"));
+    int device = 0;
+    MEGACPP_CUDA_CHECK(cudaGetDevice(&device));
+    const auto op = std::make_shared<CausalAttentionCudnn>(
+        s, in.q_stride, in.kv_stride, deterministic, workspace->get(), workspace->bytes(), device);
+    std::printf("[ %s ] %s\n", c.name.c_str(), op->describe().c_str());
+    uint16_t* out = t.bf16("out");
+    const uint16_t* dout = t.bf16("dout");
+    float* lse = t.f32("lse");
+    oracle::Gpu g;
+    g.passes.push_back({"forward", [=] {
+                          op->forward(in.q, in.k, in.v, out, lse);
+                        }});
+    g.passes.push_back({"backward", [=] {
+                          (void)workspace;  // alive as long as the op
+                          op->backward(in.q, in.k, in.v, out, dout, lse, grad.q, grad.k, grad.v);
+                        }});
+    return g;
+  }
+};
+
+// Validation runs before any CUDA or cuDNN call: no device needed, only a CUDA build.
+TEST(CausalAttentionCudnnShapes, RefusesShapesStridesAndWorkspacesItCannotTake) {
+  const AttentionShape good{2, 256, 4, 2, 64, 0.125};
+  const auto kind = megacpp::ErrorKind::kInvalidArgument;
+  const auto refused = [&](AttentionShape s, int q_stride, int kv_stride, size_t bytes,
+                           const std::string& needle) {
+    char byte = 0;
+    oracle::expect_error(
+        [&] { CausalAttentionCudnn op(s, q_stride, kv_stride, true, &byte, bytes, 0); }, kind,
+        needle, "ctor: " + needle);
+  };
+  const size_t enough = CausalAttentionCudnn::workspace_bytes(good, true);
+  AttentionShape s = good;
+  s.head_dim = 12;
+  refused(s, 48, 24, enough, "head_dim must be a multiple of 8 in [8, 256]");
+  s.head_dim = 264;
+  refused(s, 4 * 264, 2 * 264, enough, "head_dim must be a multiple of 8 in [8, 256]");
+  s = good;
+  s.kv_heads = 3;
+  refused(s, 256, 192, enough, "kv_heads (3) must divide q_heads (4)");
+  s = good;
+  s.batch = 0;
+  refused(s, 256, 128, enough, "batch must be positive");
+  s = good;
+  s.softmax_scale = 0;
+  refused(s, 256, 128, enough, "softmax_scale must be positive");
+  refused(good, 255, 128, enough, "q_stride must be at least q_heads·head_dim (256)");
+  refused(good, 260, 128, enough, "a multiple of 8 elements");
+  refused(good, 256, 129, enough, "kv_stride must be at least kv_heads·head_dim (128)");
+  refused(good, 256, 128, enough - 1, "workspace_bytes(shape, deterministic)");
+  EXPECT_LT(CausalAttentionCudnn::workspace_bytes(good, false), enough)
+      << "the nondeterministic backward keeps no dS in cuDNN's workspace";
+}
+
 // Validation runs before any CUDA call: no device needed, only a CUDA build.
 TEST(CausalAttentionCudaShapes, RefusesShapesItDoesNotCover) {
   const AttentionShape good{2, 16, 4, 2, 64, 0.125};
@@ -308,6 +396,7 @@ TEST(CausalAttentionCudaShapes, RefusesShortStridesNullsAndAShortWorkspace) {
 }  // namespace
 
 MEGACPP_ORACLE_ENTRY(Attention);
+MEGACPP_ORACLE_ENTRY(AttentionCudnn);
 
 #else
 

@@ -1,7 +1,8 @@
-// The cuBLASLt plan cache (kernels/cuda/gemm_plan_cache.h) through LinearCuda: a cold cache
-// builds every GEMM's plan and writes it; a warm one (a fresh process's view of the same file)
-// builds none and gives the same bits; a record tampered on disk is found (corrupt: its CRC; stale:
-// cuBLASLt's check) and rebuilt, counted.
+// The plan cache (kernels/cuda/gemm_plan_cache.h) through LinearCuda and CausalAttentionCudnn: a
+// cold cache builds every GEMM's plan (and cuDNN's attention plans) and writes it; a warm one (a
+// fresh process's view of the same file) builds none and gives the same bits; a record tampered
+// on disk is found (corrupt: its CRC; stale: cuBLASLt's check, or cuDNN refusing the plan) and
+// rebuilt, counted.
 #include <gtest/gtest.h>
 
 #ifdef MEGACPP_HAVE_CUDA
@@ -12,9 +13,11 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "base/plan_cache.h"
+#include "kernels/cuda/attention_cudnn.h"
 #include "kernels/cuda/gemm_plan_cache.h"
 #include "kernels/cuda/linear.h"
 #include "tests/support/gpu.h"
@@ -200,6 +203,71 @@ TEST_F(GemmPlanCacheTest, ARecordWhoseWorkspaceDisagreesIsStaleAndRebuilt) {
   run_linear(&again);
   EXPECT_EQ(again.ledger().builds, 0u);
   EXPECT_EQ(again.ledger().stale, 0u);
+}
+
+// One forward and backward of cuDNN's attention with plans from `cache`: every output as bytes,
+// and what the op says of its plans.
+std::pair<std::string, std::string> run_attention(GemmPlanCache* cache) {
+  const cuda::AttentionShape shape{1, 256, 4, 2, 64, 0.125};
+  const size_t q = 256 * 4 * 64, kv = 256 * 2 * 64;
+  DeviceBuffer workspace(cuda::CausalAttentionCudnn::workspace_bytes(shape, true));
+  DeviceBuffer dq(q * 2), dk(kv * 2), dv(kv * 2), out(q * 2), dout(q * 2), lse(256 * 4 * 4);
+  DeviceBuffer qb(q * 2), kb(kv * 2), vb(kv * 2);
+  qb.upload(random_bf16(q, 4).data());
+  kb.upload(random_bf16(kv, 5).data());
+  vb.upload(random_bf16(kv, 6).data());
+  dout.upload(random_bf16(q, 7).data());
+  const cuda::CausalAttentionCudnn op(shape, 256, 128, true, workspace.as<void>(),
+                                      cuda::CausalAttentionCudnn::workspace_bytes(shape, true), 0,
+                                      cache);
+  op.forward(qb.as<uint16_t>(), kb.as<uint16_t>(), vb.as<uint16_t>(), out.as<uint16_t>(),
+             lse.as<float>());
+  op.backward(qb.as<uint16_t>(), kb.as<uint16_t>(), vb.as<uint16_t>(), out.as<uint16_t>(),
+              dout.as<uint16_t>(), lse.as<float>(), dq.as<uint16_t>(), dk.as<uint16_t>(),
+              dv.as<uint16_t>());
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  return {out.download() + lse.download() + dq.download() + dk.download() + dv.download(),
+          op.describe()};
+}
+
+TEST_F(GemmPlanCacheTest, CudnnAttentionPlansAreStoredLoadedWithTheSameBitsAndRebuiltWhenStale) {
+  std::filesystem::path file;
+  std::string scope, cold_bits;
+  {
+    GemmPlanCache cold(dir_.path(), 0);
+    EXPECT_NE(cold.scope().find("/cudnn-"), std::string::npos) << cold.scope();
+    const auto [bits, plans] = run_attention(&cold);
+    cold_bits = bits;
+    EXPECT_EQ(plans.find("from the cache"), std::string::npos) << plans;
+    EXPECT_EQ(cold.ledger().builds, 2u);  // forward and backward
+    EXPECT_NE(cold.ledger().last_build.find("backward plan (cuDNN engine"), std::string::npos)
+        << cold.ledger().last_build;
+    cold.flush();
+    file = cold.file();
+    scope = cold.scope();
+  }
+  {
+    GemmPlanCache warm(dir_.path(), 0);
+    const auto [bits, plans] = run_attention(&warm);
+    EXPECT_EQ(warm.ledger().builds, 0u);
+    EXPECT_EQ(warm.ledger().hits, 2u);
+    EXPECT_NE(plans.find("(plan from the cache)"), std::string::npos) << plans;
+    EXPECT_EQ(bits, cold_bits) << "a loaded plan must run what the heuristic chose";
+  }
+  // A record whose CRC holds but which cuDNN no longer takes (as after a library change under
+  // the same version string): stale, rebuilt and counted.
+  PlanCacheContent content = parse_plan_cache(file, testing::read_bytes(file));
+  ASSERT_EQ(content.records.size(), 2u);
+  for (auto& [key, value] : content.records) {
+    EXPECT_NE(key.find("cudnn-"), std::string::npos) << key;
+    value = "{\"not\": \"a cuDNN plan\"}";
+  }
+  testing::write_text(file, serialize_plan_cache(scope, content.records));
+  GemmPlanCache stale(dir_.path(), 0);
+  const auto [bits, plans] = run_attention(&stale);
+  EXPECT_EQ(stale.ledger().stale, 2u);
+  EXPECT_EQ(stale.ledger().builds, 2u);
+  EXPECT_EQ(bits, cold_bits);
 }
 
 }  // namespace

@@ -276,7 +276,7 @@ bool bitwise_equal(const std::vector<float>& a, const std::vector<float>& b) {
 // from the config alone.
 std::vector<StepResult> tensor_parallel_step(Model<float>& host, const ParallelCase& c, int world,
                                              const std::vector<int32_t>& tokens,
-                                             const CudaModelMemory& memory) {
+                                             const CudaModelOptions& memory) {
   std::vector<StepResult> ranks(static_cast<size_t>(world));
   run_ranks(world, world, [&](int rank, const CudaModelParallel& p) {
     CudaModel gpu(host, c.batch, c.seqlen, OptimizerConfig{}, rank, p, nullptr, memory);

@@ -163,6 +163,18 @@ TEST_F(TrainerTest, JobValidationNamesTheField) {
        "recompute_in_proj=true needs device=\"cuda\""},
       {[](json& j) { j["recompute_in_proj"] = 1; },
        "field recompute_in_proj = 1 has the wrong type"},
+      {[](json& j) {
+         j["device"] = "cuda";
+         j["attention"] = "flash";
+       },
+       "attention=\"flash\" must be \"cudnn\""},
+      {[](json& j) { j["attention"] = "megacpp"; }, "attention needs device=\"cuda\""},
+      {[](json& j) { j["deterministic"] = false; }, "deterministic=false needs device=\"cuda\""},
+      {[](json& j) {
+         j["device"] = "cuda";
+         j["deterministic"] = "yes";
+       },
+       "field deterministic = \"yes\" has the wrong type"},
   };
   for (const auto& c : cases) {
     json j = job("x");

@@ -71,21 +71,23 @@ TEST(DeviceKind, RoundTripsAndRefusesUnknown) {
   EXPECT_TRUE(contains(message, "\"cuda\""));
 }
 
-TEST(Builtin, RegistersTheFourScaffoldsAndTheOneImplementedGate) {
+TEST(Builtin, RegistersTheFourScaffoldsAndTheTwoImplementedGates) {
   const GateRegistry& registry = GateRegistry::builtin();
   std::vector<std::string> names;
   for (const GateInfo& gate : registry.gates()) {
     names.push_back(gate.name);
-    EXPECT_EQ(gate.implementation, gate.name == "recompute_in_proj"
-                                       ? GateImplementation::kImplemented
-                                       : GateImplementation::kScaffold)
+    EXPECT_EQ(gate.implementation,
+              gate.name == "recompute_in_proj" || gate.name == "nondeterministic_attention"
+                  ? GateImplementation::kImplemented
+                  : GateImplementation::kScaffold)
         << gate.name;
     EXPECT_FALSE(gate.description.empty()) << gate.name;
     EXPECT_FALSE(gate.stages.empty()) << gate.name;
     EXPECT_FALSE(gate.supported_devices.empty()) << gate.name;
   }
-  EXPECT_EQ(names, (std::vector<std::string>{"psiv_cache", "tma", "cuda_graphs",
-                                             "recompute_in_proj", "fused_out_norm"}));
+  EXPECT_EQ(names,
+            (std::vector<std::string>{"psiv_cache", "tma", "cuda_graphs", "recompute_in_proj",
+                                      "nondeterministic_attention", "fused_out_norm"}));
   const GateInfo* psiv = registry.find("psiv_cache");
   ASSERT_NE(psiv, nullptr);
   ASSERT_EQ(psiv->stages.size(), 3u);
@@ -100,11 +102,13 @@ TEST(Builtin, RegistersTheFourScaffoldsAndTheOneImplementedGate) {
 TEST(Builtin, NothingRequestedIsAllOff) {
   for (DeviceKind device : {DeviceKind::kCpu, DeviceKind::kCuda}) {
     const auto decisions = GateRegistry::builtin().decide({}, device);
-    ASSERT_EQ(decisions.size(), 5u);
+    ASSERT_EQ(decisions.size(), 6u);
     for (const GateDecision& d : decisions) {
       EXPECT_EQ(d.decision, Decision::kOff) << d.gate;
-      EXPECT_EQ(d.implementation, d.gate == "recompute_in_proj" ? GateImplementation::kImplemented
-                                                                : GateImplementation::kScaffold);
+      const bool implemented =
+          d.gate == "recompute_in_proj" || d.gate == "nondeterministic_attention";
+      EXPECT_EQ(d.implementation,
+                implemented ? GateImplementation::kImplemented : GateImplementation::kScaffold);
       EXPECT_FALSE(d.stages.empty());
     }
     EXPECT_FALSE(any_refused(decisions));
@@ -113,7 +117,7 @@ TEST(Builtin, NothingRequestedIsAllOff) {
 
 TEST(Builtin, RequestedScaffoldIsRefusedNamingItsStagesAndDevice) {
   const auto decisions = GateRegistry::builtin().decide({"psiv_cache"}, DeviceKind::kCuda);
-  ASSERT_EQ(decisions.size(), 5u);
+  ASSERT_EQ(decisions.size(), 6u);
   EXPECT_TRUE(any_refused(decisions));
   const GateDecision& psiv = decision_for(decisions, "psiv_cache");
   EXPECT_EQ(psiv.decision, Decision::kRefused);
@@ -125,7 +129,8 @@ TEST(Builtin, RequestedScaffoldIsRefusedNamingItsStagesAndDevice) {
   ASSERT_EQ(psiv.stages.size(), 3u);
   EXPECT_TRUE(psiv.stages[0].done);
   EXPECT_FALSE(psiv.stages[2].done);
-  for (const char* other : {"tma", "cuda_graphs", "recompute_in_proj", "fused_out_norm"}) {
+  for (const char* other : {"tma", "cuda_graphs", "recompute_in_proj", "nondeterministic_attention",
+                            "fused_out_norm"}) {
     EXPECT_EQ(decision_for(decisions, other).decision, Decision::kOff) << other;
   }
 }
@@ -157,17 +162,18 @@ TEST(Builtin, EveryScaffoldIsRefusedOnEveryDevice) {
   }
 }
 
-TEST(Builtin, RecomputeInProjIsOnForCudaJobsAndRefusedForCpuJobs) {
-  const GateDecision cuda =
-      decision_for(GateRegistry::builtin().decide({"recompute_in_proj"}, DeviceKind::kCuda),
-                   "recompute_in_proj");
-  EXPECT_EQ(cuda.decision, Decision::kOn);
-  EXPECT_TRUE(contains(cuda.reason, "implemented for cuda")) << cuda.reason;
-  const GateDecision cpu = decision_for(
-      GateRegistry::builtin().decide({"recompute_in_proj"}, DeviceKind::kCpu), "recompute_in_proj");
-  EXPECT_EQ(cpu.decision, Decision::kRefused);
-  EXPECT_TRUE(contains(cpu.reason, "not supported on device kind cpu")) << cpu.reason;
-  EXPECT_FALSE(contains(cpu.reason, "scaffold")) << cpu.reason;
+TEST(Builtin, TheImplementedGatesAreOnForCudaJobsAndRefusedForCpuJobs) {
+  for (const char* gate : {"recompute_in_proj", "nondeterministic_attention"}) {
+    const GateDecision cuda =
+        decision_for(GateRegistry::builtin().decide({gate}, DeviceKind::kCuda), gate);
+    EXPECT_EQ(cuda.decision, Decision::kOn) << gate;
+    EXPECT_TRUE(contains(cuda.reason, "implemented for cuda")) << cuda.reason;
+    const GateDecision cpu =
+        decision_for(GateRegistry::builtin().decide({gate}, DeviceKind::kCpu), gate);
+    EXPECT_EQ(cpu.decision, Decision::kRefused) << gate;
+    EXPECT_TRUE(contains(cpu.reason, "not supported on device kind cpu")) << cpu.reason;
+    EXPECT_FALSE(contains(cpu.reason, "scaffold")) << cpu.reason;
+  }
 }
 
 TEST(Builtin, CudaOnlyScaffoldOnCpuNamesBothReasons) {
@@ -187,8 +193,8 @@ TEST(Decide, UnknownGateIsInvalidArgumentListingKnownGates) {
                 &message),
             ErrorKind::kInvalidArgument);
   EXPECT_TRUE(contains(message, "warp_speed"));
-  for (const char* known :
-       {"psiv_cache", "tma", "cuda_graphs", "recompute_in_proj", "fused_out_norm"}) {
+  for (const char* known : {"psiv_cache", "tma", "cuda_graphs", "recompute_in_proj",
+                            "nondeterministic_attention", "fused_out_norm"}) {
     EXPECT_TRUE(contains(message, known));
   }
 }
