@@ -64,7 +64,7 @@ struct Options {
   int data_parallel = 1;
   bool overlap = true;  // CudaModel::set_overlapped_gradient_reduction
   bool recompute_in_proj = false;
-  std::string attention = "cudnn";
+  megacpp::AttentionEngine attention = megacpp::AttentionEngine::kCudnn;
   bool deterministic = true;
   std::string json;
 };
@@ -96,11 +96,7 @@ Options parse(int argc, char** argv) {
     } else if (a == "--recompute-in-proj") {
       o.recompute_in_proj = true;
     } else if (a == "--attention") {
-      o.attention = value();
-      if (o.attention != "cudnn" && o.attention != "megacpp") {
-        megacpp::fail(megacpp::ErrorKind::kInvalidArgument,
-                      "--attention {} must be cudnn or megacpp", o.attention);
-      }
+      o.attention = megacpp::parse_attention_engine(value(), "--attention");
     } else if (a == "--nondeterministic") {
       o.deterministic = false;
     } else if (a == "--no-overlap") {
@@ -110,6 +106,11 @@ Options parse(int argc, char** argv) {
     } else {
       megacpp::fail(megacpp::ErrorKind::kInvalidArgument, "unknown argument {}", a);
     }
+  }
+  if (o.attention == megacpp::AttentionEngine::kMegacpp && !o.deterministic) {
+    megacpp::fail(megacpp::ErrorKind::kInvalidArgument,
+                  "--nondeterministic changes nothing with --attention megacpp (our own kernels "
+                  "are deterministic)");
   }
   return o;
 }
@@ -186,12 +187,10 @@ RankResult run_rank(const Options& o, const megacpp::Model<float>& host,
   };
   r.phases.emplace_back("host setup (model, init, moments, tokens)",
                         std::chrono::duration<double>(mark - start).count());
-  CudaModel model(
-      host, rows, o.seqlen, optimizer, device, parallel, nullptr,
-      megacpp::CudaModelOptions{o.recompute_in_proj,
-                                o.attention == "megacpp" ? megacpp::AttentionEngine::kMegacpp
-                                                         : megacpp::AttentionEngine::kCudnn,
-                                o.deterministic});
+  CudaModel model(host, rows, o.seqlen, optimizer, device, parallel, nullptr,
+                  megacpp::CudaModelOptions{.recompute_in_proj = o.recompute_in_proj,
+                                            .attention = o.attention,
+                                            .deterministic = o.deterministic});
   phase("CudaModel construction (context, arena, plans)");
   model.upload(host.parameters(), &moments);
   model.set_step_graph(o.cuda_graphs);
@@ -305,7 +304,7 @@ int run(const Options& o) {
       // CudaModel overlaps it only without tensor parallelism beside it.
       {"overlapped_gradient_reduction", o.overlap && o.data_parallel > 1 && o.tensor_parallel == 1},
       {"recompute_in_proj", o.recompute_in_proj},
-      {"attention", o.attention},
+      {"attention", megacpp::to_string(o.attention)},
       {"deterministic", o.deterministic},
       {"parameters", host.parameters().total()},
       {"first_loss", first_loss},
@@ -327,8 +326,8 @@ int run(const Options& o) {
       "%.1f GiB in use (%.1f planned), first step after %.1f s\n",
       o.preset.c_str(), o.rank, config.ssm.chunk_size, o.batch, o.seqlen,
       o.cuda_graphs ? " (step graph)" : "", o.recompute_in_proj ? " (in_proj recomputed)" : "",
-      o.attention.c_str(), o.deterministic ? "" : " (nondeterministic)", o.tensor_parallel,
-      o.data_parallel,
+      megacpp::to_string(o.attention), o.deterministic ? "" : " (nondeterministic)",
+      o.tensor_parallel, o.data_parallel,
       o.data_parallel > 1
           ? (o.overlap && o.tensor_parallel == 1 ? " overlapped" : " not overlapped")
           : "",

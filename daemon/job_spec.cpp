@@ -150,7 +150,8 @@ void check_memory(const megacpp::v1::JobSpec& spec, const ModelConfig& model,
 
 #ifdef MEGACPP_HAVE_CUDA
 // Beside what CudaModel::plan_memory plans, each rank's process holds its CUDA context (about
-// half a GiB on an H100), cuBLASLt's handle and, with several GPUs, NCCL's buffers.
+// half a GiB on an H100), cuBLASLt's and cuDNN's handles, the kernels cuDNN loads for its attention
+// plans and, with several GPUs, NCCL's buffers.
 constexpr uint64_t kDeviceOverheadBytes = uint64_t{2} << 30;
 
 // Refuses a cuda job whose ranks would not fit a GPU of `gpu_bytes` (0: unknown, not checked):
@@ -169,7 +170,7 @@ void check_device_memory(const megacpp::v1::JobSpec& spec, const ModelConfig& mo
       for (int rank = 0; rank < tp; ++rank) {
         const CudaMemoryPlan plan = CudaModel::plan_memory(
             model, micro_batch, spec.seqlen(), tp, rank,
-            CudaModelOptions{recompute, AttentionEngine::kCudnn, reproducible});
+            CudaModelOptions{.recompute_in_proj = recompute, .deterministic = reproducible});
         most = std::max(most, plan.total());
       }
     } catch (const Error& e) {

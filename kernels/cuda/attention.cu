@@ -644,31 +644,11 @@ Kernels kernels_of(int head_dim) {
 }
 
 void validate(const AttentionShape& s) {
-  const auto positive = [](int value, const char* field) {
-    if (value <= 0) {
-      refuse(ErrorKind::kInvalidArgument,
-             "CausalAttentionCuda: AttentionShape.{}={} must be positive", field, value);
-    }
-  };
-  positive(s.batch, "batch");
-  positive(s.seqlen, "seqlen");
-  positive(s.q_heads, "q_heads");
-  positive(s.kv_heads, "kv_heads");
-  positive(s.head_dim, "head_dim");
-  if (s.q_heads % s.kv_heads != 0) {
-    refuse(ErrorKind::kInvalidArgument,
-           "CausalAttentionCuda: AttentionShape.q_heads={} must be a multiple of kv_heads={}",
-           s.q_heads, s.kv_heads);
-  }
+  validate_attention_shape(s, "CausalAttentionCuda");
   if (!supported_head_dim(s.head_dim)) {
     refuse(ErrorKind::kInvalidArgument,
            "CausalAttentionCuda: AttentionShape.head_dim={} must be a multiple of 16 in [{}, {}]",
            s.head_dim, kMinHeadDim, kMaxHeadDim);
-  }
-  if (!(s.softmax_scale > 0.0) || !std::isfinite(s.softmax_scale)) {
-    refuse(ErrorKind::kInvalidArgument,
-           "CausalAttentionCuda: AttentionShape.softmax_scale={} must be positive and finite",
-           s.softmax_scale);
   }
   // Grid dimensions y and z take at most 65535.
   if (s.batch > 65535 || s.q_heads > 65535) {
@@ -690,6 +670,29 @@ bool aligned16(const void* pointer) {
 }
 
 }  // namespace
+
+void validate_attention_shape(const AttentionShape& s, const char* op) {
+  const auto positive = [&](int value, const char* field) {
+    if (value <= 0) {
+      refuse(ErrorKind::kInvalidArgument, "{}: AttentionShape.{}={} must be positive", op, field,
+             value);
+    }
+  };
+  positive(s.batch, "batch");
+  positive(s.seqlen, "seqlen");
+  positive(s.q_heads, "q_heads");
+  positive(s.kv_heads, "kv_heads");
+  positive(s.head_dim, "head_dim");
+  if (s.q_heads % s.kv_heads != 0) {
+    refuse(ErrorKind::kInvalidArgument,
+           "{}: AttentionShape.q_heads={} must be a multiple of kv_heads={}", op, s.q_heads,
+           s.kv_heads);
+  }
+  if (!(s.softmax_scale > 0.0) || !std::isfinite(s.softmax_scale)) {
+    refuse(ErrorKind::kInvalidArgument,
+           "{}: AttentionShape.softmax_scale={} must be positive and finite", op, s.softmax_scale);
+  }
+}
 
 size_t CausalAttentionCuda::workspace_bytes(const AttentionShape& shape) {
   validate(shape);

@@ -45,6 +45,11 @@ struct AttentionShape {
   double softmax_scale = 0.0;  // the spec's default is 1 / sqrt(head_dim)
 };
 
+// The rules every attention op of this backend holds a shape to: positive sizes, kv_heads
+// dividing q_heads, a positive finite softmax_scale. Throws Error(kInvalidArgument) naming `op`,
+// the field and its value. Each op adds its own (the head_dims it has kernels for).
+void validate_attention_shape(const AttentionShape& shape, const char* op);
+
 class CausalAttentionCuda {
  public:
   // Device memory backward() needs: D = rowsum(dout ⊙ out), fp32 [batch, q_heads, seqlen].

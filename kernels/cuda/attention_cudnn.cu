@@ -9,6 +9,7 @@
 #include <array>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <mutex>
 #include <sstream>
 #include <utility>
@@ -42,8 +43,11 @@ std::string last_cudnn_error() {
 
 void check(cudnnStatus_t status, const char* what) {
   if (status == CUDNN_STATUS_SUCCESS) return;
-  const ErrorKind kind =
-      status == CUDNN_STATUS_NOT_SUPPORTED ? ErrorKind::kFailedPrecondition : ErrorKind::kInternal;
+  // cuDNN 9 reports sub-codes (3001 ..., "not supported: this shape", "...: this architecture"):
+  // their category says what a user can do about it.
+  const ErrorKind kind = CUDNN_STATUS_CATEGORY(status) == CUDNN_STATUS_NOT_SUPPORTED
+                             ? ErrorKind::kFailedPrecondition
+                             : ErrorKind::kInternal;
   refuse(kind, "CausalAttentionCudnn: cuDNN {} failed: {} ({})", what, cudnnGetErrorString(status),
          last_cudnn_error());
 }
@@ -96,7 +100,7 @@ enum Uid : int64_t {
   kDQ,
   kDK,
   kDV,
-  kRowSum,
+  kRowDot,
   kDQAccum,
   kScale,
   kMaskValue,
@@ -294,12 +298,11 @@ void build_backward(Graph& g, const Geometry& x, bool deterministic) {
   cudnnBackendDescriptor_t d_k = g.tensor(kDK, CUDNN_DATA_BFLOAT16, x.kv_dims(), x.kv_strides());
   cudnnBackendDescriptor_t d_v = g.tensor(kDV, CUDNN_DATA_BFLOAT16, x.kv_dims(), x.kv_strides());
   cudnnBackendDescriptor_t row_dot =
-      g.tensor(kRowSum, CUDNN_DATA_FLOAT, x.row_dims(), x.row_strides());
+      g.tensor(kRowDot, CUDNN_DATA_FLOAT, x.row_dims(), x.row_strides());
   cudnnBackendDescriptor_t scale = g.scalar(kScale);
   cudnnBackendDescriptor_t mask_value = g.scalar(kMaskValue);
   cudnnBackendDescriptor_t one = g.scalar(kOne);
   const Dims sd = x.score_dims(), ss = x.score_strides(), rd = x.row_dims(), rs = x.row_strides();
-  const bool grouped = x.hq != x.hkv;
 
   // rowsum(dO ⊙ O), the softmax backward's dot term.
   cudnnBackendDescriptor_t products = g.temp(CUDNN_DATA_FLOAT, x.q_dims(), x.full_head_strides());
@@ -319,18 +322,24 @@ void build_backward(Graph& g, const Geometry& x, bool deterministic) {
   cudnnBackendDescriptor_t probabilities = g.temp(CUDNN_DATA_FLOAT, sd, ss);
   g.pointwise(CUDNN_POINTWISE_EXP, masked, probabilities);
 
-  // dV = Pᵀ·dO, summed over a group's q heads with GQA.
+  // A kv-head gradient a·b: with GQA computed per q head and summed over each group.
+  const auto kv_gradient = [&](cudnnBackendDescriptor_t a, cudnnBackendDescriptor_t b,
+                               cudnnBackendDescriptor_t gradient) {
+    if (x.hq == x.hkv) {
+      g.matmul(a, b, gradient);
+      return;
+    }
+    cudnnBackendDescriptor_t per_q_head =
+        g.temp(CUDNN_DATA_BFLOAT16, x.q_dims(), x.full_head_strides());
+    g.matmul(a, b, per_q_head);
+    g.reduction(CUDNN_REDUCE_TENSOR_ADD, per_q_head, gradient);
+  };
+
+  // dV = Pᵀ·dO.
   cudnnBackendDescriptor_t p_t =
       g.temp(CUDNN_DATA_BFLOAT16, x.score_transposed_dims(), x.score_transposed_strides());
   g.reshape(probabilities, p_t);
-  if (grouped) {
-    cudnnBackendDescriptor_t d_v_heads =
-        g.temp(CUDNN_DATA_BFLOAT16, x.q_dims(), x.full_head_strides());
-    g.matmul(p_t, d_o, d_v_heads);
-    g.reduction(CUDNN_REDUCE_TENSOR_ADD, d_v_heads, d_v);
-  } else {
-    g.matmul(p_t, d_o, d_v);
-  }
+  kv_gradient(p_t, d_o, d_v);
 
   // dS = P ⊙ (dO·Vᵀ − rowsum) · scale.
   cudnnBackendDescriptor_t d_p = g.temp(CUDNN_DATA_FLOAT, sd, ss);
@@ -346,14 +355,7 @@ void build_backward(Graph& g, const Geometry& x, bool deterministic) {
   cudnnBackendDescriptor_t d_s_t =
       g.temp(CUDNN_DATA_BFLOAT16, x.score_transposed_dims(), x.score_transposed_strides());
   g.reshape(d_s, d_s_t);
-  if (grouped) {
-    cudnnBackendDescriptor_t d_k_heads =
-        g.temp(CUDNN_DATA_BFLOAT16, x.q_dims(), x.full_head_strides());
-    g.matmul(d_s_t, q, d_k_heads);
-    g.reduction(CUDNN_REDUCE_TENSOR_ADD, d_k_heads, d_k);
-  } else {
-    g.matmul(d_s_t, q, d_k);
-  }
+  kv_gradient(d_s_t, q, d_k);
 
   // dQ = dS·K: K is the Kᵀ operand viewed back in its own order.
   cudnnBackendDescriptor_t k = g.temp(CUDNN_DATA_FLOAT, x.kv_dims(), x.kv_strides());
@@ -428,29 +430,27 @@ std::string plan_json(cudnnBackendDescriptor_t plan) {
 }
 
 // One cuDNN handle per device for the life of the process: creating one costs milliseconds and
-// device memory, and every attention op of a model runs on the same stream anyway.
-cudnnHandle_t handle_for(int device) {
+// device memory, and every attention op of a model runs on the same stream anyway. A handle may
+// not be used by two threads at once (building plans, executing): its mutex is held for both.
+struct DeviceHandle {
+  cudnnHandle_t handle = nullptr;
+  std::mutex mutex;
+};
+
+DeviceHandle& handle_for(int device) {
   static std::mutex mutex;
-  static std::vector<cudnnHandle_t> handles;
+  static std::map<int, DeviceHandle> handles;  // nodes stay put: references outlive the lock
   const std::lock_guard<std::mutex> lock(mutex);
-  if (static_cast<size_t>(device) >= handles.size()) {
-    handles.resize(static_cast<size_t>(device) + 1, nullptr);
-  }
-  cudnnHandle_t& h = handles[static_cast<size_t>(device)];
-  if (h == nullptr) {
+  DeviceHandle& h = handles[device];
+  if (h.handle == nullptr) {
     int previous = 0;
     MEGACPP_CUDA_CHECK(cudaGetDevice(&previous));
     MEGACPP_CUDA_CHECK(cudaSetDevice(device));
-    const cudnnStatus_t status = cudnnCreate(&h);
+    const cudnnStatus_t status = cudnnCreate(&h.handle);
     MEGACPP_CUDA_CHECK(cudaSetDevice(previous));
     check(status, "handle creation (cudnnCreate)");
   }
   return h;
-}
-
-std::mutex& execute_mutex() {
-  static std::mutex mutex;
-  return mutex;
 }
 
 }  // namespace
@@ -467,7 +467,7 @@ struct CausalAttentionCudnn::Plans {
     bool cached = false;
   };
   int device = 0;
-  cudnnHandle_t handle = nullptr;
+  DeviceHandle* handle = nullptr;
   Plan forward, backward;
   float scale = 0, mask_value = 0, one = 1;
   char* workspace = nullptr;  // the op's: [row dots][dQ accumulator][cuDNN's]
@@ -490,7 +490,8 @@ size_t accumulator_bytes(const AttentionShape& s, bool deterministic) {
 }
 // What cuDNN 9.19's engines asked for on an H100 (bench/RESULTS.md), as a bound: with GQA an
 // fp32 [batch, q heads, seqlen, head_dim] buffer (the per-head gradients before the group sum),
-// and in the deterministic backward dS (bf16, rows padded to 128 and columns to 64).
+// and in the deterministic backward dS (bf16; cuDNN pads rows to 128 and columns to 64, this
+// bound pads both to 128).
 size_t cudnn_allowance(const AttentionShape& s, bool deterministic) {
   size_t bytes = kCudnnWorkspaceSlack;
   bytes += static_cast<size_t>(s.batch) * s.q_heads * s.seqlen * s.head_dim * sizeof(float);
@@ -502,30 +503,33 @@ size_t cudnn_allowance(const AttentionShape& s, bool deterministic) {
 }
 
 void validate(const AttentionShape& s, const char* who) {
-  const auto positive = [&](int value, const char* field) {
-    if (value <= 0) {
-      refuse(ErrorKind::kInvalidArgument, "{}: AttentionShape.{} must be positive, got {}", who,
-             field, value);
-    }
-  };
-  positive(s.batch, "batch");
-  positive(s.seqlen, "seqlen");
-  positive(s.q_heads, "q_heads");
-  positive(s.kv_heads, "kv_heads");
-  positive(s.head_dim, "head_dim");
-  if (s.q_heads % s.kv_heads != 0) {
-    refuse(ErrorKind::kInvalidArgument, "{}: AttentionShape.kv_heads ({}) must divide q_heads ({})",
-           who, s.kv_heads, s.q_heads);
-  }
+  validate_attention_shape(s, who);
   if (s.head_dim % 8 != 0 || s.head_dim > 256) {
     refuse(ErrorKind::kInvalidArgument,
-           "{}: AttentionShape.head_dim must be a multiple of 8 in [8, 256] (cuDNN's fused "
-           "attention), got {}",
+           "{}: AttentionShape.head_dim={} must be a multiple of 8 in [8, 256] (cuDNN's fused "
+           "attention)",
            who, s.head_dim);
   }
-  if (!(s.softmax_scale > 0)) {
-    refuse(ErrorKind::kInvalidArgument, "{}: AttentionShape.softmax_scale must be positive, got {}",
-           who, s.softmax_scale);
+  if (s.seqlen < 2) {
+    refuse(ErrorKind::kInvalidArgument,
+           "{}: AttentionShape.seqlen={} must be at least 2 (cuDNN's attention backward refuses a "
+           "single token)",
+           who, s.seqlen);
+  }
+  // What the cuDNN loaded can run: checked here, before any device is touched, so that a job's
+  // submit-time memory plan refuses what its executor would.
+  const int version = cudnn_runtime_version();
+  if (version < 90000 || (version >= 91000 && version < 91002)) {
+    refuse(ErrorKind::kFailedPrecondition,
+           "{}: the cuDNN loaded is version {}; fused attention needs 9.0 or newer and not "
+           "9.10.0 or 9.10.1 (their bf16 attention is refused by NVIDIA)",
+           who, version);
+  }
+  if (version < 91600 && s.seqlen % 128 != 0) {
+    refuse(ErrorKind::kInvalidArgument,
+           "{}: with the cuDNN loaded ({}), the attention backward needs AttentionShape.seqlen a "
+           "multiple of 128 (got {}); cuDNN 9.16 or newer takes any length above 1",
+           who, version, s.seqlen);
   }
 }
 
@@ -566,8 +570,8 @@ std::unique_ptr<Desc> load_plan(cudnnHandle_t handle, const std::string& json) {
 // Heuristic mode A's engine configurations in order; the first that finalises within the
 // allowance (and, when asked, is deterministic) is the plan. `rejected` says why the others
 // were passed over.
-std::unique_ptr<Desc> build_plan(const Desc& graph, bool deterministic, size_t allowance,
-                                 std::string& rejected) {
+std::unique_ptr<Desc> build_plan(cudnnHandle_t handle, const Desc& graph, bool deterministic,
+                                 size_t allowance, std::string& rejected) {
   Desc heuristics(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR);
   const cudnnBackendHeurMode_t mode = CUDNN_HEUR_MODE_A;
   heuristics.set(CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, graph.get())
@@ -596,7 +600,10 @@ std::unique_ptr<Desc> build_plan(const Desc& graph, bool deterministic, size_t a
       continue;
     }
     auto plan = std::make_unique<Desc>(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR);
-    plan->set(CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, raw[static_cast<size_t>(i)]);
+    // The handle is deprecated on a plan in recent headers (the graph's is used), but 9.x
+    // releases before them expect it.
+    plan->set(CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, raw[static_cast<size_t>(i)])
+        .set(CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, handle);
     const cudnnStatus_t status = cudnnBackendFinalize(plan->get());
     if (status != CUDNN_STATUS_SUCCESS) {
       why << "; #" << i << " did not finalise (" << cudnnGetErrorString(status) << ": "
@@ -642,30 +649,20 @@ CausalAttentionCudnn::CausalAttentionCudnn(const AttentionShape& shape, int q_st
            "memory, got {} bytes at {}",
            who, needed, bytes, workspace);
   }
+  if (reinterpret_cast<uintptr_t>(workspace) % kAlign != 0) {
+    refuse(ErrorKind::kInvalidArgument, "{}: the workspace must be {}-byte aligned, got {}", who,
+           kAlign, workspace);
+  }
+  if (device < 0) {
+    refuse(ErrorKind::kInvalidArgument, "{}: device must be a CUDA ordinal, got {}", who, device);
+  }
   const int version = cudnn_runtime_version();
-  if (version < 90000 || (version >= 91000 && version < 91002)) {
-    refuse(ErrorKind::kFailedPrecondition,
-           "{}: the cuDNN loaded is version {}; fused attention needs 9.0 or newer and not "
-           "9.10.0 or 9.10.1 (their bf16 attention is refused by NVIDIA)",
-           who, version);
-  }
-  if (version < 91600 && (shape.seqlen % 128 != 0 || shape.seqlen == 1)) {
-    refuse(ErrorKind::kFailedPrecondition,
-           "{}: with the cuDNN loaded ({}), the attention backward needs AttentionShape.seqlen a "
-           "multiple of 128 (got {}); cuDNN 9.16 or newer takes any length above 1",
-           who, version, shape.seqlen);
-  }
-  if (shape.seqlen == 1) {
-    refuse(ErrorKind::kInvalidArgument,
-           "{}: AttentionShape.seqlen must be at least 2 (cuDNN's attention backward refuses a "
-           "single token)",
-           who);
-  }
 
   plans_ = std::make_unique<Plans>();
   Plans& p = *plans_;
   p.device = device;
-  p.handle = handle_for(device);
+  p.handle = &handle_for(device);
+  const std::lock_guard<std::mutex> lock(p.handle->mutex);
   p.scale = static_cast<float>(shape.softmax_scale);
   p.mask_value = version >= 91000 ? -std::numeric_limits<float>::infinity()
                                   : std::numeric_limits<float>::lowest();
@@ -686,7 +683,7 @@ CausalAttentionCudnn::CausalAttentionCudnn(const AttentionShape& shape, int q_st
     if (cache != nullptr) {
       const std::string stored = cache->find_text(key);
       if (!stored.empty()) {
-        out.plan = load_plan(p.handle, stored);
+        out.plan = load_plan(p.handle->handle, stored);
         if (out.plan != nullptr &&
             static_cast<size_t>(plan_workspace(out.plan->get())) <= p.cudnn_workspace_bytes) {
           out.workspace = plan_workspace(out.plan->get());
@@ -700,15 +697,17 @@ CausalAttentionCudnn::CausalAttentionCudnn(const AttentionShape& shape, int q_st
     }
     Graph graph;
     build(graph);
-    const Desc op_graph = graph.finalize(p.handle);
+    const Desc op_graph = graph.finalize(p.handle->handle);
     std::string rejected;
-    out.plan = build_plan(op_graph, deterministic, p.cudnn_workspace_bytes, rejected);
+    out.plan =
+        build_plan(p.handle->handle, op_graph, deterministic, p.cudnn_workspace_bytes, rejected);
     if (out.plan == nullptr) {
       refuse(ErrorKind::kFailedPrecondition,
              "{}: cuDNN {} has no {} {} attention engine for batch {}, seqlen {}, {} q / {} kv "
              "heads of {} within {} bytes of workspace: {}",
-             who, version, deterministic ? "deterministic" : "", pass, shape.batch, shape.seqlen,
-             shape.q_heads, shape.kv_heads, shape.head_dim, p.cudnn_workspace_bytes, rejected);
+             who, version, deterministic ? "deterministic" : "nondeterministic", pass, shape.batch,
+             shape.seqlen, shape.q_heads, shape.kv_heads, shape.head_dim, p.cudnn_workspace_bytes,
+             rejected);
     }
     out.workspace = plan_workspace(out.plan->get());
     out.engine = engine_index(out.plan->get());
@@ -749,7 +748,7 @@ void require_aligned(const void* pointer, const char* name) {
   }
 }
 
-void execute(cudnnHandle_t handle, const Desc& plan, const std::vector<int64_t>& uids,
+void execute(DeviceHandle& handle, const Desc& plan, const std::vector<int64_t>& uids,
              const std::vector<void*>& pointers, void* workspace, void* stream, const char* what) {
   Desc pack(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR);
   pack.set(CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64, static_cast<int64_t>(uids.size()),
@@ -758,9 +757,9 @@ void execute(cudnnHandle_t handle, const Desc& plan, const std::vector<int64_t>&
            static_cast<int64_t>(pointers.size()), pointers.data())
       .set(CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, workspace)
       .finalize("variant pack");
-  const std::lock_guard<std::mutex> lock(execute_mutex());
-  check(cudnnSetStream(handle, static_cast<cudaStream_t>(stream)), "cudnnSetStream");
-  check(cudnnBackendExecute(handle, plan.get(), pack.get()), what);
+  const std::lock_guard<std::mutex> lock(handle.mutex);
+  check(cudnnSetStream(handle.handle, static_cast<cudaStream_t>(stream)), "cudnnSetStream");
+  check(cudnnBackendExecute(handle.handle, plan.get(), pack.get()), what);
 }
 
 }  // namespace
@@ -773,7 +772,7 @@ void CausalAttentionCudnn::forward(const uint16_t* q, const uint16_t* k, const u
   require_aligned(out, "out");
   require_aligned(lse, "lse");
   Plans& p = *plans_;
-  execute(p.handle, *p.forward.plan, {kQ, kK, kV, kO, kStats, kScale, kMaskValue},
+  execute(*p.handle, *p.forward.plan, {kQ, kK, kV, kO, kStats, kScale, kMaskValue},
           {const_cast<uint16_t*>(q), const_cast<uint16_t*>(k), const_cast<uint16_t*>(v), out, lse,
            &p.scale, &p.mask_value},
           p.cudnn_workspace, stream, "attention forward");
@@ -793,7 +792,7 @@ void CausalAttentionCudnn::backward(const uint16_t* q, const uint16_t* k, const 
   require_aligned(dv, "dv");
   Plans& p = *plans_;
   std::vector<int64_t> uids{kQ,  kK,  kV,      kO,     kDO,        kStats, kDQ,
-                            kDK, kDV, kRowSum, kScale, kMaskValue, kOne};
+                            kDK, kDV, kRowDot, kScale, kMaskValue, kOne};
   std::vector<void*> pointers{const_cast<uint16_t*>(q),
                               const_cast<uint16_t*>(k),
                               const_cast<uint16_t*>(v),
@@ -816,7 +815,7 @@ void CausalAttentionCudnn::backward(const uint16_t* q, const uint16_t* k, const 
                                          static_cast<cudaStream_t>(stream)));
     }
   }
-  execute(p.handle, *p.backward.plan, uids, pointers, p.cudnn_workspace, stream,
+  execute(*p.handle, *p.backward.plan, uids, pointers, p.cudnn_workspace, stream,
           "attention backward");
 }
 

@@ -46,12 +46,14 @@ class CausalAttentionCudnn {
   static size_t workspace_bytes(const AttentionShape& shape, bool deterministic);
 
   // Validates the shape and strides (kInvalidArgument naming the field: head_dim a multiple of
-  // 8 in [8, 256], strides multiples of 8 elements so every row is 16-byte aligned), checks the
-  // cuDNN loaded (kFailedPrecondition: 9.0 or newer, not 9.10.0/9.10.1 whose bf16 attention is
-  // broken; before 9.16 a backward needs seqlen a multiple of 128 and > 1) and builds the plans
-  // on `device` (kFailedPrecondition when cuDNN has no engine for them within the workspace).
-  // `workspace`: workspace_bytes(shape, deterministic) bytes of device memory, the op's while it
-  // lives. `plans` may be null (plans are then built every time and not counted).
+  // 8 in [8, 256], seqlen at least 2 and, with a cuDNN before 9.16, a multiple of 128; strides
+  // multiples of 8 elements so every row is 16-byte aligned), checks the cuDNN loaded
+  // (kFailedPrecondition: 9.0 or newer, not 9.10.0/9.10.1, whose bf16 attention NVIDIA refuses;
+  // workspace_bytes() checks the same) and builds the plans on `device` (kFailedPrecondition
+  // when cuDNN has no engine for them within the workspace). `workspace`: workspace_bytes(shape,
+  // deterministic) bytes of device memory, 256-byte aligned, used as scratch during each call
+  // only (nothing in it outlives a call, so it may be shared with other ops on the same stream).
+  // `plans` may be null (plans are then built every time and not counted).
   CausalAttentionCudnn(const AttentionShape& shape, int q_stride, int kv_stride, bool deterministic,
                        void* workspace, size_t bytes, int device, GemmPlanCache* plans = nullptr);
   ~CausalAttentionCudnn();

@@ -22,15 +22,15 @@ std::string GemmPlanKey::to_string() const {
   return out.str();
 }
 
-std::string cublaslt_scope_prefix() {
+std::string plan_scope_prefix() {
   std::ostringstream prefix;
   // cuDNN's version too: the file also holds CausalAttentionCudnn's plans.
   prefix << "cublaslt-" << cublasLtGetVersion() << "/cudnn-" << cudnnGetVersion() << "/";
   return prefix.str();
 }
 
-bool is_current_cublaslt_scope(std::string_view scope) {
-  const std::string prefix = cublaslt_scope_prefix();
+bool is_current_plan_scope(std::string_view scope) {
+  const std::string prefix = plan_scope_prefix();
   return scope.substr(0, prefix.size()) == prefix;  // device code is C++17: no starts_with
 }
 
@@ -40,7 +40,7 @@ GemmPlanCache::GemmPlanCache(const std::filesystem::path& dir, int device) : dev
   std::ostringstream scope;
   // The library that chose the algorithms and the GPU they were chosen for: a plan from any
   // other pair is never read.
-  scope << cublaslt_scope_prefix() << "sm_" << props.major << props.minor << "/" << props.name;
+  scope << plan_scope_prefix() << "sm_" << props.major << props.minor << "/" << props.name;
   scope_ = scope.str();
   if (!dir.empty()) store_ = std::make_unique<PlanCache>(dir, scope_);
 }

@@ -7,9 +7,10 @@
 // m/n/k, leading dimensions, the alignments promised, the epilogue and the workspace limit; for
 // CausalAttentionCudnn its graph, shape, strides and determinism).
 //
-// A cached algorithm is not trusted: LinearCuda checks it with cublasLtMatmulAlgoCheck and the
-// same workspace and alignment rules a fresh choice must meet; one that fails is stale, dropped
-// and rebuilt (counted). Every build is counted in the ledger the trainer holds to its recompile
+// A cached plan is not trusted: LinearCuda checks an algorithm with cublasLtMatmulAlgoCheck and
+// the same workspace and alignment rules a fresh choice must meet, CausalAttentionCudnn has cuDNN
+// finalise a plan's JSON again and checks its workspace; one that fails is stale, dropped and
+// rebuilt (counted). Every build is counted in the ledger the trainer holds to its recompile
 // budget.
 //
 // Plain C++ (no CUDA types), so host code compiled by the C++ compiler can include it. Thread
@@ -46,13 +47,14 @@ struct GemmPlanKey {
 // build begins. A plan file whose scope begins otherwise was made by another cuBLASLt or cuDNN
 // and is stale (the daemon's startup check removes it). Reads the libraries' versions only:
 // touches no device.
-std::string cublaslt_scope_prefix();
-// Whether a plan file's scope was written by this build's cuBLASLt (else its plans are stale).
-bool is_current_cublaslt_scope(std::string_view scope);
+std::string plan_scope_prefix();
+// Whether a plan file's scope was written by this build's cuBLASLt and cuDNN (else its plans are
+// stale).
+bool is_current_plan_scope(std::string_view scope);
 
 class GemmPlanCache {
  public:
-  // The cache of `device` (its cuBLASLt version, architecture and name make the scope), kept in
+  // The cache of `device` (the libraries' versions, its architecture and name make the scope), in
   // `dir`; an empty dir keeps plans in memory only (the ledger still counts). Problems found in
   // the file are in problems(); they are repaired at the next flush().
   GemmPlanCache(const std::filesystem::path& dir, int device);

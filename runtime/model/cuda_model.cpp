@@ -101,12 +101,13 @@ struct CudaModel::Impl {
     int64_t offset = 0, count = 0;
   };
   std::vector<Range> tp_summed;
+  // CudaModelOptions: how the step runs.
+  bool recompute_in_proj = false;
+  AttentionEngine attention_engine = AttentionEngine::kCudnn;
+  bool deterministic = true;
   // Data parallel: the gradient ranges of each block (then one more bucket: embedding, final norm,
   // lm_head), averaged over the DP group on reduce_stream as soon as the backward is done with
   // them, while it goes on with the blocks below (forward_backward's last micro-batch).
-  bool recompute_in_proj = false;  // CudaModelOptions
-  AttentionEngine attention_engine = AttentionEngine::kCudnn;
-  bool deterministic = true;
   bool overlap_dp = true;
   bool overlap_now = false;  // this forward_backward averages its buckets as it goes
   bool dp_reduced = false;   // the gradients since zero_grad were averaged in the backward
@@ -242,7 +243,7 @@ struct CudaModel::Impl {
   // and the layers' own workspace bytes counted: all from (config, batch, seqlen, the rank's
   // geometry, memory), nothing touched on the device. The constructor allocates what this plans;
   // plan_memory reports it.
-  void plan_buffers(const CudaModelOptions& memory);
+  void plan_buffers(const CudaModelOptions& options);
   // Allocates the planned arena, points the buffers into it and makes the ops.
   void allocate_and_build(cuda::GemmPlanCache* plan_cache);
   cuda::EmbeddingShape embedding_shape() const {
@@ -263,6 +264,7 @@ struct CudaModel::Impl {
   void make_tp_stream();
   void start_input_gradient_sum();
   void finish_input_gradient_sum();
+  bool input_gradient_sum_pending = false;  // started, not yet finished
   void dp_average_loss();
   // Every TP rank's shards of the device buffer `local` (this rank's layout) into the host's
   // global layout: a collective over the TP group.
@@ -431,6 +433,12 @@ void CudaModel::Impl::make_tp_stream() {
 
 void CudaModel::Impl::start_input_gradient_sum() {
   if (!sharded()) return;
+  if (input_gradient_sum_pending) {
+    fail(ErrorKind::kInternal,
+         "a sublayer backward started a second input-gradient all-reduce before the first was "
+         "finished");
+  }
+  input_gradient_sum_pending = true;
   MEGACPP_CUDA_CHECK(cudaEventRecord(input_gradient_ready, stream));
   MEGACPP_CUDA_CHECK(cudaStreamWaitEvent(tp_stream, input_gradient_ready, 0));
   par.tensor_group->all_reduce(dnormed, static_cast<int64_t>(rows) * config.d_model,
@@ -441,6 +449,14 @@ void CudaModel::Impl::start_input_gradient_sum() {
 
 void CudaModel::Impl::finish_input_gradient_sum() {
   if (!sharded()) return;
+  // Waiting on an event no all-reduce recorded would let the norm backward read dnormed before
+  // the other ranks' parts are in it: wrong gradients, silently.
+  if (!input_gradient_sum_pending) {
+    fail(ErrorKind::kInternal,
+         "a sublayer backward returned without starting its input-gradient all-reduce "
+         "(start_input_gradient_sum)");
+  }
+  input_gradient_sum_pending = false;
   MEGACPP_CUDA_CHECK(cudaStreamWaitEvent(stream, input_gradient_summed, 0));
   lap("tensor-parallel all-reduce backward (not hidden)");
 }
@@ -504,7 +520,7 @@ void CudaModel::Impl::gather_to_host(const float* local, float* global) const {
 CudaModel::CudaModel(const Model<float>& host, int batch, int seqlen,
                      const OptimizerConfig& optimizer, int device,
                      const CudaModelParallel& parallel, cuda::GemmPlanCache* plan_cache,
-                     const CudaModelOptions& memory)
+                     const CudaModelOptions& options)
     : impl_(std::make_unique<Impl>()) {
   Impl& m = *impl_;
   if (batch <= 0 || seqlen <= 0) {
@@ -526,11 +542,11 @@ CudaModel::CudaModel(const Model<float>& host, int batch, int seqlen,
   m.plan_parallel(parallel);
   if (m.par.data_group != nullptr) m.plan_gradient_buckets();
   if (m.sharded()) m.make_tp_stream();
-  m.plan_buffers(memory);
+  m.plan_buffers(options);
   m.allocate_and_build(plan_cache);
 }
 
-void CudaModel::Impl::plan_buffers(const CudaModelOptions& memory) {
+void CudaModel::Impl::plan_buffers(const CudaModelOptions& options) {
   Impl& m = *this;
   const ModelConfig& c = m.config;
   const parallel::RankGeometry& geo = m.plan->geometry(m.par.tp_rank);
@@ -551,9 +567,9 @@ void CudaModel::Impl::plan_buffers(const CudaModelOptions& memory) {
   // Sizes of the shared backward scratch: the largest need of any sublayer.
   size_t scratch_a_size = row_count * dm, scratch_b_size = row_count * dm, scratch_c_size = 0,
          param_scratch_size = 0;
-  m.recompute_in_proj = memory.recompute_in_proj;
-  m.attention_engine = memory.attention;
-  m.deterministic = memory.deterministic;
+  m.recompute_in_proj = options.recompute_in_proj;
+  m.attention_engine = options.attention;
+  m.deterministic = options.deterministic;
   size_t shared_proj_size = 0;  // recompute_in_proj: one in_proj output for every Mamba layer
   size_t workspace = 0, scan_backward = 0;
   const auto need_workspace = [&](size_t bytes) {
@@ -611,7 +627,7 @@ void CudaModel::Impl::plan_buffers(const CudaModelOptions& memory) {
       const ops::Mamba3PreprocessShape& s = layer->shape;
       const size_t cols = static_cast<size_t>(s.columns());
       const size_t di = static_cast<size_t>(s.d_inner());
-      if (memory.recompute_in_proj) {
+      if (options.recompute_in_proj) {
         shared_proj_size =
             std::max(shared_proj_size, row_count * cols);  // pointed at after allocate()
       } else {
@@ -752,6 +768,15 @@ void CudaModel::Impl::allocate_and_build(cuda::GemmPlanCache* plan_cache) {
           shared_attention = std::make_shared<cuda::CausalAttentionCudnn>(
               shape, l.width, l.width, m.deterministic, ws, wsb, m.device, plan_cache);
         }
+        const cuda::AttentionShape& built = shared_attention->shape();
+        if (built.q_heads != shape.q_heads || built.kv_heads != shape.kv_heads ||
+            built.head_dim != shape.head_dim) {
+          fail(ErrorKind::kInternal,
+               "CudaModel: attention layers of different shapes ({}/{} heads of {} and {}/{} of "
+               "{}) cannot share one cuDNN op",
+               built.q_heads, built.kv_heads, built.head_dim, shape.q_heads, shape.kv_heads,
+               shape.head_dim);
+        }
         l.attention_cudnn = shared_attention;
       } else {
         l.attention = std::make_unique<cuda::CausalAttentionCuda>(shape, ws, wsb);
@@ -832,7 +857,7 @@ CudaMemoryPlan CudaModel::memory_plan() const {
 
 CudaMemoryPlan CudaModel::plan_memory(const ModelConfig& config, int batch, int seqlen,
                                       int tensor_parallel, int tp_rank,
-                                      const CudaModelOptions& memory) {
+                                      const CudaModelOptions& options) {
   if (batch <= 0 || seqlen <= 0) {
     fail(ErrorKind::kInvalidArgument, "batch={} and seqlen={} must be positive", batch, seqlen);
   }
@@ -857,7 +882,7 @@ CudaMemoryPlan CudaModel::plan_memory(const ModelConfig& config, int batch, int 
   parallel.tensor_parallel = tensor_parallel;
   parallel.tp_rank = tp_rank;
   m.plan_parallel(parallel, true);
-  m.plan_buffers(memory);
+  m.plan_buffers(options);
   return {m.arena.bytes(), m.layer_workspace_bytes};
 }
 

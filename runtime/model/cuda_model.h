@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "kernels/cuda/mamba3_scan.h"
+#include "runtime/model/attention_engine.h"
 #include "runtime/model/model.h"
 #include "runtime/optimizer/adamw.h"
 
@@ -55,12 +56,6 @@ struct CudaModelParallel {
   int tp_rank = 0;
   parallel::CudaCommunicator* tensor_group = nullptr;  // null exactly when tensor_parallel == 1
   parallel::CudaCommunicator* data_group = nullptr;    // null exactly when data_parallel == 1
-};
-
-// Which attention kernels run (CudaModelOptions::attention).
-enum class AttentionEngine {
-  kCudnn,    // cuDNN's fused flash attention (kernels/cuda/attention_cudnn.h), the default
-  kMegacpp,  // our own flash-style kernels (kernels/cuda/attention.h)
 };
 
 // How the step runs where there is a choice: what it keeps from the forward for its backward and
@@ -105,14 +100,14 @@ class CudaModel {
   // Plans and allocates the device memory for micro-batches of [batch, seqlen] tokens of
   // `host`'s model on CUDA device `device`. Throws megacpp::Error: kInvalidArgument for a shape
   // a kernel does not cover or a parallel geometry the model cannot split (naming it),
-  // kFailedPrecondition when the device lacks memory. With tensor or data parallelism the
-  // constructor and every method below are collective: each rank of the groups calls them in
-  // the same order (the forward and backward all-reduce inside).
-  // plan_cache: the GEMM algorithms of every linear are looked up and stored there
-  // (kernels/cuda/gemm_plan_cache.h); null: cuBLASLt's heuristic for each.
+  // kFailedPrecondition when the device lacks memory or cuDNN cannot run its attention. With tensor
+  // or data parallelism the constructor and every method below are collective: each rank of the
+  // groups calls them in the same order (the forward and backward all-reduce inside). plan_cache:
+  // the GEMM algorithms of every linear and the cuDNN attention plans are looked up and stored
+  // there (kernels/cuda/gemm_plan_cache.h); null: each built afresh, uncounted.
   CudaModel(const Model<float>& host, int batch, int seqlen, const OptimizerConfig& optimizer,
             int device = 0, const CudaModelParallel& parallel = {},
-            cuda::GemmPlanCache* plan_cache = nullptr, const CudaModelOptions& memory = {});
+            cuda::GemmPlanCache* plan_cache = nullptr, const CudaModelOptions& options = {});
   ~CudaModel();
   CudaModel(const CudaModel&) = delete;
   CudaModel& operator=(const CudaModel&) = delete;
@@ -173,13 +168,13 @@ class CudaModel {
   // The one planned allocation (arena) and what the layers' scans and preprocessings allocated for
   // themselves (as each reports it).
   CudaMemoryPlan memory_plan() const;
-  // What the constructor would allocate for this config, shape and TP rank (`memory` as the
+  // What the constructor would allocate for this config, shape and TP rank (`options` as the
   // constructor's), planned by the same code without the host model's values and without
   // touching the device's memory: what megacppd checks a cuda job against at submit. Throws as
   // the constructor does for a shape or geometry the kernels or the shard plan refuse.
   static CudaMemoryPlan plan_memory(const ModelConfig& config, int batch, int seqlen,
                                     int tensor_parallel = 1, int tp_rank = 0,
-                                    const CudaModelOptions& memory = {});
+                                    const CudaModelOptions& options = {});
   // Device memory this model holds now (the planned allocation, the scan's and preprocessing's
   // workspaces, the libraries' handles), measured as the drop in the device's free memory since
   // just before construction.

@@ -355,12 +355,9 @@ TrainJob parse_train_job(const json& j, const std::string& source) {
          "activation)",
          source);
   }
-  job.attention = read_field<std::string>(j, "attention", source, "cudnn");
-  if (job.attention != "cudnn" && job.attention != "megacpp") {
-    fail(ErrorKind::kInvalidArgument,
-         "{}: attention=\"{}\" must be \"cudnn\" (cuDNN's fused flash attention) or "
-         "\"megacpp\" (megacpp's own kernels)",
-         source, job.attention);
+  if (j.contains("attention")) {
+    job.attention = parse_attention_engine(read_field<std::string>(j, "attention", source, ""),
+                                           source + ": attention");
   }
   job.deterministic = read_field<bool>(j, "deterministic", source, true);
   if (job.device != TrainDevice::kCuda && (j.contains("attention") || !job.deterministic)) {
@@ -368,6 +365,12 @@ TrainJob parse_train_job(const json& j, const std::string& source) {
          "{}: {} needs device=\"cuda\" (the CPU runtime has one attention, and is "
          "deterministic)",
          source, j.contains("attention") ? "attention" : "deterministic=false");
+  }
+  if (job.attention == AttentionEngine::kMegacpp && !job.deterministic) {
+    fail(ErrorKind::kInvalidArgument,
+         "{}: deterministic=false with attention=\"megacpp\" changes nothing (our own kernels "
+         "are deterministic); drop it or use attention=\"cudnn\"",
+         source);
   }
   job.device_count = static_cast<int>(top("device_count", 1, 1, L::kMaxDevices));
   job.tensor_parallel = static_cast<int>(top("tensor_parallel", 1, 1, L::kMaxDevices));
@@ -583,12 +586,11 @@ class CudaBackend final : public StepBackend {
     for (const std::string& problem : plan_cache_problems_) {
       spdlog::warn("plan cache: {} (the plans are rebuilt)", problem);
     }
-    model_ = std::make_unique<CudaModel>(
-        host, rows_, job.seqlen, job.optimizer, gpu, par, plans_,
-        CudaModelOptions{
-            job.recompute_in_proj,
-            job.attention == "megacpp" ? AttentionEngine::kMegacpp : AttentionEngine::kCudnn,
-            job.deterministic});
+    model_ =
+        std::make_unique<CudaModel>(host, rows_, job.seqlen, job.optimizer, gpu, par, plans_,
+                                    CudaModelOptions{.recompute_in_proj = job.recompute_in_proj,
+                                                     .attention = job.attention,
+                                                     .deterministic = job.deterministic});
     try {
       // Now, not at the end: a job that fails later still leaves its plans for the next one.
       plans_->flush();

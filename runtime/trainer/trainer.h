@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "runtime/config/model_config.h"
+#include "runtime/model/attention_engine.h"
 #include "runtime/optimizer/adamw.h"
 #include "runtime/trainer/observer.h"
 
@@ -102,8 +103,8 @@ struct TrainJob {
   std::filesystem::path plan_cache;  // cuda jobs' GEMM plan directory; empty: none
   int64_t recompile_budget = 0;      // plan builds allowed after the first step
   bool recompute_in_proj = false;    // cuda: less memory for one more GEMM per Mamba layer
-  std::string attention = "cudnn";   // cuda: "cudnn" or "megacpp" (CudaModelOptions::attention)
-  bool deterministic = true;         // cuda: false lets cuDNN's attention backward sum in any order
+  AttentionEngine attention = AttentionEngine::kCudnn;  // cuda (CudaModelOptions::attention)
+  bool deterministic = true;  // cuda: false lets cuDNN's attention backward sum in any order
   int data_parallel() const { return device_count / tensor_parallel; }
   int gpu_of(int world_rank) const {
     return gpus.empty() ? gpu + world_rank : gpus[static_cast<size_t>(world_rank)];

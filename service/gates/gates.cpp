@@ -127,7 +127,7 @@ const GateRegistry& GateRegistry::builtin() {
        "Hopper Tensor Memory Accelerator bulk copies for the chunked-scan and attention tile loads",
        GateImplementation::kScaffold,
        {{"TMA descriptors for chunked-scan tiles", false},
-        {"TMA loads in the attention kernels", false}},
+        {"TMA loads in our own attention kernels (attention: megacpp)", false}},
        {DeviceKind::kCuda}},
       {"cuda_graphs",
        "captures the step's forward and backward as one CUDA graph and replays it "
@@ -145,7 +145,8 @@ const GateRegistry& GateRegistry::builtin() {
       {"recompute_in_proj",
        "the Mamba-3 layers' in_proj outputs are recomputed in the backward (the same GEMM, the "
        "same bits) instead of kept from the forward: one shared buffer in place of one per "
-       "layer (CudaModelOptions). Measured (bench/RESULTS.md, H100, 2026-11-24): bench-350m, "
+       "layer (CudaModelOptions). Measured (bench/RESULTS.md, H100, 2026-11-24, with our own "
+       "attention kernels, before cuDNN's became the default): bench-350m, "
        "micro-batch 4 x 8192, R=4 62.7 -> 57.8 GiB in use for 747.9 -> 756.0 ms a step "
        "(+1.1%), R=1 47.0 -> 42.5 GiB for 409.9 -> 419.0 ms (+2.2%): memory for time, so off "
        "unless requested",
@@ -158,8 +159,9 @@ const GateRegistry& GateRegistry::builtin() {
        "instead of the deterministic engine, which keeps dS (batch x heads x seqlen^2 bf16) in its "
        "workspace: two runs of the job no longer give the same bits. Measured (bench/RESULTS.md, "
        "H100, 2026-11-24): at A-ref (batch 8, seqlen 8192, 16 heads of 64) forward+backward "
-       "12.04 -> 9.20 ms and 17.2 GB -> 0.3 GB of workspace. Off unless requested: deterministic "
-       "is the default",
+       "11.68 -> 9.12 ms and 17.2 GB -> 0.3 GB of workspace; bench-350m R=1 micro-batch 4 x 8192 "
+       "349.8 -> 342.4 ms a step, 54.8 -> 47.1 GiB. Off unless requested: deterministic is the "
+       "default",
        GateImplementation::kImplemented,
        {{"cuDNN's fp32-accumulated dQ graph", true}, {"the job's deterministic=false", true}},
        {DeviceKind::kCuda}},

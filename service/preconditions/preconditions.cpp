@@ -341,8 +341,8 @@ CheckResult check_plan_cache(const std::string& name, const fs::path& dir,
   std::vector<PlanCacheRepair> repairs;
   std::function<bool(std::string_view)> current;
 #ifdef MEGACPP_HAVE_CUDA
-  // Plans chosen by another cuBLASLt are stale: removed here, rebuilt by the next job.
-  current = cuda::is_current_cublaslt_scope;
+  // Plans chosen by another cuBLASLt or cuDNN are stale: removed here, rebuilt by the next job.
+  current = cuda::is_current_plan_scope;
 #endif
   try {
     repairs = repair_plan_cache_dir(dir, current);

@@ -60,11 +60,11 @@ std::vector<CheckResult> run_preconditions(const PreconditionConfig& config);
 std::vector<CheckResult> run_preconditions(const PreconditionConfig& config,
                                            const HostEnvironment& host);
 
-// The GEMM plan files in `dir` (base/plan_cache.h): a corrupt record is dropped and its file
-// rewritten, a file of another format, a broken header or (CUDA builds) another cuBLASLt
-// version's plans removed (its plans are rebuilt on demand). Every repair passes, named in the
-// detail with what was wrong; only a file that cannot be read, written or removed fails.
-// `config_field` names the cache directory in the fix.
+// The plan files in `dir` (base/plan_cache.h; GEMM and cuDNN attention plans): a corrupt record
+// is dropped and its file rewritten, a file of another format, a broken header or (CUDA builds)
+// another cuBLASLt or cuDNN version's plans removed (its plans are rebuilt on demand). Every repair
+// passes, named in the detail with what was wrong; only a file that cannot be read, written or
+// removed fails. `config_field` names the cache directory in the fix.
 CheckResult check_plan_cache(const std::string& name, const std::filesystem::path& dir,
                              std::string_view config_field);
 

@@ -258,7 +258,9 @@ TEST_F(SpecTest, ACudaJobIsMeasuredByTheCudaModelsPlanWithItsGates) {
   // without it takes the job only with the nondeterministic_attention gate, which the train job
   // then carries as deterministic=false.
   const uint64_t summed_in_any_order =
-      CudaModel::plan_memory(config, 4, 8192, 1, 0, {true, AttentionEngine::kCudnn, false}).total();
+      CudaModel::plan_memory(config, 4, 8192, 1, 0,
+                             CudaModelOptions{.recompute_in_proj = true, .deterministic = false})
+          .total();
   ASSERT_LT(summed_in_any_order, lean);
   const uint64_t below_ds = kGiB * 2 + (lean + summed_in_any_order) / 2;
   message.clear();
@@ -271,8 +273,8 @@ TEST_F(SpecTest, ACudaJobIsMeasuredByTheCudaModelsPlanWithItsGates) {
   EXPECT_NE(message.find("or ask for the nondeterministic_attention feature gate"),
             std::string::npos)
       << message;
-  EXPECT_EQ(validate(bench, MemoryBudget{0, between}, 1).train_job.value("deterministic", true),
-            true);
+  EXPECT_FALSE(validate(bench, MemoryBudget{0, between}, 1).train_job.contains("deterministic"))
+      << "deterministic is the train job's default";
   bench.add_feature_gates("nondeterministic_attention");
   const daemon::ValidatedJob fast = validate(bench, MemoryBudget{0, below_ds}, 1);
   EXPECT_EQ(fast.train_job.value("deterministic", true), false);

@@ -286,7 +286,7 @@ TEST(CausalAttentionCudnnShapes, RefusesShapesStridesAndWorkspacesItCannotTake) 
   const auto kind = megacpp::ErrorKind::kInvalidArgument;
   const auto refused = [&](AttentionShape s, int q_stride, int kv_stride, size_t bytes,
                            const std::string& needle) {
-    char byte = 0;
+    alignas(256) char byte = 0;
     oracle::expect_error(
         [&] { CausalAttentionCudnn op(s, q_stride, kv_stride, true, &byte, bytes, 0); }, kind,
         needle, "ctor: " + needle);
@@ -294,22 +294,37 @@ TEST(CausalAttentionCudnnShapes, RefusesShapesStridesAndWorkspacesItCannotTake) 
   const size_t enough = CausalAttentionCudnn::workspace_bytes(good, true);
   AttentionShape s = good;
   s.head_dim = 12;
-  refused(s, 48, 24, enough, "head_dim must be a multiple of 8 in [8, 256]");
+  refused(s, 48, 24, enough, "head_dim=12 must be a multiple of 8 in [8, 256]");
   s.head_dim = 264;
-  refused(s, 4 * 264, 2 * 264, enough, "head_dim must be a multiple of 8 in [8, 256]");
+  refused(s, 4 * 264, 2 * 264, enough, "head_dim=264 must be a multiple of 8 in [8, 256]");
   s = good;
   s.kv_heads = 3;
-  refused(s, 256, 192, enough, "kv_heads (3) must divide q_heads (4)");
+  refused(s, 256, 192, enough, "q_heads=4 must be a multiple of kv_heads=3");
   s = good;
   s.batch = 0;
-  refused(s, 256, 128, enough, "batch must be positive");
+  refused(s, 256, 128, enough, "CausalAttentionCudnn: AttentionShape.batch=0 must be positive");
   s = good;
   s.softmax_scale = 0;
-  refused(s, 256, 128, enough, "softmax_scale must be positive");
+  refused(s, 256, 128, enough, "softmax_scale=0 must be positive and finite");
   refused(good, 255, 128, enough, "q_stride must be at least q_heads·head_dim (256)");
   refused(good, 260, 128, enough, "a multiple of 8 elements");
   refused(good, 256, 129, enough, "kv_stride must be at least kv_heads·head_dim (128)");
   refused(good, 256, 128, enough - 1, "workspace_bytes(shape, deterministic)");
+  s = good;
+  s.seqlen = 1;
+  refused(s, 256, 128, enough, "seqlen=1 must be at least 2");
+  oracle::expect_error(
+      [&] {
+        alignas(512) char bytes[512];
+        CausalAttentionCudnn op(good, 256, 128, true, bytes + 16, enough, 0);
+      },
+      kind, "the workspace must be 256-byte aligned", "misaligned workspace");
+  oracle::expect_error(
+      [&] {
+        alignas(512) char bytes[512];
+        CausalAttentionCudnn op(good, 256, 128, true, bytes, enough, -1);
+      },
+      kind, "device must be a CUDA ordinal, got -1", "negative device");
   EXPECT_LT(CausalAttentionCudnn::workspace_bytes(good, false), enough)
       << "the nondeterministic backward keeps no dS in cuDNN's workspace";
 }

@@ -168,13 +168,12 @@ TEST_P(CudaModelStep, LossAndEveryGradientMatchTheCpuDoubleModel) {
 TEST_P(CudaModelStep, WithOurOwnAttentionKernelsTheStepMatchesTheCpuDoubleModel) {
   MEGACPP_REQUIRE_GPU();
   expect_step_matches_the_oracle(GetParam(),
-                                 CudaModelOptions{false, AttentionEngine::kMegacpp, true});
+                                 CudaModelOptions{.attention = AttentionEngine::kMegacpp});
 }
 
 TEST_P(CudaModelStep, WithNondeterministicAttentionTheStepMatchesTheCpuDoubleModel) {
   MEGACPP_REQUIRE_GPU();
-  expect_step_matches_the_oracle(GetParam(),
-                                 CudaModelOptions{false, AttentionEngine::kCudnn, false});
+  expect_step_matches_the_oracle(GetParam(), CudaModelOptions{.deterministic = false});
 }
 
 TEST_P(CudaModelStep, TwoStepsOfTheSameJobAreBitwiseEqual) {
@@ -355,7 +354,7 @@ TEST(CudaModelOptionsPlan, Bench350mFitsAnH100AndTheGateFreesTheInProjOutputs) {
   const CudaMemoryPlan kept = CudaModel::plan_memory(config, batch, seqlen);
   const CudaMemoryPlan lean = CudaModel::plan_memory(config, batch, seqlen, 1, 0, {true});
   const CudaMemoryPlan nondeterministic =
-      CudaModel::plan_memory(config, batch, seqlen, 1, 0, {false, AttentionEngine::kCudnn, false});
+      CudaModel::plan_memory(config, batch, seqlen, 1, 0, CudaModelOptions{.deterministic = false});
   constexpr uint64_t kGiB = uint64_t{1} << 30;
   EXPECT_LT(kept.total(), 78 * kGiB);  // an H100's 80 GB less the context and libraries
   int mamba_layers = 0;

@@ -172,6 +172,12 @@ TEST_F(TrainerTest, JobValidationNamesTheField) {
       {[](json& j) { j["deterministic"] = false; }, "deterministic=false needs device=\"cuda\""},
       {[](json& j) {
          j["device"] = "cuda";
+         j["attention"] = "megacpp";
+         j["deterministic"] = false;
+       },
+       "deterministic=false with attention=\"megacpp\" changes nothing"},
+      {[](json& j) {
+         j["device"] = "cuda";
          j["deterministic"] = "yes";
        },
        "field deterministic = \"yes\" has the wrong type"},

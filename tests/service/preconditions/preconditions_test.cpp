@@ -358,7 +358,7 @@ TEST(Report, IsATableWithEveryRowAndAllPassedIgnoresSkips) {
 // A scope this build's daemon keeps: a CUDA build removes plan files of another cuBLASLt.
 std::string current_scope(const std::string& tail) {
 #ifdef MEGACPP_HAVE_CUDA
-  return cuda::cublaslt_scope_prefix() + tail;
+  return cuda::plan_scope_prefix() + tail;
 #else
   return tail;
 #endif
