@@ -250,16 +250,24 @@ struct Geometry {
   Dims full_head_strides() const { return {hq * s * d, s * d, d, 1}; }
 };
 
+// The tensors both graphs bind: Q, Kᵀ (K's memory in the order Q·Kᵀ reads it), O, the lse
+// statistics and the by-value scale and mask value.
+struct Shared {
+  cudnnBackendDescriptor_t q, k_t, o, stats, scale, mask_value;
+};
+
+Shared shared_tensors(Graph& g, const Geometry& x) {
+  return {g.tensor(kQ, CUDNN_DATA_BFLOAT16, x.q_dims(), x.q_strides()),
+          g.tensor(kK, CUDNN_DATA_BFLOAT16, x.kv_transposed_dims(), x.kv_transposed_strides()),
+          g.tensor(kO, CUDNN_DATA_BFLOAT16, x.q_dims(), x.o_strides()),
+          g.tensor(kStats, CUDNN_DATA_FLOAT, x.row_dims(), x.row_strides()),
+          g.scalar(kScale),
+          g.scalar(kMaskValue)};
+}
+
 void build_forward(Graph& g, const Geometry& x) {
-  cudnnBackendDescriptor_t q = g.tensor(kQ, CUDNN_DATA_BFLOAT16, x.q_dims(), x.q_strides());
-  cudnnBackendDescriptor_t k_t =
-      g.tensor(kK, CUDNN_DATA_BFLOAT16, x.kv_transposed_dims(), x.kv_transposed_strides());
+  const auto [q, k_t, o, stats, scale, mask_value] = shared_tensors(g, x);
   cudnnBackendDescriptor_t v = g.tensor(kV, CUDNN_DATA_BFLOAT16, x.kv_dims(), x.kv_strides());
-  cudnnBackendDescriptor_t o = g.tensor(kO, CUDNN_DATA_BFLOAT16, x.q_dims(), x.o_strides());
-  cudnnBackendDescriptor_t stats =
-      g.tensor(kStats, CUDNN_DATA_FLOAT, x.row_dims(), x.row_strides());
-  cudnnBackendDescriptor_t scale = g.scalar(kScale);
-  cudnnBackendDescriptor_t mask_value = g.scalar(kMaskValue);
   const Dims sd = x.score_dims(), ss = x.score_strides(), rd = x.row_dims(), rs = x.row_strides();
 
   cudnnBackendDescriptor_t scores = g.temp(CUDNN_DATA_FLOAT, sd, ss);
@@ -285,22 +293,15 @@ void build_forward(Graph& g, const Geometry& x) {
 }
 
 void build_backward(Graph& g, const Geometry& x, bool deterministic) {
-  cudnnBackendDescriptor_t q = g.tensor(kQ, CUDNN_DATA_BFLOAT16, x.q_dims(), x.q_strides());
-  cudnnBackendDescriptor_t k_t =
-      g.tensor(kK, CUDNN_DATA_BFLOAT16, x.kv_transposed_dims(), x.kv_transposed_strides());
+  const auto [q, k_t, o, stats, scale, mask_value] = shared_tensors(g, x);
   cudnnBackendDescriptor_t v_t =
       g.tensor(kV, CUDNN_DATA_BFLOAT16, x.kv_transposed_dims(), x.kv_transposed_strides());
-  cudnnBackendDescriptor_t o = g.tensor(kO, CUDNN_DATA_BFLOAT16, x.q_dims(), x.o_strides());
   cudnnBackendDescriptor_t d_o = g.tensor(kDO, CUDNN_DATA_BFLOAT16, x.q_dims(), x.o_strides());
-  cudnnBackendDescriptor_t stats =
-      g.tensor(kStats, CUDNN_DATA_FLOAT, x.row_dims(), x.row_strides());
   cudnnBackendDescriptor_t d_q = g.tensor(kDQ, CUDNN_DATA_BFLOAT16, x.q_dims(), x.q_strides());
   cudnnBackendDescriptor_t d_k = g.tensor(kDK, CUDNN_DATA_BFLOAT16, x.kv_dims(), x.kv_strides());
   cudnnBackendDescriptor_t d_v = g.tensor(kDV, CUDNN_DATA_BFLOAT16, x.kv_dims(), x.kv_strides());
   cudnnBackendDescriptor_t row_dot =
       g.tensor(kRowDot, CUDNN_DATA_FLOAT, x.row_dims(), x.row_strides());
-  cudnnBackendDescriptor_t scale = g.scalar(kScale);
-  cudnnBackendDescriptor_t mask_value = g.scalar(kMaskValue);
   cudnnBackendDescriptor_t one = g.scalar(kOne);
   const Dims sd = x.score_dims(), ss = x.score_strides(), rd = x.row_dims(), rs = x.row_strides();
 
@@ -466,7 +467,6 @@ struct CausalAttentionCudnn::Plans {
     int64_t engine = -1;
     bool cached = false;
   };
-  int device = 0;
   DeviceHandle* handle = nullptr;
   Plan forward, backward;
   float scale = 0, mask_value = 0, one = 1;
@@ -475,7 +475,9 @@ struct CausalAttentionCudnn::Plans {
   float* dq_accumulator = nullptr;
   char* cudnn_workspace = nullptr;
   size_t cudnn_workspace_bytes = 0;
-  size_t dq_accumulator_bytes = 0;
+  // Runtimes before 9.6 expect the dQ accumulator zeroed by the caller before each backward:
+  // its bytes then, else 0 (decided once, not per call).
+  size_t accumulator_bytes_to_zero = 0;
 };
 
 namespace {
@@ -626,7 +628,7 @@ std::unique_ptr<Desc> build_plan(cudnnHandle_t handle, const Desc& graph, bool d
 CausalAttentionCudnn::CausalAttentionCudnn(const AttentionShape& shape, int q_stride, int kv_stride,
                                            bool deterministic, void* workspace, size_t bytes,
                                            int device, GemmPlanCache* cache)
-    : shape_(shape), q_stride_(q_stride), kv_stride_(kv_stride), deterministic_(deterministic) {
+    : shape_(shape), deterministic_(deterministic) {
   const char* who = "CausalAttentionCudnn";
   validate(shape, who);
   const int q_width = shape.q_heads * shape.head_dim, kv_width = shape.kv_heads * shape.head_dim;
@@ -660,7 +662,6 @@ CausalAttentionCudnn::CausalAttentionCudnn(const AttentionShape& shape, int q_st
 
   plans_ = std::make_unique<Plans>();
   Plans& p = *plans_;
-  p.device = device;
   p.handle = &handle_for(device);
   const std::lock_guard<std::mutex> lock(p.handle->mutex);
   p.scale = static_cast<float>(shape.softmax_scale);
@@ -668,10 +669,11 @@ CausalAttentionCudnn::CausalAttentionCudnn(const AttentionShape& shape, int q_st
                                   : std::numeric_limits<float>::lowest();
   p.workspace = static_cast<char*>(workspace);
   p.row_dot = reinterpret_cast<float*>(p.workspace);
-  p.dq_accumulator_bytes = accumulator_bytes(shape, deterministic);
+  const size_t accumulator = accumulator_bytes(shape, deterministic);
   p.dq_accumulator =
       deterministic ? nullptr : reinterpret_cast<float*>(p.workspace + row_dot_bytes(shape));
-  p.cudnn_workspace = p.workspace + row_dot_bytes(shape) + p.dq_accumulator_bytes;
+  p.accumulator_bytes_to_zero = version < 90600 ? accumulator : 0;
+  p.cudnn_workspace = p.workspace + row_dot_bytes(shape) + accumulator;
   p.cudnn_workspace_bytes = cudnn_allowance(shape, deterministic);
 
   const Geometry geometry{shape.batch,    shape.seqlen, shape.q_heads, shape.kv_heads,
@@ -684,9 +686,8 @@ CausalAttentionCudnn::CausalAttentionCudnn(const AttentionShape& shape, int q_st
       const std::string stored = cache->find_text(key);
       if (!stored.empty()) {
         out.plan = load_plan(p.handle->handle, stored);
-        if (out.plan != nullptr &&
-            static_cast<size_t>(plan_workspace(out.plan->get())) <= p.cudnn_workspace_bytes) {
-          out.workspace = plan_workspace(out.plan->get());
+        out.workspace = out.plan != nullptr ? plan_workspace(out.plan->get()) : -1;
+        if (out.workspace >= 0 && static_cast<size_t>(out.workspace) <= p.cudnn_workspace_bytes) {
           out.engine = engine_index(out.plan->get());
           out.cached = true;
           cache->record_hit();
@@ -809,9 +810,8 @@ void CausalAttentionCudnn::backward(const uint16_t* q, const uint16_t* k, const 
   if (!deterministic_) {
     uids.push_back(kDQAccum);
     pointers.push_back(p.dq_accumulator);
-    // Runtimes before 9.6 expect the accumulator zeroed by the caller.
-    if (cudnn_runtime_version() < 90600) {
-      MEGACPP_CUDA_CHECK(cudaMemsetAsync(p.dq_accumulator, 0, p.dq_accumulator_bytes,
+    if (p.accumulator_bytes_to_zero > 0) {
+      MEGACPP_CUDA_CHECK(cudaMemsetAsync(p.dq_accumulator, 0, p.accumulator_bytes_to_zero,
                                          static_cast<cudaStream_t>(stream)));
     }
   }

@@ -77,8 +77,6 @@ class CausalAttentionCudnn {
  private:
   struct Plans;
   AttentionShape shape_;
-  int q_stride_ = 0;
-  int kv_stride_ = 0;
   bool deterministic_ = true;
   std::unique_ptr<Plans> plans_;
 };

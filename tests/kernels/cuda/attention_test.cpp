@@ -201,18 +201,24 @@ struct Attention {
     log_sum_exp(s, in, p.out("lse"));
   }
 
+  // The device views of a case's q, k, v and of dq, dk, dv.
+  static Views<uint16_t> device_inputs(const Case& c, oracle::DeviceTensors& t) {
+    const bool packed = c.layout.packed;
+    return views<uint16_t>(c, packed ? t.bf16("qkv") : nullptr, packed ? nullptr : t.bf16("q"),
+                           packed ? nullptr : t.bf16("k"), packed ? nullptr : t.bf16("v"));
+  }
+  static Views<uint16_t> device_gradients(const Case& c, oracle::DeviceTensors& t) {
+    const bool packed = c.layout.packed;
+    return views<uint16_t>(c, packed ? t.bf16("dqkv") : nullptr, packed ? nullptr : t.bf16("dq"),
+                           packed ? nullptr : t.bf16("dk"), packed ? nullptr : t.bf16("dv"));
+  }
+
   static oracle::Gpu gpu(const Case& c, const Variant&, oracle::DeviceTensors& t) {
     const AttentionShape s = c.shape;
-    const bool packed = c.layout.packed;
     const auto workspace =
         std::make_shared<oracle::DeviceBuffer>(CausalAttentionCuda::workspace_bytes(s));
     const auto op = std::make_shared<CausalAttentionCuda>(s, workspace->get(), workspace->bytes());
-    const Views<uint16_t> in =
-        views<uint16_t>(c, packed ? t.bf16("qkv") : nullptr, packed ? nullptr : t.bf16("q"),
-                        packed ? nullptr : t.bf16("k"), packed ? nullptr : t.bf16("v"));
-    const Views<uint16_t> grad =
-        views<uint16_t>(c, packed ? t.bf16("dqkv") : nullptr, packed ? nullptr : t.bf16("dq"),
-                        packed ? nullptr : t.bf16("dk"), packed ? nullptr : t.bf16("dv"));
+    const Views<uint16_t> in = device_inputs(c, t), grad = device_gradients(c, t);
     uint16_t* out = t.bf16("out");
     const uint16_t* dout = t.bf16("dout");
     float* lse = t.f32("lse");
@@ -250,16 +256,10 @@ struct AttentionCudnn : Attention {
 
   static oracle::Gpu gpu(const Case& c, const Variant& variant, oracle::DeviceTensors& t) {
     const AttentionShape s = c.shape;
-    const bool packed = c.layout.packed;
     const bool deterministic = !variant.nondeterministic;
     const auto workspace = std::make_shared<oracle::DeviceBuffer>(
         CausalAttentionCudnn::workspace_bytes(s, deterministic));
-    const Views<uint16_t> in =
-        views<uint16_t>(c, packed ? t.bf16("qkv") : nullptr, packed ? nullptr : t.bf16("q"),
-                        packed ? nullptr : t.bf16("k"), packed ? nullptr : t.bf16("v"));
-    const Views<uint16_t> grad =
-        views<uint16_t>(c, packed ? t.bf16("dqkv") : nullptr, packed ? nullptr : t.bf16("dq"),
-                        packed ? nullptr : t.bf16("dk"), packed ? nullptr : t.bf16("dv"));
+    const Views<uint16_t> in = device_inputs(c, t), grad = device_gradients(c, t);
     int device = 0;
     MEGACPP_CUDA_CHECK(cudaGetDevice(&device));
     const auto op = std::make_shared<CausalAttentionCudnn>(
