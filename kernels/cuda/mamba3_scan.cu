@@ -156,9 +156,17 @@ DevGrads dev_grads(const ScanDeviceGrads& g, int angles) {
 std::vector<Launch> all_launches(const Dims& d, bool tensor_cores) {
   const ForwardLaunches f = forward_launches(d, tensor_cores);
   const BackwardLaunches b = backward_launches(d, tensor_cores, device_shared_limit());
-  return {f.angle_prefix,  f.chunk_state,         f.state_pass,     f.chunk_output,
-          b.chunk_dstate,  b.state_pass_backward, b.chunk_backward, b.dtheta_offsets,
-          b.finish_tokens, b.reduce_params};
+  std::vector<Launch> launches = {f.angle_prefix};
+  if (f.fused) {
+    launches.push_back(f.chunk_forward);
+  } else {
+    launches.insert(launches.end(), {f.chunk_state, f.state_pass, f.chunk_output});
+  }
+  launches.push_back(b.chunk_dstate);
+  if (!b.reverse_pass_fused) launches.push_back(b.state_pass_backward);
+  launches.insert(launches.end(),
+                  {b.chunk_backward, b.dtheta_offsets, b.finish_tokens, b.reduce_params});
+  return launches;
 }
 
 // Kernels above 48 KiB of dynamic shared memory must opt in, per kernel and per device.
@@ -197,8 +205,8 @@ namespace {
 // The workspace's parts in floats, in the order the arena hands them out: the first
 // kForwardParts are written by forward() and read by backward() (they are the layer's own); the
 // rest are backward()'s temporaries (several scans may share them).
-constexpr int kParts = 13;
-constexpr int kForwardParts = 3;
+constexpr int kParts = 14;
+constexpr int kForwardParts = 4;
 
 std::array<size_t, kParts> part_sizes(const Dims& d) {
   const size_t B = static_cast<size_t>(d.batch), L = static_cast<size_t>(d.seqlen);
@@ -209,6 +217,7 @@ std::array<size_t, kParts> part_sizes(const Dims& d) {
       B * H * chunks * A,       // theta0
       B * H * chunks * matrix,  // states
       B * H * chunks,           // decay
+      1 + B * H * chunks,       // order (ints)
       B * H * chunks * matrix,  // gstates
       qk,                       // dq_acc
       qk,                       // dk_acc
@@ -302,16 +311,17 @@ Mamba3ScanCuda::Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache, boo
   w.theta0 = parts[0];
   w.states = parts[1];
   w.decay = parts[2];
-  w.gstates = parts[3];
-  w.dq_acc = parts[4];
-  w.dk_acc = parts[5];
-  w.dtheta = parts[6];
-  w.dtheta_tot = parts[7];
-  w.tok_dadt = parts[8];
-  w.tok_ddt = parts[9];
-  w.tok_dtau = parts[10];
-  w.tok_dkappa = parts[11];
-  w.partials = parts[12];
+  w.order = reinterpret_cast<int*>(parts[3]);
+  w.gstates = parts[4];
+  w.dq_acc = parts[5];
+  w.dk_acc = parts[6];
+  w.dtheta = parts[7];
+  w.dtheta_tot = parts[8];
+  w.tok_dadt = parts[9];
+  w.tok_ddt = parts[10];
+  w.tok_dtau = parts[11];
+  w.tok_dkappa = parts[12];
+  w.partials = parts[13];
   w.psiv = psiv_cache ? reinterpret_cast<bf16*>(cursor) : nullptr;
   // θ offsets stay zero when there are no angles: the kernels that read them then skip.
   MEGACPP_CUDA_CHECK(cudaMemset(arena_, 0, workspace_bytes_));

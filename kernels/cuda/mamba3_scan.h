@@ -10,9 +10,12 @@
 // The computation is the SSD structure over chunks of `chunk` tokens:
 //   forward   angle offsets per chunk (a prefix over chunks), chunk-local exit states in
 //             parallel, a sequential-over-chunks pass per (batch, head) that turns them
-//             into chunk-entry states, then every chunk's outputs in parallel;
+//             into chunk-entry states, then every chunk's outputs in parallel (at the fixed
+//             MIMO shape on the tensor cores all three in one kernel, each block handing the
+//             next chunk's block its entry state);
 //   backward  chunk-local gradients of the entry states in parallel, a reverse
-//             sequential pass that turns them into exit-state gradients, every chunk's
+//             sequential pass that turns them into exit-state gradients (in the same kernel
+//             at the fixed shapes), every chunk's
 //             gradients in parallel (one block per (batch, group, chunk) looping over the
 //             group's heads, so q and k gradients are summed over heads in a fixed order),
 //             then the cross-chunk suffix sums (angles) and fixed-order reductions of the

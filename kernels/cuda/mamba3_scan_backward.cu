@@ -1,8 +1,8 @@
 // The backward of the CUDA Mamba-3 scan: chunk-local gradients of the entry states, the reverse
-// pass over chunks that turns them into exit-state gradients, every chunk's gradients (one block
-// per (batch, group, chunk) looping over the group's heads), then the cross-chunk suffix sums
-// (angles) and the fixed-order reductions of the per-head parameter gradients. See
-// mamba3_scan_device.cuh for the notation.
+// pass over chunks that turns them into exit-state gradients (one kernel with the first at the
+// fixed shapes), every chunk's gradients (one block per (batch, group, chunk) looping over the
+// group's heads), then the cross-chunk suffix sums (angles) and the fixed-order reductions of the
+// per-head parameter gradients. See mamba3_scan_device.cuh for the notation.
 #include "kernels/cuda/mamba3_scan_device.cuh"
 
 namespace megacpp::cuda::scan_detail {
@@ -86,11 +86,27 @@ struct DOutLoader {
   }
 };
 
-// dL/dE_c through chunk c's own outputs: Σ_{i,r} e^{l_i} d_o_{i,r} q_{i,r}ᵀ.
-template <bool kTensor, class D>
+// dL/dE_c through chunk c's own outputs: H_c = Σ_{i,r} e^{l_i} d_o_{i,r} q_{i,r}ᵀ.
+//
+// kReversePass (the fixed shapes): the reverse state pass too, as chunk_forward does the forward's
+// (see there for why the waits end): blocks take tickets from the last chunk back, and the block
+// of chunk c takes X_c = dL/d(chunk c's exit state) from chunk c + 1's block (zero for the last
+// chunk), keeps it in gstates[c] for chunk_backward and publishes X_{c−1} = H_c + a_c X_c in
+// gstates[c − 1]: state_pass_backward's recurrence and bits, without H going through memory and
+// without a launch of its own.
+template <bool kTensor, bool kReversePass, class D>
 __global__ void chunk_dstate_kernel(D d, SmemPlan plan, DevInputs in, Work w, const bf16* dy) {
   extern __shared__ __align__(16) unsigned char smem[];
-  const ChunkPos pos = chunk_pos(d, blockIdx.y, false, blockIdx.x);
+  int pair_index = blockIdx.y, chunk_index = blockIdx.x;
+  if constexpr (kReversePass) {
+    __shared__ int ticket;
+    if (threadIdx.x == 0) ticket = atomicAdd(w.order, 1);
+    __syncthreads();
+    const int pairs = d.batch * d.heads;
+    pair_index = ticket % pairs;
+    chunk_index = d.chunks - 1 - ticket / pairs;
+  }
+  const ChunkPos pos = chunk_pos(d, pair_index, false, chunk_index);
   float* sc = reinterpret_cast<float*>(smem + plan.token_scalars);
   float* cosv = reinterpret_cast<float*>(smem + plan.rotation_cos);
   float* sinv = reinterpret_cast<float*>(smem + plan.rotation_sin);
@@ -104,7 +120,9 @@ __global__ void chunk_dstate_kernel(D d, SmemPlan plan, DevInputs in, Work w, co
   __syncthreads();
   const int N = d.state, P = d.headdim, C = d.chunk;
   const size_t bhc = (static_cast<size_t>(pos.b) * d.heads + pos.h) * d.chunks + pos.c;
-  float* out = w.gstates + bhc * P * N;
+  const size_t matrix = static_cast<size_t>(P) * N;
+  float* out =
+      kReversePass ? reinterpret_cast<float*>(smem + plan.exit_part) : w.gstates + bhc * matrix;
   const auto store = [&](int p, int n, float value) {
     out[p * N + n] = value;
   };
@@ -128,6 +146,40 @@ __global__ void chunk_dstate_kernel(D d, SmemPlan plan, DevInputs in, Work w, co
           return d_o[row * ld_mp + p] * sc[kEntryDecay * C + d.by_rank.div(row)];
         },
         [&](int row, int n) { return to_f(q_rot[row * ld_qk + n]); }, store);
+  }
+  if constexpr (kReversePass) {
+    static_assert(D::kFixed);
+    float* exit_gradient = w.gstates + bhc * matrix;  // X_c: gstates[c]
+    int* ready = w.order + 1 + (bhc - pos.c);
+    const bool last = pos.c + 1 == d.chunks;
+    if (threadIdx.x == 0 && !last) {
+      while (atomicAdd(ready + pos.c, 0) == 0) {
+      }
+      __threadfence();
+    }
+    __syncthreads();  // also: every thread's H_c elements are in `out`
+    const float decay = w.decay[bhc];
+    constexpr int kQuads = D::headdim * D::state / 4;
+    for (int quad = threadIdx.x; quad < kQuads; quad += blockDim.x) {
+      float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (last) {
+        reinterpret_cast<float4*>(exit_gradient)[quad] = x;
+      } else {
+        x = __ldcg(reinterpret_cast<const float4*>(exit_gradient) + quad);
+      }
+      if (pos.c > 0) {
+        const float4 own = reinterpret_cast<const float4*>(out)[quad];
+        float4 before;
+        before.x = decay * x.x + own.x;
+        before.y = decay * x.y + own.y;
+        before.z = decay * x.z + own.z;
+        before.w = decay * x.w + own.w;
+        __stcg(reinterpret_cast<float4*>(exit_gradient - matrix) + quad, before);
+      }
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0 && pos.c > 0) atomicExch(ready + pos.c - 1, 1);
   }
 }
 
@@ -816,10 +868,22 @@ BackwardLaunches backward_launches(const Dims& d, bool tensor_cores, size_t shar
   BackwardLaunches l;
   with_fixed_dims(d, [&](auto dims) {
     using D = decltype(dims);
-    l.chunk_dstate = {"chunk_dstate",
-                      tensor_cores ? kernel_address(&chunk_dstate_kernel<true, D>)
-                                   : kernel_address(&chunk_dstate_kernel<false, D>),
-                      dim3(chunks, bh), threads, plan_for(d, kDStateKernel)};
+    SmemPlan dstate = plan_for(d, kDStateKernel);
+    if constexpr (D::kFixed) {
+      // H_c stays in shared memory for the reverse pass.
+      l.reverse_pass_fused = true;
+      dstate.exit_part = dstate.total;
+      dstate.total += static_cast<size_t>(d.headdim) * d.state * sizeof(float);
+      l.chunk_dstate = {"chunk_dstate",
+                        tensor_cores ? kernel_address(&chunk_dstate_kernel<true, true, D>)
+                                     : kernel_address(&chunk_dstate_kernel<false, true, D>),
+                        dim3(chunks * bh), threads, dstate};
+    } else {
+      l.chunk_dstate = {"chunk_dstate",
+                        tensor_cores ? kernel_address(&chunk_dstate_kernel<true, false, D>)
+                                     : kernel_address(&chunk_dstate_kernel<false, false, D>),
+                        dim3(chunks, bh), threads, dstate};
+    }
     l.chunk_backward = {"chunk_backward",
                         tensor_cores ? kernel_address(&chunk_backward_kernel<true, D>)
                                      : kernel_address(&chunk_backward_kernel<false, D>),
@@ -851,18 +915,25 @@ void run_backward(const BackwardLaunches& launches, bool tensor_cores, bool psiv
                   const DevGrads& grads, cudaStream_t stream) {
   {
     const Launch& l = launches.chunk_dstate;
+    if (launches.reverse_pass_fused) {
+      // The tickets and the ready flags start at zero every backward.
+      MEGACPP_CUDA_CHECK(cudaMemsetAsync(
+          w.order, 0, (1 + static_cast<size_t>(d.batch) * d.heads * d.chunks) * sizeof(int),
+          stream));
+    }
     with_fixed_dims(d, [&](auto dims) {
+      constexpr bool kFused = decltype(dims)::kFixed;
       if (tensor_cores) {
-        chunk_dstate_kernel<true>
+        chunk_dstate_kernel<true, kFused>
             <<<l.grid, l.block, l.smem.total, stream>>>(dims, l.smem, in, w, dy);
       } else {
-        chunk_dstate_kernel<false>
+        chunk_dstate_kernel<false, kFused>
             <<<l.grid, l.block, l.smem.total, stream>>>(dims, l.smem, in, w, dy);
       }
     });
     MEGACPP_CUDA_CHECK_LAUNCH(l.name);
   }
-  {
+  if (!launches.reverse_pass_fused) {
     const Launch& l = launches.state_pass_backward;
     state_pass_backward_kernel<<<l.grid, l.block, 0, stream>>>(d, w);
     MEGACPP_CUDA_CHECK_LAUNCH(l.name);

@@ -27,6 +27,10 @@ constexpr int kThreads = 256;
 constexpr int kBackwardThreads = 512;
 constexpr int kOutputThreads = 512;
 constexpr float kPi = 3.14159265358979323846f;
+// The most dynamic shared memory chunk_forward may take and still share an SM with a second block
+// on Hopper (228 KB an SM, 1 KB of it reserved per block). Above it the forward keeps its three
+// kernels (chunk_state, state_pass, chunk_output), which fit two or more blocks an SM.
+constexpr size_t kForwardTwoBlockBytes = 113 * 1024;
 
 // Shape constants every kernel needs, passed by value.
 struct Dims {
@@ -118,6 +122,10 @@ struct SmemPlan {
   size_t state_hi = 0;         // bf16 [P][N]: the state (E, later dS) split hi + lo once, the
   size_t state_lo = 0;         //   products' ldmatrix operands; 0 when not (see plan_backward)
   size_t d_out_lo = 0;         // bf16 [rows][P]: d_out − bf16(d_out), beside d_out_bf16
+  size_t exit_part = 0;        // fp32 [P][N], rows of N: chunk_forward's F_c (the chunk's own
+                               //   part of the next entry state), chunk_dstate's H_c
+  size_t psiv_lo = 0;          // bf16 [rows][P]: chunk_forward's exit-scaled PsiV, lo part (the hi
+                               //   part in PsiV's place once o no longer needs PsiV)
   size_t split_hi = 0;         // bf16, the forward kernels' and chunk_dstate's one fp32 operand
   size_t split_lo = 0;         //   as hi + lo: chunk_dstate's e^l dO [rows][P] (ld_pv); chunk_state
                                //   its scaled PsiV's lo part (the hi part in PsiV's place, so no
@@ -138,7 +146,7 @@ struct SmemPlan {
   int ld_split = 0;  // state_hi, state_lo, chunk_output's split_hi, split_lo (bf16): N + 8
 };
 
-enum ScanKernel { kStateKernel, kOutputKernel, kDStateKernel, kBackwardKernel };
+enum ScanKernel { kStateKernel, kOutputKernel, kForwardKernel, kDStateKernel, kBackwardKernel };
 
 // Per-token scalar arrays of a chunk, each `chunk` floats, in the token_scalars block.
 enum Scalar {
@@ -184,6 +192,9 @@ inline SmemPlan plan_for(const Dims& d, ScanKernel kernel) {
   p.rotation_cos = take(c * a * sizeof(float));
   p.rotation_sin = take(c * a * sizeof(float));
   const bool backward = kernel == kBackwardKernel;
+  // chunk_forward holds everything chunk_output does, plus F_c and the scaled PsiV's lo part.
+  const bool fused = kernel == kForwardKernel;
+  if (fused) kernel = kOutputKernel;
   if (kernel != kStateKernel) p.q_rotated = take(m * ld_qk * sizeof(bf16));
   if (kernel != kDStateKernel) p.k_rotated = take(m * ld_qk * sizeof(bf16));
   if (kernel != kDStateKernel) p.psiv = take(m * ld_pv * sizeof(bf16));
@@ -215,6 +226,10 @@ inline SmemPlan plan_for(const Dims& d, ScanKernel kernel) {
   if (kernel == kOutputKernel) {
     p.split_hi = p.state;
     p.split_lo = p.state + split_state / 2;
+  }
+  if (fused) {
+    p.exit_part = take(hp * static_cast<size_t>(d.state) * sizeof(float));
+    p.psiv_lo = take(m * ld_pv * sizeof(bf16));
   }
   if (backward) {
     // d_token_weights lives in out's space (o is dead between the epilogue and K dSᵀ) when it
@@ -311,6 +326,9 @@ struct Work {
   float* tok_dtau;    // [B, L, H] d_τ without the κ_{t−1} term
   float* tok_dkappa;  // [B, L, H]
   float* partials;    // [H, B * chunks, partial_width]
+  int* order;         // [1 + B·H·chunks] for chunk_forward and the fused chunk_dstate: the next
+                      //   block's ticket, then one flag per (b, h, c), set once the state its
+                      //   block waits for is in `states` (`gstates`); zeroed before each launch
   bf16* psiv;         // [B, L, H, R, P] or null
 };
 
@@ -327,6 +345,10 @@ struct Launch {
 // mamba3_scan_forward.cu: the forward's kernels, in launch order.
 struct ForwardLaunches {
   Launch angle_prefix, chunk_state, state_pass, chunk_output;
+  // On the tensor cores where its shared memory allows two blocks an SM: chunk_forward does what
+  // chunk_state, state_pass and chunk_output do, in one launch (the three are then not launched).
+  bool fused = false;
+  Launch chunk_forward;
 };
 ForwardLaunches forward_launches(const Dims& d, bool tensor_cores);
 // Writes y; keeps the chunk-entry states (and PsiV when psiv_cache) in w for run_backward.
@@ -337,6 +359,9 @@ void run_forward(const ForwardLaunches& launches, bool tensor_cores, bool psiv_c
 struct BackwardLaunches {
   Launch chunk_dstate, state_pass_backward, chunk_backward, dtheta_offsets, finish_tokens,
       reduce_params;
+  // At the fixed shapes chunk_dstate also does the reverse state pass (state_pass_backward is then
+  // not launched).
+  bool reverse_pass_fused = false;
 };
 // shared_limit: the device's shared memory per block (chunk_backward keeps the group's dQ and dK
 // sums there when they fit; see plan_backward).

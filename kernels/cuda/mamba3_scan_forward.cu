@@ -1,5 +1,6 @@
 // The forward of the CUDA Mamba-3 scan: angle offsets per chunk, chunk-local exit states, the
-// sequential pass over chunks that turns them into entry states, then every chunk's outputs.
+// sequential pass over chunks that turns them into entry states, then every chunk's outputs; or,
+// where chunk_forward fits two blocks an SM on the tensor cores, the last three in that one kernel.
 // See mamba3_scan_device.cuh for the notation.
 #include "kernels/cuda/mamba3_scan_device.cuh"
 
@@ -165,6 +166,146 @@ __global__ void __launch_bounds__(kOutputThreads)
   }
 }
 
+// chunk_state, state_pass and chunk_output in one pass (tensor cores): each block computes its
+// chunk's F_c and intra-chunk output, then takes its entry state E_c from the block of chunk c − 1
+// (the same (b, h)), publishes E_{c+1} = a_c E_c + F_c for the block of chunk c + 1, and finishes
+// o with E_c. F_c never goes through memory and the state pass is not a kernel of its own (the two
+// cost 2.5 ms of the 5.9 ms MIMO forward at M3-ref; the state pass ran at 85% of DRAM bandwidth).
+//
+// Blocks take tickets in launch order (an atomic counter), chunk-major: ticket t is chunk
+// t / (B·H) of (b, h) = t % (B·H). A block waits only on the block of the ticket B·H before its
+// own, which took its ticket earlier, is running or done, and waits only on an earlier one in turn:
+// every wait ends whatever order the hardware starts blocks in. The recurrence is the state pass's
+// (E_0 = 0, one fused multiply-add an element, chunks in order), and o's two terms are rounded and
+// added as chunk_output rounds and adds them: the same operations in the same order as the three
+// kernels.
+template <class D>
+__global__ void __launch_bounds__(kOutputThreads)
+    chunk_forward_kernel(D d, SmemPlan plan, DevInputs in, Work w, bool write_psiv, bf16* y) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ int ticket;
+  if (threadIdx.x == 0) ticket = atomicAdd(w.order, 1);
+  __syncthreads();
+  const int pairs = d.batch * d.heads;
+  const ChunkPos pos = chunk_pos(d, ticket % pairs, false, ticket / pairs);
+  float* sc = reinterpret_cast<float*>(smem + plan.token_scalars);
+  float* cosv = reinterpret_cast<float*>(smem + plan.rotation_cos);
+  float* sinv = reinterpret_cast<float*>(smem + plan.rotation_sin);
+  bf16* q_rot = reinterpret_cast<bf16*>(smem + plan.q_rotated);
+  bf16* k_rot = reinterpret_cast<bf16*>(smem + plan.k_rotated);
+  bf16* psiv = reinterpret_cast<bf16*>(smem + plan.psiv);
+  bf16* psiv_lo = reinterpret_cast<bf16*>(smem + plan.psiv_lo);
+  float* exit_part = reinterpret_cast<float*>(smem + plan.exit_part);
+  float* weights = reinterpret_cast<float*>(smem + plan.token_weights);
+  float* o = reinterpret_cast<float*>(smem + plan.out);
+  bf16* weighted = reinterpret_cast<bf16*>(smem + plan.weighted_scores);
+  bf16* entry_hi = reinterpret_cast<bf16*>(smem + plan.split_hi);
+  bf16* entry_lo = reinterpret_cast<bf16*>(smem + plan.split_lo);
+  const int N = d.state, P = d.headdim, R = d.rank, C = d.chunk, M = d.rows;
+  const SmemStrides ld = strides_of<D>(plan);
+  const int ld_qk = ld.qk, ld_pv = ld.pv, ld_mp = ld.mp, ld_sw = ld.sw;
+  const int ld_split = plan.ld_split;
+  load_scalars(d, in, w, pos, sc, cosv, sinv);
+  load_rotated_qk(d, in, pos, cosv, sinv, q_rot, k_rot, ld_qk);
+  load_psiv(d, in, pos, w.psiv, false, write_psiv, psiv, ld_pv);
+  fill_weights(d, sc, weights);
+  __syncthreads();
+  bf16_gemm<true, false, false>(
+      M, M, N, q_rot, ld_qk, k_rot, ld_qk, [&](int i, int j, float value) {
+        weighted[i * ld_sw + j] =
+            __float2bfloat16(value * weights[d.by_rank.div(i) * C + d.by_rank.div(j)]);
+      });
+  __syncthreads();
+  // o's intra-chunk terms first (chunk_output adds them to the rounded entry term, and a + b is
+  // b + a); PsiV is then free for the exit-scaled pairs.
+  const float skip = to_f(in.d[pos.h]);
+  bf16_gemm<true, false, true>(M, P, M, weighted, ld_sw, psiv, ld_pv,
+                               [&](int i, int p, float value) {
+                                 o[i * ld_mp + p] = value + skip * to_f(psiv[i * ld_pv + p]);
+                               });
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < M * P; idx += blockDim.x) {
+    const int row = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
+    const int at = row * ld_pv + p;
+    store_split(to_f(psiv[at]) * sc[kExitScale * C + d.by_rank.div(row)], psiv, psiv_lo, at);
+  }
+  __syncthreads();
+  smem_mma_split<true, true, true, false>(
+      P, N, M, psiv, psiv_lo, ld_pv, k_rot, nullptr, ld_qk,
+      [&](int p, int n, float value) { exit_part[p * N + n] = value; });
+  // E_c from chunk c − 1's block (chunk 0 starts from zero).
+  const size_t pair = static_cast<size_t>(pos.b) * d.heads + pos.h;
+  const size_t matrix = static_cast<size_t>(P) * N;
+  float* states = w.states + (pair * d.chunks + pos.c) * matrix;
+  int* ready = w.order + 1 + pair * d.chunks;
+  if (threadIdx.x == 0 && pos.c > 0) {
+    while (atomicAdd(ready + pos.c, 0) == 0) {
+    }
+    __threadfence();
+  }
+  __syncthreads();  // also: every thread's F_c elements are in exit_part
+  static_assert(D::kFixed);
+  constexpr int kPerThread = (D::headdim * D::state / 4 + kOutputThreads - 1) / kOutputThreads;
+  const int quads = P * N / 4;
+  float4 entry[kPerThread];
+  const float decay = sc[kEntryDecay * C + (pos.len - 1)];
+  const bool has_next = pos.c + 1 < d.chunks;
+#pragma unroll
+  for (int u = 0; u < kPerThread; ++u) {
+    const int quad = threadIdx.x + u * kOutputThreads;
+    if (quad >= quads) continue;
+    entry[u] = pos.c > 0 ? __ldcg(reinterpret_cast<const float4*>(states) + quad)
+                         : make_float4(0.f, 0.f, 0.f, 0.f);
+    if (pos.c == 0) reinterpret_cast<float4*>(states)[quad] = entry[u];
+    if (has_next) {
+      const float4 part = reinterpret_cast<const float4*>(exit_part)[quad];
+      float4 next;
+      next.x = decay * entry[u].x + part.x;
+      next.y = decay * entry[u].y + part.y;
+      next.z = decay * entry[u].z + part.z;
+      next.w = decay * entry[u].w + part.w;
+      __stcg(reinterpret_cast<float4*>(states + matrix) + quad, next);
+    }
+  }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    if (has_next) atomicExch(ready + pos.c + 1, 1);
+    w.decay[pair * d.chunks + pos.c] = decay;
+  }
+  // o += e^{l} Q E_cᵀ, E_c as hi + lo pairs.
+#pragma unroll
+  for (int u = 0; u < kPerThread; ++u) {
+    const int quad = threadIdx.x + u * kOutputThreads;
+    if (quad >= quads) continue;
+    const int at = d.by_state.div(4 * quad) * ld_split + d.by_state.mod(4 * quad);
+    store_split(entry[u].x, entry_hi, entry_lo, at);
+    store_split(entry[u].y, entry_hi, entry_lo, at + 1);
+    store_split(entry[u].z, entry_hi, entry_lo, at + 2);
+    store_split(entry[u].w, entry_hi, entry_lo, at + 3);
+  }
+  __syncthreads();
+  smem_mma_split<false, false, false>(
+      M, P, N, q_rot, nullptr, ld_qk, entry_hi, entry_lo, ld_split, [&](int i, int p, float value) {
+        // The product rounded, then the sum: no fused multiply-add that chunk_output lacks.
+        const float decayed = __fmul_rn(value, sc[kEntryDecay * C + d.by_rank.div(i)]);
+        o[i * ld_mp + p] = __fadd_rn(o[i * ld_mp + p], decayed);
+      });
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < pos.len * P; idx += blockDim.x) {
+    const int i = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
+    const size_t th = token_head(d, pos.b, pos.t0 + i, pos.h);
+    const float z = to_f(in.z[th * P + p]);
+    float sum = 0.f;
+    for (int r = 0; r < R; ++r) {
+      const size_t wr = (static_cast<size_t>(pos.h) * R + r) * P + p;
+      const float gate = z * to_f(in.mimo_z[wr]);
+      sum += o[(i * R + r) * ld_mp + p] * gate * sigmoidf(gate) * to_f(in.mimo_o[wr]);
+    }
+    y[th * P + p] = __float2bfloat16(sum);
+  }
+}
+
 }  // namespace
 
 ForwardLaunches forward_launches(const Dims& d, bool tensor_cores) {
@@ -189,6 +330,19 @@ ForwardLaunches forward_launches(const Dims& d, bool tensor_cores) {
   });
   l.state_pass = {
       "state_pass", kernel_address(&state_pass_kernel), dim3(matrix_blocks, bh), threads, {}};
+  // chunk_forward is compiled for the fixed shapes only (its threads hold their quads of the
+  // state in registers, a count known at compile time).
+  with_fixed_dims(d, [&](auto dims) {
+    using D = decltype(dims);
+    if constexpr (D::kFixed) {
+      const SmemPlan fused = plan_for(d, kForwardKernel);
+      if (tensor_cores && fused.total <= kForwardTwoBlockBytes) {
+        l.fused = true;
+        l.chunk_forward = {"chunk_forward", kernel_address(&chunk_forward_kernel<D>),
+                           dim3(chunks * bh), dim3(kOutputThreads), fused};
+      }
+    }
+  });
   return l;
 }
 
@@ -198,6 +352,20 @@ void run_forward(const ForwardLaunches& launches, bool tensor_cores, bool psiv_c
     const Launch& l = launches.angle_prefix;
     angle_prefix_kernel<<<l.grid, l.block, 0, stream>>>(d, in, w);
     MEGACPP_CUDA_CHECK_LAUNCH(l.name);
+  }
+  if (launches.fused) {
+    // The tickets and the ready flags start at zero every forward.
+    MEGACPP_CUDA_CHECK(cudaMemsetAsync(
+        w.order, 0, (1 + static_cast<size_t>(d.batch) * d.heads * d.chunks) * sizeof(int), stream));
+    const Launch& l = launches.chunk_forward;
+    with_fixed_dims(d, [&](auto dims) {
+      if constexpr (decltype(dims)::kFixed) {
+        chunk_forward_kernel<<<l.grid, l.block, l.smem.total, stream>>>(dims, l.smem, in, w,
+                                                                        psiv_cache, y);
+      }
+    });
+    MEGACPP_CUDA_CHECK_LAUNCH(l.name);
+    return;
   }
   {
     const Launch& l = launches.chunk_state;

@@ -351,14 +351,36 @@ TEST(Mamba3ScanCudaShapes, RefusesAMisalignedSharedBackwardWorkspace) {
                        "backward workspace 4 bytes past an allocation");
 }
 
+// The forward is one kernel (chunk_forward) on the tensor cores at the fixed MIMO shape, three
+// (chunk_state, state_pass, chunk_output) on the CUDA cores and where chunk_forward's shared memory
+// would not leave room for two blocks an SM (the fixed SISO shape). At the fixed shapes
+// chunk_dstate also does the reverse state pass; other shapes launch state_pass_backward after it.
 TEST(Mamba3ScanCudaShapes, ReportsEveryKernelItLaunches) {
   MEGACPP_REQUIRE_GPU();
-  const auto attrs = megacpp::cuda::kernel_attributes(grid_shape(64, 64, 4, 16));
-  EXPECT_EQ(attrs.size(), 10u);
-  for (const auto& a : attrs) {
-    EXPECT_GT(a.registers_per_thread, 0) << a.name;
-    EXPECT_GT(a.blocks_per_sm, 0) << a.name;
-  }
+  const auto names = [](const ScanShape& shape, bool tensor_cores) {
+    std::vector<std::string> out;
+    for (const auto& a : megacpp::cuda::kernel_attributes(shape, tensor_cores)) {
+      EXPECT_GT(a.registers_per_thread, 0) << a.name;
+      EXPECT_GT(a.blocks_per_sm, 0) << a.name;
+      out.push_back(a.name);
+    }
+    return out;
+  };
+  const std::vector<std::string> three = {"angle_prefix", "chunk_state", "state_pass",
+                                          "chunk_output"};
+  const auto with = [](std::vector<std::string> first, const std::vector<std::string>& then) {
+    first.insert(first.end(), then.begin(), then.end());
+    return first;
+  };
+  const std::vector<std::string> tail = {"chunk_backward", "dtheta_offsets", "finish_tokens",
+                                         "reduce_params"};
+  const auto fused_backward = with({"chunk_dstate"}, tail);
+  EXPECT_EQ(names(grid_shape(64, 64, 4, 16), true),
+            with({"angle_prefix", "chunk_forward"}, fused_backward));
+  EXPECT_EQ(names(grid_shape(64, 64, 4, 16), false), with(three, fused_backward));
+  EXPECT_EQ(names(grid_shape(64, 64, 1, 64), true), with(three, fused_backward));
+  EXPECT_EQ(names(grid_shape(32, 64, 4, 16), true),
+            with(three, with({"chunk_dstate", "state_pass_backward"}, tail)));
 }
 
 }  // namespace
