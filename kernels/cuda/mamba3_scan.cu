@@ -42,6 +42,14 @@ Dims dims_of(const ops::ScanShape& s) {
   return d;
 }
 
+size_t device_shared_per_sm() {
+  int device = 0, bytes = 0;
+  MEGACPP_CUDA_CHECK(cudaGetDevice(&device));
+  MEGACPP_CUDA_CHECK(
+      cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+  return static_cast<size_t>(bytes);
+}
+
 int device_shared_limit() {
   int device = 0, limit = 0;
   MEGACPP_CUDA_CHECK(cudaGetDevice(&device));
@@ -154,7 +162,7 @@ DevGrads dev_grads(const ScanDeviceGrads& g, int angles) {
 
 // Every launch of one math variant, forward then backward, in launch order.
 std::vector<Launch> all_launches(const Dims& d, bool tensor_cores) {
-  const ForwardLaunches f = forward_launches(d, tensor_cores);
+  const ForwardLaunches f = forward_launches(d, tensor_cores, device_shared_per_sm());
   const BackwardLaunches b = backward_launches(d, tensor_cores, device_shared_limit());
   std::vector<Launch> launches = {f.angle_prefix};
   if (f.fused) {
@@ -203,8 +211,10 @@ size_t scan_shared_bytes_needed(const ops::ScanShape& shape) {
 namespace {
 
 // The workspace's parts in floats, in the order the arena hands them out: the first
-// kForwardParts are written by forward() and read by backward() (they are the layer's own); the
-// rest are backward()'s temporaries (several scans may share them).
+// kForwardParts are the layer's own: written by forward() and read by backward(), and `order`
+// (the chunk chains' tickets and flags, zeroed before each use by forward() and backward()), which
+// must not be shared: a scan sharing the temporaries may run its forward between this one's
+// forward and backward. The rest are backward()'s temporaries (several scans may share them).
 constexpr int kParts = 14;
 constexpr int kForwardParts = 4;
 
@@ -285,7 +295,8 @@ Mamba3ScanCuda::Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache, boo
   MEGACPP_CUDA_CHECK(cudaMalloc(&arena_, workspace_bytes_));
   buffers_ = new Buffers{};
   buffers_->dims = d;
-  buffers_->forward = scan_detail::forward_launches(d, tensor_cores);
+  buffers_->forward =
+      scan_detail::forward_launches(d, tensor_cores, scan_detail::device_shared_per_sm());
   buffers_->backward =
       scan_detail::backward_launches(d, tensor_cores, scan_detail::device_shared_limit());
   unsigned char* cursor = static_cast<unsigned char*>(arena_);

@@ -93,14 +93,15 @@ class Mamba3ScanCuda {
   // backward_workspace: null, or backward_workspace_bytes(shape) bytes of 16-byte aligned device
   // memory (refused otherwise) for backward()'s temporaries, which scans whose backwards run one
   // after another on one stream (a model's layers) may share; the scan then allocates only what
-  // forward() keeps for backward() (the chunk-entry states and decays, PsiV).
+  // forward() keeps for backward() (the chunk-entry states and decays, PsiV) and the chunk chains'
+  // tickets and flags (B·H·chunks + 1 ints).
   explicit Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache = false,
                           bool tensor_cores = true, void* backward_workspace = nullptr,
                           size_t backward_bytes = 0);
   // Bytes of backward()'s temporaries for `shape` (throws like the constructor on a bad shape).
   static size_t backward_workspace_bytes(const ops::ScanShape& shape);
   // Bytes the constructor allocates for itself (workspace_bytes()): with shared_backward (a
-  // backward_workspace given), only what forward() keeps for backward().
+  // backward_workspace given), only what forward() keeps for backward() and the tickets and flags.
   static size_t own_workspace_bytes(const ops::ScanShape& shape, bool psiv_cache,
                                     bool shared_backward);
   ~Mamba3ScanCuda();

@@ -99,12 +99,9 @@ __global__ void chunk_dstate_kernel(D d, SmemPlan plan, DevInputs in, Work w, co
   extern __shared__ __align__(16) unsigned char smem[];
   int pair_index = blockIdx.y, chunk_index = blockIdx.x;
   if constexpr (kReversePass) {
-    __shared__ int ticket;
-    if (threadIdx.x == 0) ticket = atomicAdd(w.order, 1);
-    __syncthreads();
-    const int pairs = d.batch * d.heads;
-    pair_index = ticket % pairs;
-    chunk_index = d.chunks - 1 - ticket / pairs;
+    const ChainSlot slot = take_ticket(w.order, d.batch * d.heads, d.chunks, true);
+    pair_index = slot.pair;
+    chunk_index = slot.chunk;
   }
   const ChunkPos pos = chunk_pos(d, pair_index, false, chunk_index);
   float* sc = reinterpret_cast<float*>(smem + plan.token_scalars);
@@ -152,12 +149,7 @@ __global__ void chunk_dstate_kernel(D d, SmemPlan plan, DevInputs in, Work w, co
     float* exit_gradient = w.gstates + bhc * matrix;  // X_c: gstates[c]
     int* ready = w.order + 1 + (bhc - pos.c);
     const bool last = pos.c + 1 == d.chunks;
-    if (threadIdx.x == 0 && !last) {
-      while (atomicAdd(ready + pos.c, 0) == 0) {
-      }
-      __threadfence();
-    }
-    __syncthreads();  // also: every thread's H_c elements are in `out`
+    wait_ready(ready + pos.c, !last);  // its barrier: every thread's H_c is in `out`
     const float decay = w.decay[bhc];
     constexpr int kQuads = D::headdim * D::state / 4;
     for (int quad = threadIdx.x; quad < kQuads; quad += blockDim.x) {
@@ -169,17 +161,10 @@ __global__ void chunk_dstate_kernel(D d, SmemPlan plan, DevInputs in, Work w, co
       }
       if (pos.c > 0) {
         const float4 own = reinterpret_cast<const float4*>(out)[quad];
-        float4 before;
-        before.x = decay * x.x + own.x;
-        before.y = decay * x.y + own.y;
-        before.z = decay * x.z + own.z;
-        before.w = decay * x.w + own.w;
-        __stcg(reinterpret_cast<float4*>(exit_gradient - matrix) + quad, before);
+        __stcg(reinterpret_cast<float4*>(exit_gradient - matrix) + quad, scale_add(decay, x, own));
       }
     }
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0 && pos.c > 0) atomicExch(ready + pos.c - 1, 1);
+    publish_ready(ready + pos.c - 1, pos.c > 0);
   }
 }
 

@@ -27,10 +27,9 @@ constexpr int kThreads = 256;
 constexpr int kBackwardThreads = 512;
 constexpr int kOutputThreads = 512;
 constexpr float kPi = 3.14159265358979323846f;
-// The most dynamic shared memory chunk_forward may take and still share an SM with a second block
-// on Hopper (228 KB an SM, 1 KB of it reserved per block). Above it the forward keeps its three
-// kernels (chunk_state, state_pass, chunk_output), which fit two or more blocks an SM.
-constexpr size_t kForwardTwoBlockBytes = 113 * 1024;
+// Shared memory the runtime reserves per resident block (sm_80 and later), on top of what the
+// kernel asks for: chunk_forward is chosen only where two of its blocks fit an SM.
+constexpr size_t kSharedReservedPerBlock = 1024;
 
 // Shape constants every kernel needs, passed by value.
 struct Dims {
@@ -129,8 +128,8 @@ struct SmemPlan {
   size_t split_hi = 0;         // bf16, the forward kernels' and chunk_dstate's one fp32 operand
   size_t split_lo = 0;         //   as hi + lo: chunk_dstate's e^l dO [rows][P] (ld_pv); chunk_state
                                //   its scaled PsiV's lo part (the hi part in PsiV's place, so no
-                               //   split_hi); chunk_output the entry state [P][N] (ld_split, in
-                               //   `state`)
+                               //   split_hi); chunk_output and chunk_forward the entry state
+                               //   [P][N] (ld_split, in `state`)
   size_t total = 0;
   // Row strides (elements) of the matrices above. Rows are padded so that the access patterns
   // of the products (mma fragments: eight rows × four column pairs per warp; the fp32 tiles:
@@ -313,13 +312,15 @@ struct DevGrads {
 
 // Workspace (all fp32 unless noted), indices in the comments.
 struct Work {
-  float* theta0;      // [B, H, chunks, A] θ just before each chunk
-  float* states;      // [B, H, chunks, P, N] chunk-local exit part, then entry states
-  float* decay;       // [B, H, chunks] e^{l_last}
-  float* gstates;     // [B, H, chunks, P, N] dL/d(entry), then dL/d(exit state)
-  float* dq_acc;      // [B, L, R, G, N] summed over the group's heads, unless chunk_backward's
-  float* dk_acc;      //   plan keeps the sums in shared memory (then unused, still allocated)
-  float* dtheta;      // [B, H, L, A] dL/dθ_t, then its suffix sum over t
+  float* theta0;   // [B, H, chunks, A] θ just before each chunk
+  float* states;   // [B, H, chunks, P, N] chunk-local exit part, then entry states (chunk_forward:
+                   //   entry states only)
+  float* decay;    // [B, H, chunks] e^{l_last}
+  float* gstates;  // [B, H, chunks, P, N] dL/d(entry), then dL/d(exit state) (the fused
+                   //   chunk_dstate: dL/d(exit state) only)
+  float* dq_acc;   // [B, L, R, G, N] summed over the group's heads, unless chunk_backward's
+  float* dk_acc;   //   plan keeps the sums in shared memory (then unused, still allocated)
+  float* dtheta;   // [B, H, L, A] dL/dθ_t, then its suffix sum over t
   float* dtheta_tot;  // [B, H, chunks, A] per chunk, then the sum over later chunks
   float* tok_dadt;    // [B, L, H]
   float* tok_ddt;     // [B, L, H] d_dt without the κ_{t−1} and angle terms
@@ -345,12 +346,14 @@ struct Launch {
 // mamba3_scan_forward.cu: the forward's kernels, in launch order.
 struct ForwardLaunches {
   Launch angle_prefix, chunk_state, state_pass, chunk_output;
-  // On the tensor cores where its shared memory allows two blocks an SM: chunk_forward does what
-  // chunk_state, state_pass and chunk_output do, in one launch (the three are then not launched).
+  // At the fixed MIMO shape on the tensor cores, where two of its blocks fit an SM: chunk_forward
+  // does what chunk_state, state_pass and chunk_output do, in one launch (the three are then not
+  // launched).
   bool fused = false;
   Launch chunk_forward;
 };
-ForwardLaunches forward_launches(const Dims& d, bool tensor_cores);
+// shared_per_sm: the device's shared memory per SM (chunk_forward only where two blocks fit).
+ForwardLaunches forward_launches(const Dims& d, bool tensor_cores, size_t shared_per_sm);
 // Writes y; keeps the chunk-entry states (and PsiV when psiv_cache) in w for run_backward.
 void run_forward(const ForwardLaunches& launches, bool tensor_cores, bool psiv_cache, const Dims& d,
                  const DevInputs& in, const Work& w, bf16* y, cudaStream_t stream);
@@ -491,6 +494,48 @@ static __device__ __forceinline__ void warp_scan(int count, bool reverse, bool e
   }
 }
 
+// a · x + y with one rounding per element: the step of the state passes, wherever it is taken
+// (state_recurrence, chunk_forward, the fused chunk_dstate), so that they give the same bits.
+static __device__ __forceinline__ float4 scale_add(float a, float4 x, float4 y) {
+  return make_float4(__fmaf_rn(a, x.x, y.x), __fmaf_rn(a, x.y, y.y), __fmaf_rn(a, x.z, y.z),
+                     __fmaf_rn(a, x.w, y.w));
+}
+
+// The chain over chunks of chunk_forward and the fused chunk_dstate (see chunk_forward_kernel):
+// the (batch, head) pair and chunk of this block, from a ticket taken in launch order, chunk-major,
+// from the last chunk back when `reverse`. A block waits only on the block B·H tickets before it,
+// which took its ticket earlier and so is running or done: every wait ends, whatever order the
+// hardware starts blocks in.
+struct ChainSlot {
+  int pair, chunk;
+};
+static __device__ __forceinline__ ChainSlot take_ticket(int* order, int pairs, int chunks,
+                                                        bool reverse) {
+  __shared__ int ticket;
+  if (threadIdx.x == 0) ticket = atomicAdd(order, 1);
+  __syncthreads();
+  const int chunk = ticket / pairs;
+  return {ticket % pairs, reverse ? chunks - 1 - chunk : chunk};
+}
+
+// When `wait`: thread 0 waits until `flag` is set, then orders the block's later loads after what
+// the setter published (those loads bypass L1: __ldcg). A barrier for the whole block either way.
+static __device__ __forceinline__ void wait_ready(const int* flag, bool wait) {
+  if (threadIdx.x == 0 && wait) {
+    while (*reinterpret_cast<const volatile int*>(flag) == 0) {
+    }
+    __threadfence();
+  }
+  __syncthreads();
+}
+
+// Every thread's stores before the call made visible device-wide, then (when `publish`) `flag` set.
+static __device__ __forceinline__ void publish_ready(int* flag, bool publish) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0 && publish) atomicExch(flag, 1);
+}
+
 // The state passes' recurrence over one thread's four neighbouring elements of every chunk's state
 // (column[c · stride], c in order, or in reverse): before chunk c's value x_c is read it is
 // replaced by the running value, which then becomes scale_c · running + x_c. Loads are issued a
@@ -528,10 +573,7 @@ static __device__ __forceinline__ void state_recurrence(float4* column, size_t s
     for (int x = 0; x < kBatch; ++x) {
       if (k0 + x < chunks) {
         column[chunk_of(k0 + x) * stride] = running;
-        running.x = scales[x] * running.x + values[x].x;
-        running.y = scales[x] * running.y + values[x].y;
-        running.z = scales[x] * running.z + values[x].z;
-        running.w = scales[x] * running.w + values[x].w;
+        running = scale_add(scales[x], running, values[x]);
       }
     }
     if (more) {

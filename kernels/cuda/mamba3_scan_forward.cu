@@ -1,6 +1,7 @@
 // The forward of the CUDA Mamba-3 scan: angle offsets per chunk, chunk-local exit states, the
-// sequential pass over chunks that turns them into entry states, then every chunk's outputs; or,
-// where chunk_forward fits two blocks an SM on the tensor cores, the last three in that one kernel.
+// sequential pass over chunks that turns them into entry states, then every chunk's outputs; or, at
+// the fixed MIMO shape on the tensor cores where two chunk_forward blocks fit an SM, the last three
+// in that one kernel.
 // See mamba3_scan_device.cuh for the notation.
 #include "kernels/cuda/mamba3_scan_device.cuh"
 
@@ -172,22 +173,16 @@ __global__ void __launch_bounds__(kOutputThreads)
 // o with E_c. F_c never goes through memory and the state pass is not a kernel of its own (the two
 // cost 2.5 ms of the 5.9 ms MIMO forward at M3-ref; the state pass ran at 85% of DRAM bandwidth).
 //
-// Blocks take tickets in launch order (an atomic counter), chunk-major: ticket t is chunk
-// t / (B·H) of (b, h) = t % (B·H). A block waits only on the block of the ticket B·H before its
-// own, which took its ticket earlier, is running or done, and waits only on an earlier one in turn:
-// every wait ends whatever order the hardware starts blocks in. The recurrence is the state pass's
-// (E_0 = 0, one fused multiply-add an element, chunks in order), and o's two terms are rounded and
+// Blocks take their chunk from a ticket (take_ticket: why every wait ends). The recurrence is the
+// state pass's (E_0 = 0, scale_add, chunks in order), and o's two terms are rounded and
 // added as chunk_output rounds and adds them: the same operations in the same order as the three
 // kernels.
 template <class D>
-__global__ void __launch_bounds__(kOutputThreads)
+__global__ void __launch_bounds__(kOutputThreads, 2)
     chunk_forward_kernel(D d, SmemPlan plan, DevInputs in, Work w, bool write_psiv, bf16* y) {
   extern __shared__ __align__(16) unsigned char smem[];
-  __shared__ int ticket;
-  if (threadIdx.x == 0) ticket = atomicAdd(w.order, 1);
-  __syncthreads();
-  const int pairs = d.batch * d.heads;
-  const ChunkPos pos = chunk_pos(d, ticket % pairs, false, ticket / pairs);
+  const ChainSlot slot = take_ticket(w.order, d.batch * d.heads, d.chunks, false);
+  const ChunkPos pos = chunk_pos(d, slot.pair, false, slot.chunk);
   float* sc = reinterpret_cast<float*>(smem + plan.token_scalars);
   float* cosv = reinterpret_cast<float*>(smem + plan.rotation_cos);
   float* sinv = reinterpret_cast<float*>(smem + plan.rotation_sin);
@@ -238,12 +233,7 @@ __global__ void __launch_bounds__(kOutputThreads)
   const size_t matrix = static_cast<size_t>(P) * N;
   float* states = w.states + (pair * d.chunks + pos.c) * matrix;
   int* ready = w.order + 1 + pair * d.chunks;
-  if (threadIdx.x == 0 && pos.c > 0) {
-    while (atomicAdd(ready + pos.c, 0) == 0) {
-    }
-    __threadfence();
-  }
-  __syncthreads();  // also: every thread's F_c elements are in exit_part
+  wait_ready(ready + pos.c, pos.c > 0);  // its barrier: every thread's F_c is in exit_part
   static_assert(D::kFixed);
   constexpr int kPerThread = (D::headdim * D::state / 4 + kOutputThreads - 1) / kOutputThreads;
   const int quads = P * N / 4;
@@ -259,21 +249,12 @@ __global__ void __launch_bounds__(kOutputThreads)
     if (pos.c == 0) reinterpret_cast<float4*>(states)[quad] = entry[u];
     if (has_next) {
       const float4 part = reinterpret_cast<const float4*>(exit_part)[quad];
-      float4 next;
-      next.x = decay * entry[u].x + part.x;
-      next.y = decay * entry[u].y + part.y;
-      next.z = decay * entry[u].z + part.z;
-      next.w = decay * entry[u].w + part.w;
-      __stcg(reinterpret_cast<float4*>(states + matrix) + quad, next);
+      __stcg(reinterpret_cast<float4*>(states + matrix) + quad, scale_add(decay, entry[u], part));
     }
   }
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    if (has_next) atomicExch(ready + pos.c + 1, 1);
-    w.decay[pair * d.chunks + pos.c] = decay;
-  }
-  // o += e^{l} Q E_cᵀ, E_c as hi + lo pairs.
+  publish_ready(ready + pos.c + 1, has_next);
+  if (threadIdx.x == 0) w.decay[pair * d.chunks + pos.c] = decay;
+    // o += e^{l} Q E_cᵀ, E_c as hi + lo pairs.
 #pragma unroll
   for (int u = 0; u < kPerThread; ++u) {
     const int quad = threadIdx.x + u * kOutputThreads;
@@ -308,7 +289,7 @@ __global__ void __launch_bounds__(kOutputThreads)
 
 }  // namespace
 
-ForwardLaunches forward_launches(const Dims& d, bool tensor_cores) {
+ForwardLaunches forward_launches(const Dims& d, bool tensor_cores, size_t shared_per_sm) {
   const unsigned bh = static_cast<unsigned>(d.batch * d.heads);
   const unsigned chunks = static_cast<unsigned>(d.chunks);
   // state_pass: a thread per four elements of a state.
@@ -336,7 +317,7 @@ ForwardLaunches forward_launches(const Dims& d, bool tensor_cores) {
     using D = decltype(dims);
     if constexpr (D::kFixed) {
       const SmemPlan fused = plan_for(d, kForwardKernel);
-      if (tensor_cores && fused.total <= kForwardTwoBlockBytes) {
+      if (tensor_cores && 2 * (fused.total + kSharedReservedPerBlock) <= shared_per_sm) {
         l.fused = true;
         l.chunk_forward = {"chunk_forward", kernel_address(&chunk_forward_kernel<D>),
                            dim3(chunks * bh), dim3(kOutputThreads), fused};

@@ -100,6 +100,16 @@ struct Mamba3Scan {
     s.batch = 2;
     s.seqlen = 1000;
     add(s, both);
+    // A single chunk, shorter than the chunk, at both fixed shapes: the chunk chains of
+    // chunk_forward and the fused chunk_dstate with nothing to wait for and nothing to hand on.
+    s = grid_shape(64, 64, 4, 16);
+    s.batch = 2;
+    s.seqlen = 13;
+    add(s, both);
+    s = grid_shape(64, 64, 1, 64);
+    s.batch = 2;
+    s.seqlen = 50;
+    add(s, both);
     // Two groups: q and k gradients summed over each group's heads.
     s = grid_shape(64, 64, 4, 16);
     s.groups = 2;
@@ -351,10 +361,11 @@ TEST(Mamba3ScanCudaShapes, RefusesAMisalignedSharedBackwardWorkspace) {
                        "backward workspace 4 bytes past an allocation");
 }
 
-// The forward is one kernel (chunk_forward) on the tensor cores at the fixed MIMO shape, three
-// (chunk_state, state_pass, chunk_output) on the CUDA cores and where chunk_forward's shared memory
-// would not leave room for two blocks an SM (the fixed SISO shape). At the fixed shapes
-// chunk_dstate also does the reverse state pass; other shapes launch state_pass_backward after it.
+// The forward is one kernel (chunk_forward, two blocks an SM) on the tensor cores at the fixed MIMO
+// shape of a Hopper GPU, three (chunk_state, state_pass, chunk_output) on the CUDA cores and where
+// chunk_forward's shared memory would not leave room for two blocks an SM (the fixed SISO shape).
+// At the fixed shapes chunk_dstate also does the reverse state pass; other shapes launch
+// state_pass_backward after it.
 TEST(Mamba3ScanCudaShapes, ReportsEveryKernelItLaunches) {
   MEGACPP_REQUIRE_GPU();
   const auto names = [](const ScanShape& shape, bool tensor_cores) {
@@ -377,6 +388,11 @@ TEST(Mamba3ScanCudaShapes, ReportsEveryKernelItLaunches) {
   const auto fused_backward = with({"chunk_dstate"}, tail);
   EXPECT_EQ(names(grid_shape(64, 64, 4, 16), true),
             with({"angle_prefix", "chunk_forward"}, fused_backward));
+  for (const auto& a : megacpp::cuda::kernel_attributes(grid_shape(64, 64, 4, 16), true)) {
+    if (a.name == "chunk_forward") {
+      EXPECT_GE(a.blocks_per_sm, 2);
+    }
+  }
   EXPECT_EQ(names(grid_shape(64, 64, 4, 16), false), with(three, fused_backward));
   EXPECT_EQ(names(grid_shape(64, 64, 1, 64), true), with(three, fused_backward));
   EXPECT_EQ(names(grid_shape(32, 64, 4, 16), true),
