@@ -92,6 +92,27 @@ __global__ void state_pass_kernel(Dims d, Work w) {
                           w.decay + bh * d.chunks, d.chunks);
 }
 
+// y = Σ_r o_r ⊙ silu(z ⊙ mimo_z_r) ⊙ mimo_o_r for the chunk's tokens, o in rows (i, r) of stride
+// ld_o: the epilogue of chunk_output and chunk_forward.
+template <class D>
+static __device__ __forceinline__ void write_gated_output(const D& d, const DevInputs& in,
+                                                          const ChunkPos& pos, const float* o,
+                                                          int ld_o, bf16* y) {
+  const int P = d.headdim, R = d.rank;
+  for (int idx = threadIdx.x; idx < pos.len * P; idx += blockDim.x) {
+    const int i = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
+    const size_t th = token_head(d, pos.b, pos.t0 + i, pos.h);
+    const float z = to_f(in.z[th * P + p]);
+    float sum = 0.f;
+    for (int r = 0; r < R; ++r) {
+      const size_t wr = (static_cast<size_t>(pos.h) * R + r) * P + p;
+      const float gate = z * to_f(in.mimo_z[wr]);
+      sum += o[(i * R + r) * ld_o + p] * gate * sigmoidf(gate) * to_f(in.mimo_o[wr]);
+    }
+    y[th * P + p] = __float2bfloat16(sum);
+  }
+}
+
 // o = e^{l} Q Eᵀ + (QKᵀ ⊙ W) V + D v, y = Σ_r o_r ⊙ silu(z ⊙ mimo_z_r) ⊙ mimo_o_r.
 template <bool kTensor, class D>
 __global__ void __launch_bounds__(kOutputThreads)
@@ -108,7 +129,7 @@ __global__ void __launch_bounds__(kOutputThreads)
   float* weights = reinterpret_cast<float*>(smem + plan.token_weights);
   float* o = reinterpret_cast<float*>(smem + plan.out);
   bf16* weighted = reinterpret_cast<bf16*>(smem + plan.weighted_scores);
-  const int N = d.state, P = d.headdim, R = d.rank, C = d.chunk, M = d.rows;
+  const int N = d.state, P = d.headdim, C = d.chunk, M = d.rows;
   const size_t bhc = (static_cast<size_t>(pos.b) * d.heads + pos.h) * d.chunks + pos.c;
   load_scalars(d, in, w, pos, sc, cosv, sinv);
   const SmemStrides ld = strides_of<D>(plan);
@@ -153,18 +174,7 @@ __global__ void __launch_bounds__(kOutputThreads)
                                     o[i * ld_mp + p] += value + skip * to_f(psiv[i * ld_pv + p]);
                                   });
   __syncthreads();
-  for (int idx = threadIdx.x; idx < pos.len * P; idx += blockDim.x) {
-    const int i = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
-    const size_t th = token_head(d, pos.b, pos.t0 + i, pos.h);
-    const float z = to_f(in.z[th * P + p]);
-    float sum = 0.f;
-    for (int r = 0; r < R; ++r) {
-      const size_t wr = (static_cast<size_t>(pos.h) * R + r) * P + p;
-      const float gate = z * to_f(in.mimo_z[wr]);
-      sum += o[(i * R + r) * ld_mp + p] * gate * sigmoidf(gate) * to_f(in.mimo_o[wr]);
-    }
-    y[th * P + p] = __float2bfloat16(sum);
-  }
+  write_gated_output(d, in, pos, o, ld_mp, y);
 }
 
 // chunk_state, state_pass and chunk_output in one pass (tensor cores): each block computes its
@@ -196,7 +206,7 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
   bf16* weighted = reinterpret_cast<bf16*>(smem + plan.weighted_scores);
   bf16* entry_hi = reinterpret_cast<bf16*>(smem + plan.split_hi);
   bf16* entry_lo = reinterpret_cast<bf16*>(smem + plan.split_lo);
-  const int N = d.state, P = d.headdim, R = d.rank, C = d.chunk, M = d.rows;
+  const int N = d.state, P = d.headdim, C = d.chunk, M = d.rows;
   const SmemStrides ld = strides_of<D>(plan);
   const int ld_qk = ld.qk, ld_pv = ld.pv, ld_mp = ld.mp, ld_sw = ld.sw;
   const int ld_split = plan.ld_split;
@@ -273,18 +283,7 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
         o[i * ld_mp + p] = __fadd_rn(o[i * ld_mp + p], decayed);
       });
   __syncthreads();
-  for (int idx = threadIdx.x; idx < pos.len * P; idx += blockDim.x) {
-    const int i = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
-    const size_t th = token_head(d, pos.b, pos.t0 + i, pos.h);
-    const float z = to_f(in.z[th * P + p]);
-    float sum = 0.f;
-    for (int r = 0; r < R; ++r) {
-      const size_t wr = (static_cast<size_t>(pos.h) * R + r) * P + p;
-      const float gate = z * to_f(in.mimo_z[wr]);
-      sum += o[(i * R + r) * ld_mp + p] * gate * sigmoidf(gate) * to_f(in.mimo_o[wr]);
-    }
-    y[th * P + p] = __float2bfloat16(sum);
-  }
+  write_gated_output(d, in, pos, o, ld_mp, y);
 }
 
 }  // namespace
