@@ -227,7 +227,7 @@ std::array<size_t, kParts> part_sizes(const Dims& d) {
       B * H * chunks * A,       // theta0
       B * H * chunks * matrix,  // states
       B * H * chunks,           // decay
-      1 + B * H * chunks,       // order (ints)
+      chain_order_ints(d),      // order (ints)
       B * H * chunks * matrix,  // gstates
       qk,                       // dq_acc
       qk,                       // dk_acc

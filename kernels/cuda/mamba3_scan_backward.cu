@@ -147,7 +147,7 @@ __global__ void chunk_dstate_kernel(D d, SmemPlan plan, DevInputs in, Work w, co
   if constexpr (kReversePass) {
     static_assert(D::kFixed);
     float* exit_gradient = w.gstates + bhc * matrix;  // X_c: gstates[c]
-    int* ready = w.order + 1 + (bhc - pos.c);
+    int* ready = chain_flags(w, d, static_cast<size_t>(pos.b) * d.heads + pos.h);
     const bool last = pos.c + 1 == d.chunks;
     wait_ready(ready + pos.c, !last);  // its barrier: every thread's H_c is in `out`
     const float decay = w.decay[bhc];
@@ -901,10 +901,7 @@ void run_backward(const BackwardLaunches& launches, bool tensor_cores, bool psiv
   {
     const Launch& l = launches.chunk_dstate;
     if (launches.reverse_pass_fused) {
-      // The tickets and the ready flags start at zero every backward.
-      MEGACPP_CUDA_CHECK(cudaMemsetAsync(
-          w.order, 0, (1 + static_cast<size_t>(d.batch) * d.heads * d.chunks) * sizeof(int),
-          stream));
+      reset_chain(d, w, stream);
     }
     with_fixed_dims(d, [&](auto dims) {
       constexpr bool kFused = decltype(dims)::kFixed;

@@ -333,6 +333,19 @@ struct Work {
   bf16* psiv;         // [B, L, H, R, P] or null
 };
 
+// Work::order's length in ints: the ticket counter, then a ready flag per (batch, head, chunk).
+inline size_t chain_order_ints(const Dims& d) {
+  return 1 + static_cast<size_t>(d.batch) * d.heads * d.chunks;
+}
+// The tickets and flags zeroed, before each launch of a kernel that walks the chunk chain.
+inline void reset_chain(const Dims& d, const Work& w, cudaStream_t stream) {
+  MEGACPP_CUDA_CHECK(cudaMemsetAsync(w.order, 0, chain_order_ints(d) * sizeof(int), stream));
+}
+// The ready flags of one (batch, head) pair, one per chunk.
+static __device__ __forceinline__ int* chain_flags(const Work& w, const Dims& d, size_t pair) {
+  return w.order + 1 + pair * d.chunks;
+}
+
 // One kernel launch as the scan makes it, derived once per shape: what forward() and backward()
 // launch with and what kernel_attributes() reports.
 struct Launch {

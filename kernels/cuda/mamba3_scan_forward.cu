@@ -242,7 +242,7 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
   const size_t pair = static_cast<size_t>(pos.b) * d.heads + pos.h;
   const size_t matrix = static_cast<size_t>(P) * N;
   float* states = w.states + (pair * d.chunks + pos.c) * matrix;
-  int* ready = w.order + 1 + pair * d.chunks;
+  int* ready = chain_flags(w, d, pair);
   wait_ready(ready + pos.c, pos.c > 0);  // its barrier: every thread's F_c is in exit_part
   static_assert(D::kFixed);
   constexpr int kPerThread = (D::headdim * D::state / 4 + kOutputThreads - 1) / kOutputThreads;
@@ -334,9 +334,7 @@ void run_forward(const ForwardLaunches& launches, bool tensor_cores, bool psiv_c
     MEGACPP_CUDA_CHECK_LAUNCH(l.name);
   }
   if (launches.fused) {
-    // The tickets and the ready flags start at zero every forward.
-    MEGACPP_CUDA_CHECK(cudaMemsetAsync(
-        w.order, 0, (1 + static_cast<size_t>(d.batch) * d.heads * d.chunks) * sizeof(int), stream));
+    reset_chain(d, w, stream);
     const Launch& l = launches.chunk_forward;
     with_fixed_dims(d, [&](auto dims) {
       if constexpr (decltype(dims)::kFixed) {
