@@ -11,7 +11,7 @@
 //   forward   angle offsets per chunk (a prefix over chunks), chunk-local exit states in
 //             parallel, a sequential-over-chunks pass per (batch, head) that turns them
 //             into chunk-entry states, then every chunk's outputs in parallel (at the fixed
-//             MIMO shape on the tensor cores all three in one kernel, each block handing the
+//             shapes on the tensor cores all three in one kernel, each block handing the
 //             next chunk's block its entry state);
 //   backward  chunk-local gradients of the entry states in parallel, a reverse
 //             sequential pass that turns them into exit-state gradients (in the same kernel
@@ -30,7 +30,9 @@
 
 namespace megacpp::cuda {
 
-// Device pointers, bf16 (uint16_t bit patterns), shapes and layouts of ops::ScanInputs.
+// Device pointers, bf16 (uint16_t bit patterns), shapes and layouts of ops::ScanInputs. q, k, v,
+// z, the biases, the mimo projections and dy must be 16-byte aligned (forward and backward refuse
+// others, naming the tensor).
 struct ScanDeviceInputs {
   const uint16_t* q = nullptr;
   const uint16_t* k = nullptr;

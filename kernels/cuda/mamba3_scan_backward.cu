@@ -31,13 +31,15 @@ constexpr bool kAsyncCopies = false;
 constexpr bool kAsyncCopies = true;
 #endif
 
-// d_o = dy ⊙ silu(z ⊙ mimo_z) ⊙ mimo_o, rows (i, r), fp32; an index is (row, p). With z_dy,
-// also the chunk's z and dy as loaded (bf16 [C][P] each, z then dy; zeros for padded tokens), for
-// the epilogue; with mimo_copy, the head's mimo_z then mimo_o ([R][P] each, fp32).
+// d_o = dy ⊙ silu(z ⊙ mimo_z) ⊙ mimo_o, rows (i, r), fp32; an index is (row, W columns p). With
+// z_dy, also the chunk's z and dy as loaded (bf16 [C][P] each, z then dy; zeros for padded tokens),
+// for the epilogue; with mimo_copy, the head's mimo_z then mimo_o ([R][P] each, fp32).
 template <class D>
 struct DOutLoader {
+  static constexpr int W = kColumnsPerItem<D>;
+  static constexpr int kBatch = kLoaderBatch<D>;
   struct Loaded {
-    bf16 z, mimo_z, dy, mimo_o;
+    Bf16Row<W> z, mimo_z, dy, mimo_o;
   };
   const D& d;
   const DevInputs& in;
@@ -49,39 +51,52 @@ struct DOutLoader {
   float* mimo_copy = nullptr;
   const bf16* staged_z_dy = nullptr;  // the chunk's z then dy already in shared memory, [2][C][P]
 
+  static __device__ __forceinline__ int items(const D& d) { return d.rows * d.headdim / W; }
   __device__ __forceinline__ Loaded load(int idx) const {
     const int P = d.headdim, R = d.rank;
-    const int row = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
+    const auto [row, p] = headdim_item<W>(d, idx);
     const int i = d.by_rank.div(row), r = d.by_rank.mod(row);
-    const bf16 zero = __float2bfloat16(0.f);
-    Loaded loaded{zero, zero, zero, zero};
+    Loaded loaded{zero_row<W>(), zero_row<W>(), zero_row<W>(), zero_row<W>()};
     if (i < pos.len) {
       const size_t th = token_head(d, pos.b, pos.t0 + i, pos.h);
       const size_t wr = (static_cast<size_t>(pos.h) * R + r) * P + p;
       if (staged_z_dy != nullptr) {
         const int at = i * P + p;
-        loaded = {staged_z_dy[at], in.mimo_z[wr], staged_z_dy[d.chunk * P + at], in.mimo_o[wr]};
+        loaded = {load_row<W>(staged_z_dy + at), load_row<W>(in.mimo_z + wr),
+                  load_row<W>(staged_z_dy + d.chunk * P + at), load_row<W>(in.mimo_o + wr)};
       } else {
-        loaded = {in.z[th * P + p], in.mimo_z[wr], dy[th * P + p], in.mimo_o[wr]};
+        loaded = {load_row<W>(in.z + th * P + p), load_row<W>(in.mimo_z + wr),
+                  load_row<W>(dy + th * P + p), load_row<W>(in.mimo_o + wr)};
       }
     }
     return loaded;
   }
   __device__ __forceinline__ void store(int idx, const Loaded& loaded) const {
     const int P = d.headdim, R = d.rank;
-    const int row = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
+    const auto [row, p] = headdim_item<W>(d, idx);
     const int i = d.by_rank.div(row), r = d.by_rank.mod(row);
     // Padded tokens loaded zeros: gate 0, value 0.
-    const float gate = to_f(loaded.z) * to_f(loaded.mimo_z);
-    dst[row * ld + p] = to_f(loaded.dy) * gate * sigmoidf(gate) * to_f(loaded.mimo_o);
+    float d_out[W];
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+      const float gate = loaded.z.at(w) * loaded.mimo_z.at(w);
+      d_out[w] = loaded.dy.at(w) * gate * sigmoidf(gate) * loaded.mimo_o.at(w);
+    }
+    store_floats<W>(dst + row * ld + p, d_out);
     if (z_dy != nullptr && r == 0) {
       const int at = i * P + p;
-      z_dy[at] = loaded.z;
-      z_dy[d.chunk * P + at] = loaded.dy;
+      store_row(z_dy + at, loaded.z);
+      store_row(z_dy + d.chunk * P + at, loaded.dy);
     }
     if (mimo_copy != nullptr && i == 0) {
-      mimo_copy[r * P + p] = to_f(loaded.mimo_z);
-      mimo_copy[(R + r) * P + p] = to_f(loaded.mimo_o);
+      float mimo_z[W], mimo_o[W];
+#pragma unroll
+      for (int w = 0; w < W; ++w) {
+        mimo_z[w] = loaded.mimo_z.at(w);
+        mimo_o[w] = loaded.mimo_o.at(w);
+      }
+      store_floats<W>(mimo_copy + r * P + p, mimo_z);
+      store_floats<W>(mimo_copy + (R + r) * P + p, mimo_o);
     }
   }
 };
@@ -113,7 +128,7 @@ __global__ void chunk_dstate_kernel(D d, SmemPlan plan, DevInputs in, Work w, co
   const SmemStrides ld = strides_of<D>(plan);
   const int ld_qk = ld.qk, ld_mp = ld.mp;
   load_rotated(d, in.q, in.q_bias, pos, cosv, sinv, q_rot, ld_qk);
-  load_alone(d.rows * d.headdim, DOutLoader<D>{d, in, dy, pos, d_o, ld_mp});
+  load_alone(DOutLoader<D>::items(d), DOutLoader<D>{d, in, dy, pos, d_o, ld_mp});
   __syncthreads();
   const int N = d.state, P = d.headdim, C = d.chunk;
   const size_t bhc = (static_cast<size_t>(pos.b) * d.heads + pos.h) * d.chunks + pos.c;
@@ -365,7 +380,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
     load_scalars(d, in, w, pos, sc, cosv, sinv);
     load_rotated_qk(d, in, pos, cosv, sinv, q_rot, k_rot, ld_qk);
     load_together(
-        M * P,
+        PsivLoader<D>::items(d),
         PsivLoader<D>{d, in, pos, w.psiv, read_psiv, false, psiv, ld_pv, mimo_x, v_early, staged},
         DOutLoader<D>{d, in, dy, pos, d_o, ld_mp, z_dy, mimo_zo,
                       staged != nullptr ? staged + C * P : nullptr});

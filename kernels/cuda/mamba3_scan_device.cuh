@@ -14,6 +14,7 @@
 // so the gradient of ADT only needs chunk-local suffix sums of dL/dl.
 #include <algorithm>
 #include <cstddef>
+#include <type_traits>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/mamba3_scan.h"
@@ -122,9 +123,11 @@ struct SmemPlan {
   size_t state_lo = 0;         //   products' ldmatrix operands; 0 when not (see plan_backward)
   size_t d_out_lo = 0;         // bf16 [rows][P]: d_out − bf16(d_out), beside d_out_bf16
   size_t exit_part = 0;        // fp32 [P][N], rows of N: chunk_forward's F_c (the chunk's own
-                               //   part of the next entry state), chunk_dstate's H_c
+                               //   part of the next entry state; in `state` when it fits),
+                               //   chunk_dstate's H_c
   size_t psiv_lo = 0;          // bf16 [rows][P]: chunk_forward's exit-scaled PsiV, lo part (the hi
-                               //   part in PsiV's place once o no longer needs PsiV)
+                               //   part in PsiV's place once o no longer needs PsiV; in
+                               //   weighted_scores when it fits)
   size_t split_hi = 0;         // bf16, the forward kernels' and chunk_dstate's one fp32 operand
   size_t split_lo = 0;         //   as hi + lo: chunk_dstate's e^l dO [rows][P] (ld_pv); chunk_state
                                //   its scaled PsiV's lo part (the hi part in PsiV's place, so no
@@ -227,8 +230,14 @@ inline SmemPlan plan_for(const Dims& d, ScanKernel kernel) {
     p.split_lo = p.state + split_state / 2;
   }
   if (fused) {
-    p.exit_part = take(hp * static_cast<size_t>(d.state) * sizeof(float));
-    p.psiv_lo = take(m * ld_pv * sizeof(bf16));
+    // F_c lives in the entry state's space (its last read, the publish, is a barrier before E_c's
+    // pairs are written there), the scaled PsiV's lo part in the weighted scores' (dead after the
+    // intra-chunk product) when it fits: chunk_forward then takes what chunk_output takes, and
+    // two blocks an SM at the fixed SISO shape too.
+    const size_t exit_bytes = hp * static_cast<size_t>(d.state) * sizeof(float);
+    const size_t state_bytes = std::max(hp * ld_state * sizeof(float), split_state);
+    p.exit_part = exit_bytes <= state_bytes ? p.state : take(exit_bytes);
+    p.psiv_lo = m * ld_pv <= m * ld_sw ? p.weighted_scores : take(m * ld_pv * sizeof(bf16));
   }
   if (backward) {
     // d_token_weights lives in out's space (o is dead between the epilogue and K dSᵀ) when it
@@ -359,7 +368,7 @@ struct Launch {
 // mamba3_scan_forward.cu: the forward's kernels, in launch order.
 struct ForwardLaunches {
   Launch angle_prefix, chunk_state, state_pass, chunk_output;
-  // At the fixed MIMO shape on the tensor cores, where two of its blocks fit an SM: chunk_forward
+  // At the fixed shapes on the tensor cores, where two of its blocks fit an SM: chunk_forward
   // does what chunk_state, state_pass and chunk_output do, in one launch (the three are then not
   // launched).
   bool fused = false;
@@ -446,6 +455,94 @@ static __device__ __forceinline__ void for_each_batched(int items, Load load, St
   }
 }
 constexpr int kLoadBatch = 4;
+
+// Columns a loader moves per index at the fixed shapes: W neighbouring bf16 of a row in one 8- or
+// 16-byte load and store. An element at a time, the loaders' index arithmetic and 2-byte loads were
+// about a sixth of chunk_backward's instructions (ncu source counters). Mamba3ScanCuda requires
+// its bf16 inputs 16-byte aligned, and every row of the fixed shapes is a multiple of 16 bytes; at
+// other shapes the loaders keep an element an index. kColumnsPerItem: rows of P (PsiV, dO);
+// kRotatedColumnsPerItem: the rotation's half rows of N/2 (its pairs (n, n + N/2)).
+template <class D>
+constexpr int kColumnsPerItem = D::kFixed ? 8 : 1;
+template <class D>
+constexpr int kRotatedColumnsPerItem = D::kFixed ? 4 : 1;
+
+// W neighbouring bf16 of a row, held as one raw load (W in 1, 2, 4, 8).
+template <int W>
+struct Bf16Row {
+  using Raw = std::conditional_t<
+      W == 8, uint4,
+      std::conditional_t<W == 4, uint2, std::conditional_t<W == 2, uint32_t, unsigned short>>>;
+  Raw raw;
+  __device__ __forceinline__ float at(int w) const {
+    return __bfloat162float(reinterpret_cast<const bf16*>(&raw)[w]);
+  }
+};
+template <int W>
+static __device__ __forceinline__ Bf16Row<W> load_row(const bf16* from) {
+  return {*reinterpret_cast<const typename Bf16Row<W>::Raw*>(from)};
+}
+template <int W>
+static __device__ __forceinline__ void store_row(bf16* to, const Bf16Row<W>& row) {
+  *reinterpret_cast<typename Bf16Row<W>::Raw*>(to) = row.raw;
+}
+template <int W>
+static __device__ __forceinline__ Bf16Row<W> zero_row() {
+  Bf16Row<W> row;
+  row.raw = {};
+  return row;
+}
+// W floats rounded to bf16 (to nearest even, as __float2bfloat16).
+template <int W>
+static __device__ __forceinline__ Bf16Row<W> round_row(const float (&values)[W]) {
+  Bf16Row<W> row;
+  bf16* out = reinterpret_cast<bf16*>(&row.raw);
+#pragma unroll
+  for (int w = 0; w < W; ++w) out[w] = __float2bfloat16(values[w]);
+  return row;
+}
+// W floats to `to`, four at a time where W allows (`to` then 16-byte aligned).
+template <int W>
+static __device__ __forceinline__ void store_floats(float* to, const float (&values)[W]) {
+  if constexpr (W % 4 == 0) {
+#pragma unroll
+    for (int q = 0; q < W / 4; ++q) {
+      reinterpret_cast<float4*>(to)[q] =
+          make_float4(values[4 * q], values[4 * q + 1], values[4 * q + 2], values[4 * q + 3]);
+    }
+  } else {
+#pragma unroll
+    for (int w = 0; w < W; ++w) to[w] = values[w];
+  }
+}
+// Index idx of a loader over rows of `columns` elements, W to an index: its row and first column.
+struct RowColumn {
+  int row, col;
+};
+template <int W, int kColumns, class Div>
+static __device__ __forceinline__ RowColumn row_column(const Div& by_columns, int idx) {
+  if constexpr (W == 1) {
+    return {by_columns.div(idx), by_columns.mod(idx)};
+  } else {
+    constexpr unsigned kPerRow = kColumns / W;
+    static_assert(kColumns % W == 0);
+    return {static_cast<int>(static_cast<unsigned>(idx) / kPerRow),
+            static_cast<int>(static_cast<unsigned>(idx) % kPerRow) * W};
+  }
+}
+// A loader's index over rows of P (PsiV, dO), W columns to an index.
+template <int W, class D>
+static __device__ __forceinline__ RowColumn headdim_item(const D& d, int idx) {
+  if constexpr (W == 1) {
+    return row_column<1, 1>(d.by_headdim, idx);
+  } else {
+    return row_column<W, D::headdim>(d.by_headdim, idx);
+  }
+}
+// Indexes one thread's loads take in one batch: one at the fixed shapes (a thread's W-wide loads
+// are its batch, and four of them for each of two loaders would cost registers), else kLoadBatch.
+template <class D>
+constexpr int kLoaderBatch = D::kFixed ? 1 : kLoadBatch;
 
 // For each of `items` outputs, kOutputs sums over the chunk's tokens i < len, taken by the whole
 // block: `slices` neighbouring lanes of one warp share an output, lane s adding tokens s,
@@ -701,11 +798,12 @@ static __device__ void load_scalars(const D& d, const DevInputs& in, const Work&
 template <class First, class Second>
 static __device__ __forceinline__ void load_together(int items, const First& first,
                                                      const Second& second) {
+  static_assert(First::kBatch == Second::kBatch);
   struct Both {
     typename First::Loaded a;
     typename Second::Loaded b;
   };
-  for_each_batched<kLoadBatch>(
+  for_each_batched<First::kBatch>(
       items,
       [&](int idx) {
         return Both{first.load(idx), second.load(idx)};
@@ -717,17 +815,19 @@ static __device__ __forceinline__ void load_together(int items, const First& fir
 }
 template <class Loader>
 static __device__ __forceinline__ void load_alone(int items, const Loader& loader) {
-  for_each_batched<kLoadBatch>(
+  for_each_batched<Loader::kBatch>(
       items, [&](int idx) { return loader.load(idx); },
       [&](int idx, const typename Loader::Loaded& loaded) { loader.store(idx, loaded); });
 }
 
 // q or k of head pos.h for the chunk: + bias, rotated, rounded to bf16. Rows (i, r); an index
-// is (row, n < N/2), the rotation pair (n, n + N/2).
+// is (row, W columns n < N/2), the rotation pairs (n, n + N/2).
 template <class D>
 struct RotatedLoader {
+  static constexpr int W = kRotatedColumnsPerItem<D>;
+  static constexpr int kBatch = kLoaderBatch<D>;
   struct Loaded {
-    bf16 a, b, a_bias, b_bias;
+    Bf16Row<W> a, b, a_bias, b_bias;
   };
   const D& d;
   const ChunkPos& pos;
@@ -750,36 +850,49 @@ struct RotatedLoader {
         sinv(s),
         dst(out),
         ld(stride) {}
-  static __device__ __forceinline__ int items(const D& d) { return d.rows * (d.state / 2); }
+  static __device__ __forceinline__ int items(const D& d) { return d.rows * (d.state / 2) / W; }
+  __device__ __forceinline__ RowColumn at(int idx) const {
+    if constexpr (W == 1) {
+      return row_column<1, 1>(d.by_half, idx);
+    } else {
+      return row_column<W, D::state / 2>(d.by_half, idx);
+    }
+  }
 
   __device__ __forceinline__ Loaded load(int idx) const {
     const int half = d.state / 2;
-    const int row = d.by_half.div(idx), n = d.by_half.mod(idx);
+    const auto [row, n] = at(idx);
     const int i = d.by_rank.div(row), r = d.by_rank.mod(row);
-    const bf16 zero = __float2bfloat16(0.f);
-    Loaded pair{zero, zero, zero, zero};
+    Loaded pair{zero_row<W>(), zero_row<W>(), zero_row<W>(), zero_row<W>()};
     if (i < pos.len) {
       const bf16* in_row = chunk_src + row * (d.groups * d.state);
       const bf16* bias_row = bias + (pos.h * d.rank + r) * d.state;
-      pair = {in_row[n], in_row[n + half], bias_row[n], bias_row[n + half]};
+      pair = {load_row<W>(in_row + n), load_row<W>(in_row + n + half), load_row<W>(bias_row + n),
+              load_row<W>(bias_row + n + half)};
     }
     return pair;
   }
   __device__ __forceinline__ void store(int idx, const Loaded& pair) const {
     const int half = d.state / 2, A = d.angles;
-    const int row = d.by_half.div(idx), n = d.by_half.mod(idx);
+    const auto [row, n0] = at(idx);
     const int i = d.by_rank.div(row);
     // Padded tokens loaded zeros, so they store zeros.
-    const float a = to_f(pair.a) + to_f(pair.a_bias);
-    const float b = to_f(pair.b) + to_f(pair.b_bias);
-    float first = a, second = b;
-    if (n < A && i < pos.len) {
-      const float cs = cosv[i * A + n], sn = sinv[i * A + n];
-      first = a * cs - b * sn;
-      second = a * sn + b * cs;
+    float first[W], second[W];
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+      const int n = n0 + w;
+      const float a = pair.a.at(w) + pair.a_bias.at(w);
+      const float b = pair.b.at(w) + pair.b_bias.at(w);
+      first[w] = a;
+      second[w] = b;
+      if (n < A && i < pos.len) {
+        const float cs = cosv[i * A + n], sn = sinv[i * A + n];
+        first[w] = a * cs - b * sn;
+        second[w] = a * sn + b * cs;
+      }
     }
-    dst[row * ld + n] = __float2bfloat16(first);
-    dst[row * ld + n + half] = __float2bfloat16(second);
+    store_row(dst + row * ld + n0, round_row<W>(first));
+    store_row(dst + row * ld + n0 + half, round_row<W>(second));
   }
 };
 
@@ -802,13 +915,15 @@ static __device__ void load_rotated_qk(const D& d, const DevInputs& in, const Ch
 
 // v = x ⊙ mimo_x (PsiV) of head pos.h, rows (i, r), bf16: from the cache when
 // read_cache, else computed (and stored to the cache when write_cache). Both ways give
-// the same bits, so the cache never changes results. An index is (row, p). With mimo_x_copy,
-// also the head's mimo_x [R][P] as fp32 (loaded by the rows of token 0 either way); with v_copy
-// (not with read_cache), the chunk's v.
+// the same bits, so the cache never changes results. An index is (row, W columns p). With
+// mimo_x_copy, also the head's mimo_x [R][P] as fp32 (loaded by the rows of token 0 either way);
+// with v_copy (not with read_cache), the chunk's v.
 template <class D>
 struct PsivLoader {
+  static constexpr int W = kColumnsPerItem<D>;
+  static constexpr int kBatch = kLoaderBatch<D>;
   struct Loaded {
-    bf16 v, mimo_x;
+    Bf16Row<W> v, mimo_x;
   };
   const D& d;
   const DevInputs& in;
@@ -821,46 +936,55 @@ struct PsivLoader {
   bf16* v_copy = nullptr;          // the chunk's v, [C][P] (computing PsiV only)
   const bf16* staged_v = nullptr;  // the chunk's v already in shared memory, [C][P]
 
+  static __device__ __forceinline__ int items(const D& d) { return d.rows * d.headdim / W; }
   __device__ __forceinline__ Loaded load(int idx) const {
     const int P = d.headdim, R = d.rank;
-    const int row = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
+    const auto [row, p] = headdim_item<W>(d, idx);
     const int i = d.by_rank.div(row), r = d.by_rank.mod(row);
-    const bf16 zero = __float2bfloat16(0.f);
-    Loaded loaded{zero, zero};
+    Loaded loaded{zero_row<W>(), zero_row<W>()};
     if (i < pos.len) {
       const size_t th = token_head(d, pos.b, pos.t0 + i, pos.h);
       const size_t wr = (static_cast<size_t>(pos.h) * R + r) * P + p;
       if (read_cache) {
-        loaded.v = cache[(th * R + r) * P + p];
-        if (mimo_x_copy != nullptr && i == 0) loaded.mimo_x = in.mimo_x[wr];
+        loaded.v = load_row<W>(cache + (th * R + r) * P + p);
+        if (mimo_x_copy != nullptr && i == 0) loaded.mimo_x = load_row<W>(in.mimo_x + wr);
       } else {
-        loaded = {staged_v != nullptr ? staged_v[i * P + p] : in.v[th * P + p], in.mimo_x[wr]};
+        loaded = {load_row<W>(staged_v != nullptr ? staged_v + i * P + p : in.v + th * P + p),
+                  load_row<W>(in.mimo_x + wr)};
       }
     }
     return loaded;
   }
   __device__ __forceinline__ void store(int idx, const Loaded& loaded) const {
     const int P = d.headdim, R = d.rank;
-    const int row = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
+    const auto [row, p] = headdim_item<W>(d, idx);
     const int i = d.by_rank.div(row), r = d.by_rank.mod(row);
-    bf16 value = loaded.v;
+    Bf16Row<W> value = loaded.v;
     if (!read_cache && i < pos.len) {
-      value = __float2bfloat16(to_f(loaded.v) * to_f(loaded.mimo_x));
+      float products[W];
+#pragma unroll
+      for (int w = 0; w < W; ++w) products[w] = loaded.v.at(w) * loaded.mimo_x.at(w);
+      value = round_row<W>(products);
       if (write_cache) {
         const size_t th = token_head(d, pos.b, pos.t0 + i, pos.h);
-        cache[(th * R + r) * P + p] = value;
+        store_row(cache + (th * R + r) * P + p, value);
       }
     }
-    dst[row * ld + p] = value;
-    if (mimo_x_copy != nullptr && i == 0) mimo_x_copy[r * P + p] = to_f(loaded.mimo_x);
-    if (v_copy != nullptr && r == 0) v_copy[i * P + p] = loaded.v;
+    store_row(dst + row * ld + p, value);
+    if (mimo_x_copy != nullptr && i == 0) {
+      float mimo_x[W];
+#pragma unroll
+      for (int w = 0; w < W; ++w) mimo_x[w] = loaded.mimo_x.at(w);
+      store_floats<W>(mimo_x_copy + r * P + p, mimo_x);
+    }
+    if (v_copy != nullptr && r == 0) store_row(v_copy + i * P + p, loaded.v);
   }
 };
 
 template <class D>
 static __device__ void load_psiv(const D& d, const DevInputs& in, const ChunkPos& pos, bf16* cache,
                                  bool read_cache, bool write_cache, bf16* dst, int ld) {
-  load_alone(d.rows * d.headdim,
+  load_alone(PsivLoader<D>::items(d),
              PsivLoader<D>{d, in, pos, cache, read_cache, write_cache, dst, ld});
 }
 

@@ -1,6 +1,6 @@
 // The forward of the CUDA Mamba-3 scan: angle offsets per chunk, chunk-local exit states, the
 // sequential pass over chunks that turns them into entry states, then every chunk's outputs; or, at
-// the fixed MIMO shape on the tensor cores where two chunk_forward blocks fit an SM, the last three
+// the fixed shapes on the tensor cores where two chunk_forward blocks fit an SM, the last three
 // in that one kernel.
 // See mamba3_scan_device.cuh for the notation.
 #include "kernels/cuda/mamba3_scan_device.cuh"

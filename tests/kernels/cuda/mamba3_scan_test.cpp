@@ -361,9 +361,28 @@ TEST(Mamba3ScanCudaShapes, RefusesAMisalignedSharedBackwardWorkspace) {
                        "backward workspace 4 bytes past an allocation");
 }
 
-// The forward is one kernel (chunk_forward, two blocks an SM) on the tensor cores at the fixed MIMO
-// shape of a Hopper GPU, three (chunk_state, state_pass, chunk_output) on the CUDA cores and where
-// chunk_forward's shared memory would not leave room for two blocks an SM (the fixed SISO shape).
+// The chunk kernels load rows 16 bytes at a time: a tensor 2 bytes past an allocation is refused,
+// by name, before anything runs.
+TEST(Mamba3ScanCudaShapes, RefusesMisalignedInputRows) {
+  MEGACPP_REQUIRE_GPU();
+  const ScanShape s = grid_shape(64, 64, 4, 16);
+  Mamba3ScanCuda scan(s);
+  oracle::DeviceBuffer buffer(4096);
+  uint16_t* aligned = static_cast<uint16_t*>(buffer.get());
+  megacpp::cuda::ScanDeviceInputs in;
+  in.q = in.k = in.v = in.z = aligned;
+  in.v = aligned + 1;
+  oracle::expect_error([&] { scan.forward(in, aligned); }, megacpp::ErrorKind::kInvalidArgument,
+                       "v at", "v 2 bytes past an allocation");
+  in.v = aligned;
+  in.mimo_o = aligned + 3;
+  oracle::expect_error([&] { scan.forward(in, aligned); }, megacpp::ErrorKind::kInvalidArgument,
+                       "mimo_o at", "mimo_o 6 bytes past an allocation");
+}
+
+// The forward is one kernel (chunk_forward, two blocks an SM) on the tensor cores at the fixed
+// shapes of a Hopper GPU, three (chunk_state, state_pass, chunk_output) on the CUDA cores and at
+// other shapes.
 // At the fixed shapes chunk_dstate also does the reverse state pass; other shapes launch
 // state_pass_backward after it.
 TEST(Mamba3ScanCudaShapes, ReportsEveryKernelItLaunches) {
@@ -388,13 +407,17 @@ TEST(Mamba3ScanCudaShapes, ReportsEveryKernelItLaunches) {
   const auto fused_backward = with({"chunk_dstate"}, tail);
   EXPECT_EQ(names(grid_shape(64, 64, 4, 16), true),
             with({"angle_prefix", "chunk_forward"}, fused_backward));
-  for (const auto& a : megacpp::cuda::kernel_attributes(grid_shape(64, 64, 4, 16), true)) {
-    if (a.name == "chunk_forward") {
-      EXPECT_GE(a.blocks_per_sm, 2);
+  for (const int rank : {4, 1}) {
+    const ScanShape fixed = grid_shape(64, 64, rank, rank == 4 ? 16 : 64);
+    for (const auto& a : megacpp::cuda::kernel_attributes(fixed, true)) {
+      if (a.name == "chunk_forward") {
+        EXPECT_GE(a.blocks_per_sm, 2) << "rank " << rank;
+      }
     }
   }
   EXPECT_EQ(names(grid_shape(64, 64, 4, 16), false), with(three, fused_backward));
-  EXPECT_EQ(names(grid_shape(64, 64, 1, 64), true), with(three, fused_backward));
+  EXPECT_EQ(names(grid_shape(64, 64, 1, 64), true),
+            with({"angle_prefix", "chunk_forward"}, fused_backward));
   EXPECT_EQ(names(grid_shape(32, 64, 4, 16), true),
             with(three, with({"chunk_dstate", "state_pass_backward"}, tail)));
 }
