@@ -5,6 +5,7 @@
 #include <array>
 #include <cstdint>
 
+#include <initializer_list>
 #include <string>
 #include <utility>
 #include <vector>
@@ -347,18 +348,14 @@ Mamba3ScanCuda::~Mamba3ScanCuda() {
 
 namespace {
 
-// The chunk kernels load the bf16 inputs' rows 16 bytes at a time at the fixed shapes
+// The chunk kernels move the bf16 tensors' rows 16 bytes at a time at the fixed shapes
 // (kColumnsPerItem); cudaMalloc's allocations and the model's arena are 256-byte aligned.
-void require_aligned_rows(const char* call, const ScanDeviceInputs& in, const uint16_t* dy) {
-  const std::pair<const char*, const void*> rows[] = {{"q", in.q},           {"k", in.k},
-                                                      {"v", in.v},           {"z", in.z},
-                                                      {"q_bias", in.q_bias}, {"k_bias", in.k_bias},
-                                                      {"mimo_x", in.mimo_x}, {"mimo_z", in.mimo_z},
-                                                      {"mimo_o", in.mimo_o}, {"dy", dy}};
+void require_aligned_rows(const char* call,
+                          std::initializer_list<std::pair<const char*, const void*>> rows) {
   for (const auto& [name, at] : rows) {
     if (reinterpret_cast<uintptr_t>(at) % 16 != 0) {
       refuse(ErrorKind::kInvalidArgument,
-             "{}: {} at {} is not 16-byte aligned (the scan loads its rows 16 bytes at a time)",
+             "{}: {} at {} is not 16-byte aligned (the scan moves its rows 16 bytes at a time)",
              call, name, at);
     }
   }
@@ -368,7 +365,16 @@ void require_aligned_rows(const char* call, const ScanDeviceInputs& in, const ui
 
 void Mamba3ScanCuda::forward(const ScanDeviceInputs& in, uint16_t* y, void* stream) {
   if (y == nullptr) refuse(ErrorKind::kInvalidArgument, "Mamba3ScanCuda::forward: y is null");
-  require_aligned_rows("Mamba3ScanCuda::forward", in, nullptr);
+  require_aligned_rows("Mamba3ScanCuda::forward", {{"q", in.q},
+                                                   {"k", in.k},
+                                                   {"v", in.v},
+                                                   {"z", in.z},
+                                                   {"q_bias", in.q_bias},
+                                                   {"k_bias", in.k_bias},
+                                                   {"mimo_x", in.mimo_x},
+                                                   {"mimo_z", in.mimo_z},
+                                                   {"mimo_o", in.mimo_o},
+                                                   {"y", y}});
   MEGACPP_CUDA_CHECK(cudaSetDevice(device_));
   const Dims& d = buffers_->dims;
   scan_detail::run_forward(buffers_->forward, tensor_cores_, psiv_cache_, d,
@@ -384,7 +390,18 @@ void Mamba3ScanCuda::backward(const ScanDeviceInputs& in, const uint16_t* dy,
            "Mamba3ScanCuda::backward needs a forward() with the same inputs first");
   }
   if (dy == nullptr) refuse(ErrorKind::kInvalidArgument, "Mamba3ScanCuda::backward: dy is null");
-  require_aligned_rows("Mamba3ScanCuda::backward", in, dy);
+  require_aligned_rows("Mamba3ScanCuda::backward", {{"q", in.q},
+                                                    {"k", in.k},
+                                                    {"v", in.v},
+                                                    {"z", in.z},
+                                                    {"q_bias", in.q_bias},
+                                                    {"k_bias", in.k_bias},
+                                                    {"mimo_x", in.mimo_x},
+                                                    {"mimo_z", in.mimo_z},
+                                                    {"mimo_o", in.mimo_o},
+                                                    {"dy", dy},
+                                                    {"the gradient v", grads.v},
+                                                    {"the gradient z", grads.z}});
   MEGACPP_CUDA_CHECK(cudaSetDevice(device_));
   const Dims& d = buffers_->dims;
   const scan_detail::DevInputs din = scan_detail::dev_inputs(in, d.angles);

@@ -462,31 +462,46 @@ __global__ void __launch_bounds__(kBackwardThreads)
       return z_dy != nullptr ? make_float2(to_f(z_dy[i * P + p]), to_f(z_dy[(C + i) * P + p]))
                              : make_float2(to_f(in.z[th * P + p]), to_f(dy[th * P + p]));
     };
+    constexpr int W = kPassColumnsPerItem<D>;
     // Split, dO (fp32) is dead after D's partial and o after this epilogue: each (i, r, p) term of
     // mimo_o's and mimo_z's partials is computed once, beside dz (one sigmoid per element where
     // the sums over tokens took a second), and left in o and dO for those sums. Not at the fixed
     // SISO shape (kLeanRegisters).
     const bool terms_in_place = split && !kLeanRegisters<D>;
     float d_local = 0.f;  // D's partial: Σ dO ⊙ PsiV
-    for (int idx = threadIdx.x; idx < pos.len * P; idx += blockDim.x) {
-      const int i = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
+    for (int idx = threadIdx.x; idx < pos.len * P / W; idx += blockDim.x) {
+      const auto [i, p] = headdim_item<W>(d, idx);
       const size_t th = token_head(d, pos.b, pos.t0 + i, h);
-      const float2 zg = z_and_dy(i, p, th);
-      const float z = zg.x, g_out = zg.y;
-      float dz = 0.f;
+      const Bf16Row<W> zs = load_row<W>(z_dy != nullptr ? z_dy + i * P + p : in.z + th * P + p);
+      const Bf16Row<W> dys =
+          load_row<W>(z_dy != nullptr ? z_dy + (C + i) * P + p : dy + th * P + p);
+      float dz[W] = {};
       for (int r = 0; r < R; ++r) {
         const int at = (i * R + r) * ld_mp + p;
-        const float mz = mimo_zo[r * P + p], mo = mimo_zo[(R + r) * P + p];
-        const float gate = z * mz, sg = sigmoidf(gate);
-        const float gated = g_out * o[at] * sg, slope = mo * (1.f + gate * (1.f - sg));
-        dz += gated * slope * mz;
+        float mz[W], mo[W], o_r[W], d_o_r[W], o_term[W], z_term[W];
+        load_floats<W>(mimo_zo + r * P + p, mz);
+        load_floats<W>(mimo_zo + (R + r) * P + p, mo);
+        load_floats<W>(o + at, o_r);
+        if (terms_in_place) load_floats<W>(d_o + at, d_o_r);
+        const Bf16Row<W> psiv_r = load_row<W>(psiv + (i * R + r) * ld_pv + p);
+#pragma unroll
+        for (int w = 0; w < W; ++w) {
+          const float z = zs.at(w), g_out = dys.at(w);
+          const float gate = z * mz[w], sg = sigmoidf(gate);
+          const float gated = g_out * o_r[w] * sg, slope = mo[w] * (1.f + gate * (1.f - sg));
+          dz[w] += gated * slope * mz[w];
+          if (terms_in_place) {
+            d_local += d_o_r[w] * psiv_r.at(w);
+            o_term[w] = gated * gate;       // mimo_o's term
+            z_term[w] = gated * slope * z;  // mimo_z's term
+          }
+        }
         if (terms_in_place) {
-          d_local += d_o[at] * to_f(psiv[(i * R + r) * ld_pv + p]);
-          o[at] = gated * gate;         // mimo_o's term
-          d_o[at] = gated * slope * z;  // mimo_z's term
+          store_floats<W>(o + at, o_term);
+          store_floats<W>(d_o + at, z_term);
         }
       }
-      grads.z[th * P + p] = __float2bfloat16(dz);
+      store_row(grads.z + th * P + p, round_row<W>(dz));
     }
     if (terms_in_place) {
       __syncthreads();
@@ -697,13 +712,19 @@ __global__ void __launch_bounds__(kBackwardThreads)
                    dk_sum, w.dk_acc, v_in_scores);
 
     // v = x ⊙ mimo_x: dx (this head's own output) and mimo_x's partial.
-    for (int idx = threadIdx.x; idx < pos.len * P; idx += blockDim.x) {
-      const int i = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
+    for (int idx = threadIdx.x; idx < pos.len * P / W; idx += blockDim.x) {
+      const auto [i, p] = headdim_item<W>(d, idx);
       const size_t th = token_head(d, pos.b, pos.t0 + i, h);
-      float dx = 0.f;
-      for (int r = 0; r < R; ++r) dx += d_psiv[(i * R + r) * ld_mp + p] * mimo_x[r * P + p];
-      grads.v[th * P + p] = __float2bfloat16(dx);
-      if (v_in_scores) v_tokens[idx] = in.v[th * P + p];
+      float dx[W] = {};
+      for (int r = 0; r < R; ++r) {
+        float d_psiv_r[W], mimo_x_r[W];
+        load_floats<W>(d_psiv + (i * R + r) * ld_mp + p, d_psiv_r);
+        load_floats<W>(mimo_x + r * P + p, mimo_x_r);
+#pragma unroll
+        for (int w = 0; w < W; ++w) dx[w] += d_psiv_r[w] * mimo_x_r[w];
+      }
+      store_row(grads.v + th * P + p, round_row<W>(dx));
+      if (v_in_scores) store_row(v_tokens + i * P + p, load_row<W>(in.v + th * P + p));
     }
     if (v_in_scores) __syncthreads();
     token_sums<1>(

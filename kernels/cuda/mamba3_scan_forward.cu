@@ -99,17 +99,24 @@ static __device__ __forceinline__ void write_gated_output(const D& d, const DevI
                                                           const ChunkPos& pos, const float* o,
                                                           int ld_o, bf16* y) {
   const int P = d.headdim, R = d.rank;
-  for (int idx = threadIdx.x; idx < pos.len * P; idx += blockDim.x) {
-    const int i = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
+  constexpr int W = kPassColumnsPerItem<D>;
+  for (int idx = threadIdx.x; idx < pos.len * P / W; idx += blockDim.x) {
+    const auto [i, p] = headdim_item<W>(d, idx);
     const size_t th = token_head(d, pos.b, pos.t0 + i, pos.h);
-    const float z = to_f(in.z[th * P + p]);
-    float sum = 0.f;
+    const Bf16Row<W> z = load_row<W>(in.z + th * P + p);
+    float sum[W] = {};
     for (int r = 0; r < R; ++r) {
       const size_t wr = (static_cast<size_t>(pos.h) * R + r) * P + p;
-      const float gate = z * to_f(in.mimo_z[wr]);
-      sum += o[(i * R + r) * ld_o + p] * gate * sigmoidf(gate) * to_f(in.mimo_o[wr]);
+      const Bf16Row<W> mimo_z = load_row<W>(in.mimo_z + wr), mimo_o = load_row<W>(in.mimo_o + wr);
+      float o_r[W];
+      load_floats<W>(o + (i * R + r) * ld_o + p, o_r);
+#pragma unroll
+      for (int w = 0; w < W; ++w) {
+        const float gate = z.at(w) * mimo_z.at(w);
+        sum[w] += o_r[w] * gate * sigmoidf(gate) * mimo_o.at(w);
+      }
     }
-    y[th * P + p] = __float2bfloat16(sum);
+    store_row(y + th * P + p, round_row<W>(sum));
   }
 }
 

@@ -291,7 +291,7 @@ struct Mamba3Scan {
         static_cast<size_t>(sh.heads) * sh.rank * (2 * sh.state + 3 * sh.headdim) +
         static_cast<size_t>(sh.heads);
     // bf16 per-token gradients and y first, then (256-byte aligned) the fp32 parameter gradients.
-    const size_t bf16_bytes = (2 * (2 * qk + 3 * hp + 3 * h + a) + 255) / 256 * 256;
+    const size_t bf16_bytes = (2 * (2 * qk + 3 * hp + 3 * h + a + 8) + 255) / 256 * 256;
     const auto scratch = std::make_shared<oracle::DeviceBuffer>(bf16_bytes + 4 * params);
     uint16_t* b = static_cast<uint16_t*>(scratch->get());
     megacpp::cuda::ScanDeviceGrads other_grads = grads;
@@ -304,7 +304,7 @@ struct Mamba3Scan {
     other_grads.trap = b += h;
     b += h;
     other_grads.angles = sh.angles > 0 ? b : nullptr;
-    uint16_t* other_y = b + a;
+    uint16_t* other_y = b + (a + 7) / 8 * 8;  // 16-byte aligned, as the scan requires
     float* f = reinterpret_cast<float*>(static_cast<char*>(scratch->get()) + bf16_bytes);
     other_grads.q_bias = f;
     other_grads.k_bias = f += static_cast<size_t>(sh.heads) * sh.rank * sh.state;
