@@ -231,10 +231,16 @@ __device__ void finish_qk_grad(const D& d, const ChunkPos& pos, bool first_head,
       },
       [&](int item, const float* acc) { bias_partial[item] = acc[0]; });
   if (smem_acc != nullptr) {
-    for (int idx = threadIdx.x; idx < pos.len * R * N; idx += blockDim.x) {
-      const float here = d_qk[d.by_state.div(idx) * ld_d_qk + d.by_state.mod(idx)];
-      // As the workspace's sum: the first head's term added to zero (−0 becomes +0 either way).
-      smem_acc[idx] = (first_head ? 0.f : smem_acc[idx]) + here;
+    constexpr int W = kPassColumnsPerItem<D>;  // float4 rows at the fixed shapes
+    for (int idx = threadIdx.x; idx < pos.len * R * N / W; idx += blockDim.x) {
+      const auto [row, n] = state_item<W>(d, idx);
+      float here[W], sum[W];
+      load_floats<W>(d_qk + row * ld_d_qk + n, here);
+      if (!first_head) load_floats<W>(smem_acc + row * N + n, sum);
+        // As the workspace's sum: the first head's term added to zero (−0 becomes +0 either way).
+#pragma unroll
+      for (int w = 0; w < W; ++w) sum[w] = (first_head ? 0.f : sum[w]) + here[w];
+      store_floats<W>(smem_acc + row * N + n, sum);
     }
     if (close) __syncthreads();
     return;
@@ -355,6 +361,9 @@ __global__ void __launch_bounds__(kBackwardThreads)
     commit_copies();
   };
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  // The element-wise passes over rows take W neighbouring columns an index (float4 rows at the
+  // fixed shapes; see kPassColumnsPerItem).
+  constexpr int W = kPassColumnsPerItem<D>;
   const ChunkPos group_pos = chunk_pos(d, blockIdx.y, true, blockIdx.x);
   if (staged != nullptr) stage(group_pos);  // the group's first head
   const size_t slot = static_cast<size_t>(group_pos.b) * d.chunks + group_pos.c;
@@ -428,15 +437,22 @@ __global__ void __launch_bounds__(kBackwardThreads)
     for (int i = warp; i < C; i += warps) {
       const float decay = sc[kEntryDecay * C + i];
       float dot = 0.f;
-      for (int x = lane; x < R * P; x += 32) {
+      for (int x = lane * W; x < R * P; x += 32 * W) {
         const int row = i * R + d.by_headdim.div(x), p = d.by_headdim.mod(x);
         const int at = row * ld_mp + p;
-        const float out = o[at], value = d_o[at];
-        dot += value * out;
-        o[at] = out * decay;
-        const bf16 hi = __float2bfloat16(value);
-        d_o_bf16[row * ld_pv + p] = hi;
-        if (split) d_o_lo[row * ld_pv + p] = __float2bfloat16(value - to_f(hi));
+        float out[W], value[W], hi[W], lo[W];
+        load_floats<W>(o + at, out);
+        load_floats<W>(d_o + at, value);
+#pragma unroll
+        for (int w = 0; w < W; ++w) {
+          dot += value[w] * out[w];
+          out[w] *= decay;
+          hi[w] = to_f(__float2bfloat16(value[w]));
+          lo[w] = value[w] - hi[w];
+        }
+        store_floats<W>(o + at, out);
+        store_row(d_o_bf16 + row * ld_pv + p, round_row<W>(hi));
+        if (split) store_row(d_o_lo + row * ld_pv + p, round_row<W>(lo));
       }
       dot = warp_sum(dot);
       if (lane == 0) sc[kScratch * C + i] = decay * dot;
@@ -462,7 +478,6 @@ __global__ void __launch_bounds__(kBackwardThreads)
       return z_dy != nullptr ? make_float2(to_f(z_dy[i * P + p]), to_f(z_dy[(C + i) * P + p]))
                              : make_float2(to_f(in.z[th * P + p]), to_f(dy[th * P + p]));
     };
-    constexpr int W = kPassColumnsPerItem<D>;
     // Split, dO (fp32) is dead after D's partial and o after this epilogue: each (i, r, p) term of
     // mimo_o's and mimo_z's partials is computed once, beside dz (one sigmoid per element where
     // the sums over tokens took a second), and left in o and dO for those sums. Not at the fixed
@@ -552,8 +567,14 @@ __global__ void __launch_bounds__(kBackwardThreads)
         at(d.by_state.div(idx), d.by_state.mod(idx), idx);
       }
     };
-    if (split) {
-      const float* exit_gradient = w.gstates + bhc * matrix;
+    // At the fixed shapes dS is staged unpadded (rows of N), 16 bytes a copy.
+    const float* exit_gradient = w.gstates + bhc * matrix;
+    if (split && W > 1) {
+      for (int quad = threadIdx.x; quad < P * N / 4; quad += blockDim.x) {
+        copy_16_async(state + 4 * quad, exit_gradient + 4 * quad, true);
+      }
+      commit_copies();
+    } else if (split) {
       for_each_own_state_element([&](int p, int n, int idx) {
         copy_4_async(state + p * ld_state + n, exit_gradient + idx);
       });
@@ -574,10 +595,14 @@ __global__ void __launch_bounds__(kBackwardThreads)
       d_weights[idx] = d_weight;
     }
     __syncthreads();
-    for (int idx = threadIdx.x; idx < M * M; idx += blockDim.x) {
-      const int i = d.by_rows.div(idx), j = d.by_rows.mod(idx);
-      weighted[i * ld_sw + j] = __float2bfloat16(d_scores[i * ld_mm + j] *
-                                                 weights[d.by_rank.div(i) * C + d.by_rank.div(j)]);
+    for (int idx = threadIdx.x; idx < M * M / W; idx += blockDim.x) {
+      const auto [i, j] = rows_item<W>(d, idx);
+      float d_sc[W];
+      load_floats<W>(d_scores + i * ld_mm + j, d_sc);
+      const float* weight_row = weights + d.by_rank.div(i) * C;
+#pragma unroll
+      for (int w = 0; w < W; ++w) d_sc[w] *= weight_row[d.by_rank.div(j + w)];
+      store_row(weighted + i * ld_sw + j, round_row<W>(d_sc));
     }
     // A warp per token i, its lanes over the other tokens j.
     for (int i = warp; i < C; i += warps) {
@@ -632,7 +657,24 @@ __global__ void __launch_bounds__(kBackwardThreads)
     // overwrites it with dS's).
     {
       float local = 0.f;
-      if (split) {
+      if (split && W > 1) {
+        wait_copies<0>();  // this thread's dS quads (and the staged tokens, issued earlier)
+        for (int quad = threadIdx.x; quad < P * N / 4; quad += blockDim.x) {
+          const int p = d.by_state.div(4 * quad), n = d.by_state.mod(4 * quad);
+          const int at = p * ld_split + n;
+          float d_exit[4], hi[4], lo[4];
+          load_floats<4>(state + 4 * quad, d_exit);
+          const Bf16Row<4> e_hi = load_row<4>(state_hi + at), e_lo = load_row<4>(state_lo + at);
+#pragma unroll
+          for (int w = 0; w < 4; ++w) {
+            local += d_exit[w] * (e_hi.at(w) + e_lo.at(w));
+            hi[w] = to_f(__float2bfloat16(d_exit[w]));
+            lo[w] = d_exit[w] - hi[w];
+          }
+          store_row(state_hi + at, round_row<4>(hi));
+          store_row(state_lo + at, round_row<4>(lo));
+        }
+      } else if (split) {
         wait_copies<0>();  // this thread's dS elements (and the staged tokens, issued earlier)
         for_each_own_state_element([&](int p, int n, int) {
           const float d_exit = state[p * ld_state + n];
@@ -695,9 +737,16 @@ __global__ void __launch_bounds__(kBackwardThreads)
         sc[kDLog * C + j] -= d_scale * scale;
       }
     }
-    for (int idx = threadIdx.x; idx < M * P; idx += blockDim.x) {
-      const int at = (d.by_headdim.div(idx)) * ld_mp + d.by_headdim.mod(idx);
-      d_psiv[at] += sc[kExitScale * C + d.by_rank.div(d.by_headdim.div(idx))] * o[at];
+    for (int idx = threadIdx.x; idx < M * P / W; idx += blockDim.x) {
+      const auto [row, p] = headdim_item<W>(d, idx);
+      const int at = row * ld_mp + p;
+      const float scale = sc[kExitScale * C + d.by_rank.div(row)];
+      float d_v[W], k_ds[W];
+      load_floats<W>(d_psiv + at, d_v);
+      load_floats<W>(o + at, k_ds);
+#pragma unroll
+      for (int w = 0; w < W; ++w) d_v[w] += scale * k_ds[w];
+      store_floats<W>(d_psiv + at, d_v);
     }
     __syncthreads();
     if (warp == 0) {

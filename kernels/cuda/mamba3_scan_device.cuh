@@ -562,6 +562,23 @@ static __device__ __forceinline__ RowColumn headdim_item(const D& d, int idx) {
     return row_column<W, D::headdim>(d.by_headdim, idx);
   }
 }
+// An index over rows of N (states, dQ and dK) or of C·R (the scores), W columns to an index.
+template <int W, class D>
+static __device__ __forceinline__ RowColumn state_item(const D& d, int idx) {
+  if constexpr (W == 1) {
+    return row_column<1, 1>(d.by_state, idx);
+  } else {
+    return row_column<W, D::state>(d.by_state, idx);
+  }
+}
+template <int W, class D>
+static __device__ __forceinline__ RowColumn rows_item(const D& d, int idx) {
+  if constexpr (W == 1) {
+    return row_column<1, 1>(d.by_rows, idx);
+  } else {
+    return row_column<W, D::rows>(d.by_rows, idx);
+  }
+}
 // Indexes one thread's loads take in one batch: one at the fixed shapes (a thread's W-wide loads
 // are its batch, and four of them for each of two loaders would cost registers), else kLoadBatch.
 template <class D>
