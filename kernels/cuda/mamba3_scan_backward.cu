@@ -24,6 +24,18 @@ constexpr bool lean_registers() {
 template <class D>
 constexpr bool kLeanRegisters = lean_registers<D>();
 
+// A fixed shape whose rank is a multiple of four: a token's ranks are float4s of a score row.
+template <class D>
+constexpr bool ranks_in_quads() {
+  if constexpr (D::kFixed) {
+    return D::rank % 4 == 0;
+  } else {
+    return false;
+  }
+}
+template <class D>
+constexpr bool kRanksInQuads = ranks_in_quads<D>();
+
 // copy_16_async is a plain no-op below sm_80: the staged tokens are used only where it copies.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
 constexpr bool kAsyncCopies = false;
@@ -393,7 +405,25 @@ __global__ void __launch_bounds__(kBackwardThreads)
         PsivLoader<D>{d, in, pos, w.psiv, read_psiv, false, psiv, ld_pv, mimo_x, v_early, staged},
         DOutLoader<D>{d, in, dy, pos, d_o, ld_mp, z_dy, mimo_zo,
                       staged != nullptr ? staged + C * P : nullptr});
-    for_each_state_element(d, w.states + bhc * matrix, set_state);
+    bool entry_split = false;
+    if constexpr (W > 1) {
+      // Four elements of a row a thread, their hi and lo parts stored 8 bytes at a time.
+      if (split) {
+        entry_split = true;
+        for_each_state_quad(d, w.states + bhc * matrix, [&](int p, int n, const float4& x) {
+          const float values[4] = {x.x, x.y, x.z, x.w};
+          float hi[4], lo[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            hi[e] = to_f(__float2bfloat16(values[e]));
+            lo[e] = values[e] - hi[e];
+          }
+          store_row(state_hi + p * ld_split + n, round_row<4>(hi));
+          store_row(state_lo + p * ld_split + n, round_row<4>(lo));
+        });
+      }
+    }
+    if (!entry_split) for_each_state_element(d, w.states + bhc * matrix, set_state);
     fill_weights(d, sc, weights);
     for (int idx = threadIdx.x; idx < C * A; idx += blockDim.x) d_theta[idx] = 0.f;
     for (int i = threadIdx.x; i < C; i += blockDim.x) {
@@ -586,11 +616,21 @@ __global__ void __launch_bounds__(kBackwardThreads)
       const int ti = d.by_chunk.div(idx), tj = d.by_chunk.mod(idx);
       float d_weight = 0.f;
       if (tj <= ti) {
-        for (int r = 0; r < R; ++r)
-          for (int r2 = 0; r2 < R; ++r2) {
-            const int at = (ti * R + r) * ld_mm + tj * R + r2;
-            d_weight += d_scores[at] * scores[at];
+        for (int r = 0; r < R; ++r) {
+          const int at = (ti * R + r) * ld_mm + tj * R;
+          if constexpr (kRanksInQuads<D>) {
+            // The same products in the same order, four ranks a float4.
+            for (int r2 = 0; r2 < R; r2 += 4) {
+              float d_sc[4], sc_r[4];
+              load_floats<4>(d_scores + at + r2, d_sc);
+              load_floats<4>(scores + at + r2, sc_r);
+#pragma unroll
+              for (int e = 0; e < 4; ++e) d_weight += d_sc[e] * sc_r[e];
+            }
+          } else {
+            for (int r2 = 0; r2 < R; ++r2) d_weight += d_scores[at + r2] * scores[at + r2];
           }
+        }
       }
       d_weights[idx] = d_weight;
     }
@@ -724,9 +764,13 @@ __global__ void __launch_bounds__(kBackwardThreads)
     // One warp per token.
     for (int j = warp; j < C; j += warps) {
       float d_scale = 0.f;
-      for (int x = lane; x < R * P; x += 32) {
+      for (int x = lane * W; x < R * P; x += 32 * W) {
         const int row = j * R + d.by_headdim.div(x), p = d.by_headdim.mod(x);
-        d_scale += o[row * ld_mp + p] * to_f(psiv[row * ld_pv + p]);
+        float k_ds[W];
+        load_floats<W>(o + row * ld_mp + p, k_ds);
+        const Bf16Row<W> psiv_row = load_row<W>(psiv + row * ld_pv + p);
+#pragma unroll
+        for (int w = 0; w < W; ++w) d_scale += k_ds[w] * psiv_row.at(w);
       }
       d_scale = warp_sum(d_scale);
       if (lane == 0) {

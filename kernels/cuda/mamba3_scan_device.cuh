@@ -1059,19 +1059,23 @@ static __device__ __forceinline__ SmemStrides strides_of(const SmemPlan& plan) {
 // workspace parts are multiples of 256 bytes from a base that is 16-byte aligned, checked by the
 // constructor, and a state is P·N floats), so a thread's elements of a
 // 64 × 64 state arrive in one batch of loads rather than two.
+// The fixed shapes' form: at(p, n, the four elements from (p, n)).
+template <class D, class At>
+static __device__ __forceinline__ void for_each_state_quad(const D& d, const float* src, At at) {
+  static_assert(D::kFixed && D::state % 4 == 0);
+  for_each_batched<kLoadBatch>(
+      D::headdim * D::state / 4, [&](int v) { return reinterpret_cast<const float4*>(src)[v]; },
+      [&](int v, const float4& x) { at(d.by_state.div(4 * v), d.by_state.mod(4 * v), x); });
+}
 template <class D, class At>
 static __device__ __forceinline__ void for_each_state_element(const D& d, const float* src, At at) {
   if constexpr (D::kFixed) {
-    static_assert(D::state % 4 == 0);
-    for_each_batched<kLoadBatch>(
-        D::headdim * D::state / 4, [&](int v) { return reinterpret_cast<const float4*>(src)[v]; },
-        [&](int v, const float4& x) {
-          const int p = d.by_state.div(4 * v), n = d.by_state.mod(4 * v);
-          at(p, n, x.x);
-          at(p, n + 1, x.y);
-          at(p, n + 2, x.z);
-          at(p, n + 3, x.w);
-        });
+    for_each_state_quad(d, src, [&](int p, int n, const float4& x) {
+      at(p, n, x.x);
+      at(p, n + 1, x.y);
+      at(p, n + 2, x.z);
+      at(p, n + 3, x.w);
+    });
   } else {
     for_each_batched<kLoadBatch>(
         d.headdim * d.state, [&](int idx) { return src[idx]; },

@@ -236,10 +236,22 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
                                  o[i * ld_mp + p] = value + skip * to_f(psiv[i * ld_pv + p]);
                                });
   __syncthreads();
-  for (int idx = threadIdx.x; idx < M * P; idx += blockDim.x) {
-    const int row = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
+  // Eight elements of a row a thread: 16-byte shared rows of bf16.
+  constexpr int W = kColumnsPerItem<D>;
+  for (int idx = threadIdx.x; idx < M * P / W; idx += blockDim.x) {
+    const auto [row, p] = headdim_item<W>(d, idx);
     const int at = row * ld_pv + p;
-    store_split(to_f(psiv[at]) * sc[kExitScale * C + d.by_rank.div(row)], psiv, psiv_lo, at);
+    const float scale = sc[kExitScale * C + d.by_rank.div(row)];
+    const Bf16Row<W> v = load_row<W>(psiv + at);
+    float hi[W], lo[W];
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+      const float x = v.at(w) * scale;
+      hi[w] = to_f(__float2bfloat16(x));
+      lo[w] = x - hi[w];
+    }
+    store_row(psiv + at, round_row<W>(hi));
+    store_row(psiv_lo + at, round_row<W>(lo));
   }
   __syncthreads();
   smem_mma_split<true, true, true, false>(
