@@ -262,14 +262,26 @@ __device__ void finish_qk_grad(const D& d, const ChunkPos& pos, bool first_head,
   float* acc_chunk =
       acc + ((static_cast<size_t>(pos.b) * d.seqlen + pos.t0) * R * d.groups + pos.g) * N;
   const int row_stride = d.groups * N;
-  for_each_batched<kLoadBatch>(
-      pos.len * R * N,
+  // W columns an index (16-byte rows at the fixed shapes), two indexes a batch there.
+  constexpr int W = kPassColumnsPerItem<D>;
+  struct Sum {
+    float v[W];
+  };
+  for_each_batched<W == 1 ? kLoadBatch : 2>(
+      pos.len * R * N / W,
       [&](int idx) {
-        return first_head ? 0.f : acc_chunk[d.by_state.div(idx) * row_stride + d.by_state.mod(idx)];
+        const auto [row, n] = state_item<W>(d, idx);
+        Sum before{};
+        if (!first_head) load_floats<W>(acc_chunk + row * row_stride + n, before.v);
+        return before;
       },
-      [&](int idx, float before) {
-        const int row = d.by_state.div(idx), n = d.by_state.mod(idx);
-        acc_chunk[row * row_stride + n] = before + d_qk[row * ld_d_qk + n];
+      [&](int idx, const Sum& before) {
+        const auto [row, n] = state_item<W>(d, idx);
+        float here[W];
+        load_floats<W>(d_qk + row * ld_d_qk + n, here);
+#pragma unroll
+        for (int w = 0; w < W; ++w) here[w] = before.v[w] + here[w];
+        store_floats<W>(acc_chunk + row * row_stride + n, here);
       });
   if (close) __syncthreads();
 }
@@ -502,12 +514,8 @@ __global__ void __launch_bounds__(kBackwardThreads)
                                    });
     __syncthreads();
 
-    // Epilogue backward (gating, mimo_o, mimo_z, D) now that o is complete.
-    // z and dy of token i, element p: from z_dy, or global memory.
-    const auto z_and_dy = [&](int i, int p, size_t th) {
-      return z_dy != nullptr ? make_float2(to_f(z_dy[i * P + p]), to_f(z_dy[(C + i) * P + p]))
-                             : make_float2(to_f(in.z[th * P + p]), to_f(dy[th * P + p]));
-    };
+    // Epilogue backward (gating, mimo_o, mimo_z, D) now that o is complete; z and dy from z_dy,
+    // or global memory.
     // Split, dO (fp32) is dead after D's partial and o after this epilogue: each (i, r, p) term of
     // mimo_o's and mimo_z's partials is computed once, beside dz (one sigmoid per element where
     // the sums over tokens took a second), and left in o and dO for those sums. Not at the fixed
@@ -562,25 +570,43 @@ __global__ void __launch_bounds__(kBackwardThreads)
             mz_partial[item] = acc[1];
           });
     } else {
-      token_sums<2>(
-          R * P, pos.len,
-          [&](int i, int item, float* acc) {
-            const int r = d.by_headdim.div(item), p = d.by_headdim.mod(item);
-            const float2 zg = z_and_dy(i, p, token_head(d, pos.b, pos.t0 + i, h));
-            const float z = zg.x, g_out = zg.y;
-            const float mz = mimo_zo[item], mo = mimo_zo[R * P + item];
-            const float o_ir = o[(i * R + r) * ld_mp + p];
-            const float gate = z * mz, sg = sigmoidf(gate);
-            acc[0] += g_out * o_ir * gate * sg;
-            acc[1] += g_out * o_ir * mo * sg * (1.f + gate * (1.f - sg)) * z;
-          },
-          [&](int item, const float* acc) {
-            mo_partial[item] = acc[0];
-            mz_partial[item] = acc[1];
-          });
-      for (int idx = threadIdx.x; idx < M * P; idx += blockDim.x) {
-        const int row = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
-        d_local += d_o[row * ld_mp + p] * to_f(psiv[row * ld_pv + p]);
+      // z and dy from shared memory or global memory, chosen once outside the sums' loops (a
+      // choice per term computed both addresses, predicated).
+      const auto gating_sums = [&](auto&& z_and_dy_at) {
+        token_sums<2>(
+            R * P, pos.len,
+            [&](int i, int item, float* acc) {
+              const int r = d.by_headdim.div(item), p = d.by_headdim.mod(item);
+              const float2 zg = z_and_dy_at(i, p);
+              const float z = zg.x, g_out = zg.y;
+              const float mz = mimo_zo[item], mo = mimo_zo[R * P + item];
+              const float o_ir = o[(i * R + r) * ld_mp + p];
+              const float gate = z * mz, sg = sigmoidf(gate);
+              acc[0] += g_out * o_ir * gate * sg;
+              acc[1] += g_out * o_ir * mo * sg * (1.f + gate * (1.f - sg)) * z;
+            },
+            [&](int item, const float* acc) {
+              mo_partial[item] = acc[0];
+              mz_partial[item] = acc[1];
+            });
+      };
+      if (z_dy != nullptr) {
+        gating_sums([&](int i, int p) {
+          return make_float2(to_f(z_dy[i * P + p]), to_f(z_dy[(C + i) * P + p]));
+        });
+      } else {
+        gating_sums([&](int i, int p) {
+          const size_t th = token_head(d, pos.b, pos.t0 + i, h);
+          return make_float2(to_f(in.z[th * P + p]), to_f(dy[th * P + p]));
+        });
+      }
+      for (int idx = threadIdx.x; idx < M * P / W; idx += blockDim.x) {
+        const auto [row, p] = headdim_item<W>(d, idx);
+        float d_o_row[W];
+        load_floats<W>(d_o + row * ld_mp + p, d_o_row);
+        const Bf16Row<W> psiv_row = load_row<W>(psiv + row * ld_pv + p);
+#pragma unroll
+        for (int w = 0; w < W; ++w) d_local += d_o_row[w] * psiv_row.at(w);
       }
     }
     {
@@ -820,16 +846,22 @@ __global__ void __launch_bounds__(kBackwardThreads)
       if (v_in_scores) store_row(v_tokens + i * P + p, load_row<W>(in.v + th * P + p));
     }
     if (v_in_scores) __syncthreads();
-    token_sums<1>(
-        R * P, pos.len,
-        [&](int i, int item, float* acc) {
-          const int r = d.by_headdim.div(item), p = d.by_headdim.mod(item);
-          const float v = v_tokens != nullptr
-                              ? to_f(v_tokens[i * P + p])
-                              : to_f(in.v[token_head(d, pos.b, pos.t0 + i, h) * P + p]);
-          acc[0] += d_psiv[(i * R + r) * ld_mp + p] * v;
-        },
-        [&](int item, const float* acc) { mx_partial[item] = acc[0]; });
+    // v from shared memory or global memory, chosen once outside the sums' loops.
+    const auto mimo_x_sums = [&](auto&& v_at) {
+      token_sums<1>(
+          R * P, pos.len,
+          [&](int i, int item, float* acc) {
+            const int r = d.by_headdim.div(item), p = d.by_headdim.mod(item);
+            acc[0] += d_psiv[(i * R + r) * ld_mp + p] * v_at(i, p);
+          },
+          [&](int item, const float* acc) { mx_partial[item] = acc[0]; });
+    };
+    if (v_tokens != nullptr) {
+      mimo_x_sums([&](int i, int p) { return to_f(v_tokens[i * P + p]); });
+    } else {
+      mimo_x_sums(
+          [&](int i, int p) { return to_f(in.v[token_head(d, pos.b, pos.t0 + i, h) * P + p]); });
+    }
     // Per-token coefficient gradients; dL/dADT_u = Σ_{i ≥ u} dL/dl_i inside the chunk.
     if (warp == 0) {
       warp_scan(
