@@ -5,8 +5,9 @@
 // matrix-unit rate, minimal bytes over the measured copy bandwidth), plus each kernel's
 // registers, shared memory and occupancy, and the PsiV cache on versus off.
 //
-// Usage: mamba3_scan_cuda_bench [--repeats N] [--profile-once [--small R C N]]
-//   --profile-once: one forward + backward at M3-ref and exit (for ncu);
+// Usage: mamba3_scan_cuda_bench [--repeats N] [--profile-once [--siso | --small R C N]]
+//   --profile-once: one forward + backward at M3-ref and exit (for ncu); MIMO R = 4 chunk 16,
+//     or with --siso R = 1 chunk 64;
 //   --small R C N: instead, at P 64 with rank R, chunk C and state N, batch 1, seqlen 128 and
 //   4 heads, one forward + backward of each variant (tensor cores with the PsiV cache off and on,
 //   CUDA cores): for compute-sanitizer's racecheck and synccheck, which run the kernels far
@@ -338,7 +339,7 @@ ScanShape m3_ref(int rank, int chunk) {
 int main(int argc, char** argv) {
   int repeats = 30;
   bool profile_once = false;
-  bool small = false;
+  bool small = false, siso = false;
   int small_rank = 0, small_chunk = 0, small_state = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
@@ -346,6 +347,8 @@ int main(int argc, char** argv) {
       repeats = std::max(20, std::atoi(argv[++i]));
     } else if (arg == "--profile-once") {
       profile_once = true;
+    } else if (arg == "--siso") {
+      siso = true;
     } else if (arg == "--small" && i + 3 < argc) {
       small = true;
       small_rank = std::atoi(argv[++i]);
@@ -354,10 +357,14 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "mamba3_scan_cuda_bench: unknown or incomplete argument %s (usage: "
-                   "[--repeats N] [--profile-once [--small R C N]])\n",
+                   "[--repeats N] [--profile-once [--siso | --small R C N]])\n",
                    arg.c_str());
       return 2;
     }
+  }
+  if (siso && (!profile_once || small)) {
+    std::fprintf(stderr, "mamba3_scan_cuda_bench: --siso needs --profile-once and no --small\n");
+    return 2;
   }
   if (small && (!profile_once || small_rank <= 0 || small_chunk <= 0 || small_state <= 0)) {
     std::fprintf(stderr,
@@ -366,7 +373,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (profile_once) {
-    ScanShape shape = m3_ref(4, 16);
+    ScanShape shape = siso ? m3_ref(1, 64) : m3_ref(4, 16);
     if (small) {
       shape = m3_ref(small_rank, small_chunk);
       shape.batch = 1;
