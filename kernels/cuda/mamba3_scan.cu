@@ -202,6 +202,9 @@ using scan_detail::Work;
 struct Mamba3ScanCuda::Buffers {
   Dims dims;
   Work work;
+  // 16-byte aligned copies of the per-head parameters (q_bias, k_bias, mimo_x, mimo_z, mimo_o),
+  // taken where the caller's are not aligned (see stage_parameters).
+  std::array<bf16*, 5> staged_parameters{};
   scan_detail::ForwardLaunches forward;
   scan_detail::BackwardLaunches backward;
 };
@@ -260,13 +263,33 @@ size_t Mamba3ScanCuda::backward_workspace_bytes(const ops::ScanShape& shape) {
   return bytes_of_parts(part_sizes(scan_detail::dims_of(shape)), kForwardParts, kParts);
 }
 
+namespace {
+
+// Elements of the per-head parameters in stage order: q_bias, k_bias [H, R, N]; mimo_x, mimo_z,
+// mimo_o [H, R, P].
+std::array<size_t, 5> parameter_elements(const Dims& d) {
+  const size_t hr = static_cast<size_t>(d.heads) * d.rank;
+  const size_t n = hr * d.state, p = hr * d.headdim;
+  return {n, n, p, p, p};
+}
+size_t parameter_stage_bytes(const Dims& d) {
+  size_t total = 0;
+  for (const size_t elements : parameter_elements(d)) total += part_bytes(elements / 2 + 1);
+  return total;
+}
+size_t psiv_cache_bytes(const Dims& d, bool psiv_cache) {
+  const size_t tokens = static_cast<size_t>(d.batch) * d.seqlen * d.heads;
+  return psiv_cache ? tokens * d.rank * d.headdim * sizeof(bf16) : 0;
+}
+
+}  // namespace
+
 size_t Mamba3ScanCuda::own_workspace_bytes(const ops::ScanShape& shape, bool psiv_cache,
                                            bool shared_backward) {
   scan_detail::validate(shape);
   const Dims d = scan_detail::dims_of(shape);
   const size_t own = bytes_of_parts(part_sizes(d), 0, shared_backward ? kForwardParts : kParts);
-  const size_t tokens = static_cast<size_t>(d.batch) * d.seqlen * d.heads;
-  return own + (psiv_cache ? tokens * d.rank * d.headdim * sizeof(bf16) : 0);
+  return own + psiv_cache_bytes(d, psiv_cache) + parameter_stage_bytes(d);
 }
 
 Mamba3ScanCuda::Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache, bool tensor_cores,
@@ -293,7 +316,7 @@ Mamba3ScanCuda::Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache, boo
   const bool own_backward = backward_workspace == nullptr;
   const size_t own = bytes_of_parts(sizes, 0, own_backward ? kParts : kForwardParts);
   workspace_bytes_ = own_workspace_bytes(shape, psiv_cache, !own_backward);
-  psiv_bytes_ = workspace_bytes_ - own;
+  psiv_bytes_ = psiv_cache_bytes(d, psiv_cache);
   MEGACPP_CUDA_CHECK(cudaMalloc(&arena_, workspace_bytes_));
   buffers_ = new Buffers{};
   buffers_->dims = d;
@@ -336,6 +359,13 @@ Mamba3ScanCuda::Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache, boo
   w.tok_dkappa = parts[12];
   w.partials = parts[13];
   w.psiv = psiv_cache ? reinterpret_cast<bf16*>(cursor) : nullptr;
+  // The parameter stage: the arena's last bytes, each tensor's slot a multiple of 256 bytes.
+  unsigned char* stage = static_cast<unsigned char*>(arena_) + own + psiv_bytes_;
+  const std::array<size_t, 5> elements = parameter_elements(d);
+  for (size_t i = 0; i < elements.size(); ++i) {
+    buffers_->staged_parameters[i] = reinterpret_cast<bf16*>(stage);
+    stage += part_bytes(elements[i] / 2 + 1);
+  }
   // θ offsets stay zero when there are no angles: the kernels that read them then skip.
   MEGACPP_CUDA_CHECK(cudaMemset(arena_, 0, workspace_bytes_));
   if (!own_backward) MEGACPP_CUDA_CHECK(cudaMemset(backward_workspace, 0, backward_needed));
@@ -349,15 +379,37 @@ Mamba3ScanCuda::~Mamba3ScanCuda() {
 namespace {
 
 // The chunk kernels move the bf16 tensors' rows 16 bytes at a time at the fixed shapes
-// (kColumnsPerItem); cudaMalloc's allocations and the model's arena are 256-byte aligned.
-void require_aligned_rows(const char* call,
-                          std::initializer_list<std::pair<const char*, const void*>> rows) {
-  for (const auto& [name, at] : rows) {
+// (kColumnsPerItem). The per-token tensors are refused unless 16-byte aligned (cudaMalloc's
+// allocations and the model's buffers are 256-byte aligned); the small per-head parameters are
+// copied to an aligned stage instead (stage_parameters), since a tensor-parallel model's bf16
+// parameter copies lie wherever the parameters before them end.
+void require_aligned_rows(const char* call, const ScanDeviceInputs& in,
+                          std::initializer_list<std::pair<const char*, const void*>> outputs) {
+  const auto check = [call](const char* name, const void* at) {
     if (reinterpret_cast<uintptr_t>(at) % 16 != 0) {
       refuse(ErrorKind::kInvalidArgument,
              "{}: {} at {} is not 16-byte aligned (the scan moves its rows 16 bytes at a time)",
              call, name, at);
     }
+  };
+  check("q", in.q);
+  check("k", in.k);
+  check("v", in.v);
+  check("z", in.z);
+  for (const auto& [name, at] : outputs) check(name, at);
+}
+
+// Points each per-head parameter that is not 16-byte aligned at an aligned copy, made on `stream`
+// (a few tens of KB; capturable in a CUDA graph).
+void stage_parameters(scan_detail::DevInputs& in, const Dims& d, const std::array<bf16*, 5>& stage,
+                      cudaStream_t stream) {
+  const bf16** parameters[] = {&in.q_bias, &in.k_bias, &in.mimo_x, &in.mimo_z, &in.mimo_o};
+  const std::array<size_t, 5> elements = parameter_elements(d);
+  for (size_t i = 0; i < elements.size(); ++i) {
+    if (reinterpret_cast<uintptr_t>(*parameters[i]) % 16 == 0) continue;
+    MEGACPP_CUDA_CHECK(cudaMemcpyAsync(stage[i], *parameters[i], elements[i] * sizeof(bf16),
+                                       cudaMemcpyDeviceToDevice, stream));
+    *parameters[i] = stage[i];
   }
 }
 
@@ -365,20 +417,12 @@ void require_aligned_rows(const char* call,
 
 void Mamba3ScanCuda::forward(const ScanDeviceInputs& in, uint16_t* y, void* stream) {
   if (y == nullptr) refuse(ErrorKind::kInvalidArgument, "Mamba3ScanCuda::forward: y is null");
-  require_aligned_rows("Mamba3ScanCuda::forward", {{"q", in.q},
-                                                   {"k", in.k},
-                                                   {"v", in.v},
-                                                   {"z", in.z},
-                                                   {"q_bias", in.q_bias},
-                                                   {"k_bias", in.k_bias},
-                                                   {"mimo_x", in.mimo_x},
-                                                   {"mimo_z", in.mimo_z},
-                                                   {"mimo_o", in.mimo_o},
-                                                   {"y", y}});
+  require_aligned_rows("Mamba3ScanCuda::forward", in, {{"y", y}});
   MEGACPP_CUDA_CHECK(cudaSetDevice(device_));
   const Dims& d = buffers_->dims;
-  scan_detail::run_forward(buffers_->forward, tensor_cores_, psiv_cache_, d,
-                           scan_detail::dev_inputs(in, d.angles), buffers_->work,
+  scan_detail::DevInputs din = scan_detail::dev_inputs(in, d.angles);
+  stage_parameters(din, d, buffers_->staged_parameters, static_cast<cudaStream_t>(stream));
+  scan_detail::run_forward(buffers_->forward, tensor_cores_, psiv_cache_, d, din, buffers_->work,
                            reinterpret_cast<bf16*>(y), static_cast<cudaStream_t>(stream));
   has_forward_ = true;
 }
@@ -390,21 +434,12 @@ void Mamba3ScanCuda::backward(const ScanDeviceInputs& in, const uint16_t* dy,
            "Mamba3ScanCuda::backward needs a forward() with the same inputs first");
   }
   if (dy == nullptr) refuse(ErrorKind::kInvalidArgument, "Mamba3ScanCuda::backward: dy is null");
-  require_aligned_rows("Mamba3ScanCuda::backward", {{"q", in.q},
-                                                    {"k", in.k},
-                                                    {"v", in.v},
-                                                    {"z", in.z},
-                                                    {"q_bias", in.q_bias},
-                                                    {"k_bias", in.k_bias},
-                                                    {"mimo_x", in.mimo_x},
-                                                    {"mimo_z", in.mimo_z},
-                                                    {"mimo_o", in.mimo_o},
-                                                    {"dy", dy},
-                                                    {"the gradient v", grads.v},
-                                                    {"the gradient z", grads.z}});
+  require_aligned_rows("Mamba3ScanCuda::backward", in,
+                       {{"dy", dy}, {"the gradient v", grads.v}, {"the gradient z", grads.z}});
   MEGACPP_CUDA_CHECK(cudaSetDevice(device_));
   const Dims& d = buffers_->dims;
-  const scan_detail::DevInputs din = scan_detail::dev_inputs(in, d.angles);
+  scan_detail::DevInputs din = scan_detail::dev_inputs(in, d.angles);
+  stage_parameters(din, d, buffers_->staged_parameters, static_cast<cudaStream_t>(stream));
   const scan_detail::DevGrads dg = scan_detail::dev_grads(grads, d.angles);
   scan_detail::run_backward(buffers_->backward, tensor_cores_, psiv_cache_, d, din, buffers_->work,
                             reinterpret_cast<const bf16*>(dy), dg,

@@ -31,8 +31,9 @@
 namespace megacpp::cuda {
 
 // Device pointers, bf16 (uint16_t bit patterns), shapes and layouts of ops::ScanInputs. q, k, v,
-// z, the biases, the mimo projections, y, dy and the gradients of v and z must be 16-byte aligned
-// (forward and backward refuse others, naming the tensor).
+// z, y, dy and the gradients of v and z must be 16-byte aligned (forward and backward refuse
+// others, naming the tensor); per-head parameters at other alignments are copied to an aligned
+// stage in the scan's workspace first.
 struct ScanDeviceInputs {
   const uint16_t* q = nullptr;
   const uint16_t* k = nullptr;

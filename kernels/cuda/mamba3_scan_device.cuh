@@ -100,7 +100,8 @@ struct SmemPlan {
                                //   dL/d(exit state). chunk_output on the tensor cores holds E's
                                //   hi + lo pairs here instead; chunk_backward with the split
                                //   state holds z and dy here for the epilogue, then dS (copied
-                               //   ahead) until the exit-state phase, and never the fp32 E
+                               //   ahead; rows of N, unpadded, at the fixed shapes) until the
+                               //   exit-state phase, and never the fp32 E; chunk_forward F_c
   size_t scores = 0;           // fp32 [rows][rows]: Q Kᵀ (backward)
   size_t d_scores = 0;         // fp32 [rows][rows]: dL/d(Q Kᵀ ⊙ W), then ⊙ W (= dL/d(Q Kᵀ))
   size_t token_weights = 0;    // fp32 [C][C]: W
@@ -562,7 +563,7 @@ static __device__ __forceinline__ RowColumn headdim_item(const D& d, int idx) {
     return row_column<W, D::headdim>(d.by_headdim, idx);
   }
 }
-// An index over rows of N (states, dQ and dK) or of C·R (the scores), W columns to an index.
+// An index over rows of N (states, dQ and dK), W columns to an index.
 template <int W, class D>
 static __device__ __forceinline__ RowColumn state_item(const D& d, int idx) {
   if constexpr (W == 1) {
@@ -571,6 +572,7 @@ static __device__ __forceinline__ RowColumn state_item(const D& d, int idx) {
     return row_column<W, D::state>(d.by_state, idx);
   }
 }
+// An index over rows of C·R (the scores), W columns to an index.
 template <int W, class D>
 static __device__ __forceinline__ RowColumn rows_item(const D& d, int idx) {
   if constexpr (W == 1) {
@@ -1054,12 +1056,11 @@ static __device__ __forceinline__ SmemStrides strides_of(const SmemPlan& plan) {
   }
 }
 
-// For each element (p, n) of a [P][N] fp32 state in global memory, at(p, n, value). Fixed shapes
-// load four elements of a row at once (N % 4 == 0, and each state starts 16-byte aligned: the
-// workspace parts are multiples of 256 bytes from a base that is 16-byte aligned, checked by the
-// constructor, and a state is P·N floats), so a thread's elements of a
-// 64 × 64 state arrive in one batch of loads rather than two.
-// The fixed shapes' form: at(p, n, the four elements from (p, n)).
+// For the fixed shapes, each four neighbouring elements (p, n … n + 3) of a [P][N] fp32 state in
+// global memory: at(p, n, the four as a float4). They load four at once (N % 4 == 0, and each
+// state starts 16-byte aligned: the workspace parts are multiples of 256 bytes from a base that is
+// 16-byte aligned, checked by the constructor, and a state is P·N floats), so a thread's elements
+// of a 64 × 64 state arrive in one batch of loads rather than two.
 template <class D, class At>
 static __device__ __forceinline__ void for_each_state_quad(const D& d, const float* src, At at) {
   static_assert(D::kFixed && D::state % 4 == 0);
@@ -1067,6 +1068,8 @@ static __device__ __forceinline__ void for_each_state_quad(const D& d, const flo
       D::headdim * D::state / 4, [&](int v) { return reinterpret_cast<const float4*>(src)[v]; },
       [&](int v, const float4& x) { at(d.by_state.div(4 * v), d.by_state.mod(4 * v), x); });
 }
+// For each element (p, n) of a [P][N] fp32 state in global memory, at(p, n, value): by quads at the
+// fixed shapes.
 template <class D, class At>
 static __device__ __forceinline__ void for_each_state_element(const D& d, const float* src, At at) {
   if constexpr (D::kFixed) {

@@ -236,7 +236,7 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
                                  o[i * ld_mp + p] = value + skip * to_f(psiv[i * ld_pv + p]);
                                });
   __syncthreads();
-  // Eight elements of a row a thread: 16-byte shared rows of bf16.
+  // kColumnsPerItem elements of a row a thread: 16-byte shared rows of bf16 at the fixed shapes.
   constexpr int W = kColumnsPerItem<D>;
   for (int idx = threadIdx.x; idx < M * P / W; idx += blockDim.x) {
     const auto [row, p] = headdim_item<W>(d, idx);
