@@ -411,6 +411,89 @@ TEST(Mamba3ScanCudaShapes, RefusesMisalignedInputRows) {
                        "y at", "y 6 bytes past an allocation");
 }
 
+// The backward's own tensors likewise, after a forward of all-zero inputs at a small fixed shape.
+TEST(Mamba3ScanCudaShapes, RefusesMisalignedBackwardRows) {
+  MEGACPP_REQUIRE_GPU();
+  ScanShape s = grid_shape(64, 64, 4, 16);
+  s.batch = 1;
+  s.seqlen = 64;
+  const size_t tokens = static_cast<size_t>(s.batch) * s.seqlen;
+  const size_t qk = tokens * s.rank * s.groups * s.state, hp = tokens * s.heads * s.headdim;
+  const size_t h = tokens * s.heads, a = tokens * s.angles;
+  const size_t hr = static_cast<size_t>(s.heads) * s.rank;
+  // Every tensor in a 256-byte slot of one zeroed buffer, slot bytes reserved for 4-byte elements.
+  const std::vector<size_t> elements = {qk,
+                                        qk,
+                                        hp,
+                                        hp,
+                                        h,
+                                        h,
+                                        h,
+                                        a,
+                                        hr * s.state,
+                                        hr * s.state,
+                                        hr * s.headdim,
+                                        hr * s.headdim,
+                                        hr * s.headdim,
+                                        static_cast<size_t>(s.heads),
+                                        hp,
+                                        hp};
+  std::vector<size_t> slots;
+  size_t bytes = 0;
+  for (const size_t n : elements) {
+    slots.push_back(bytes);
+    bytes += (4 * n + 255) / 256 * 256;
+  }
+  const size_t grad_base = bytes;
+  bytes *= 2;
+  oracle::DeviceBuffer buffer(bytes);
+  MEGACPP_CUDA_CHECK(cudaMemset(buffer.get(), 0, bytes));
+  char* base = static_cast<char*>(buffer.get());
+  const auto at = [&](size_t i, size_t offset = 0) {
+    return reinterpret_cast<uint16_t*>(base + offset + slots[i]);
+  };
+  const megacpp::cuda::ScanDeviceInputs in{.q = at(0),
+                                           .k = at(1),
+                                           .v = at(2),
+                                           .z = at(3),
+                                           .adt = at(4),
+                                           .dt = at(5),
+                                           .trap = at(6),
+                                           .angles = at(7),
+                                           .q_bias = at(8),
+                                           .k_bias = at(9),
+                                           .mimo_x = at(10),
+                                           .mimo_z = at(11),
+                                           .mimo_o = at(12),
+                                           .d = at(13)};
+  const auto f32 = [&](size_t i) {
+    return reinterpret_cast<float*>(at(i, grad_base));
+  };
+  megacpp::cuda::ScanDeviceGrads grads{.q = at(0, grad_base),
+                                       .k = at(1, grad_base),
+                                       .v = at(2, grad_base),
+                                       .z = at(3, grad_base),
+                                       .adt = at(4, grad_base),
+                                       .dt = at(5, grad_base),
+                                       .trap = at(6, grad_base),
+                                       .angles = at(7, grad_base),
+                                       .q_bias = f32(8),
+                                       .k_bias = f32(9),
+                                       .mimo_x = f32(10),
+                                       .mimo_z = f32(11),
+                                       .mimo_o = f32(12),
+                                       .d = f32(13)};
+  Mamba3ScanCuda scan(s);
+  scan.forward(in, at(14));
+  MEGACPP_CUDA_CHECK(cudaDeviceSynchronize());
+  oracle::expect_error([&] { scan.backward(in, at(15) + 1, grads); },
+                       megacpp::ErrorKind::kInvalidArgument, "dy at", "dy 2 bytes past a slot");
+  grads.z += 1;
+  oracle::expect_error([&] { scan.backward(in, at(15), grads); },
+                       megacpp::ErrorKind::kInvalidArgument, "the gradient z at",
+                       "the gradient of z 2 bytes past a slot");
+}
+
 // The forward is one kernel (chunk_forward, two blocks an SM) on the tensor cores at the fixed
 // shapes of a Hopper GPU, three (chunk_state, state_pass, chunk_output) on the CUDA cores and at
 // other shapes.
