@@ -287,6 +287,102 @@ static __device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const bf16* row)
 #endif
 }
 
+// One product's operands in shared memory as smem_mma_split takes them (layouts as smem_mma's,
+// below): A's hi part (and lo part when kSplitA), B's likewise (kSplitB), and k.
+template <bool kATrans, bool kBTrans, bool kSplitA, bool kSplitB>
+struct SmemOperands {
+  const bf16* a_hi;
+  const bf16* a_lo;
+  int lda;
+  const bf16* b_hi;
+  const bf16* b_lo;
+  int ldb;
+  int k;
+};
+
+// acc += the product's 16×16 tile at (i0, j0), k in a fixed order, for the calling warp; lane's
+// fragments as store_tile reads them.
+template <bool kATrans, bool kBTrans, bool kSplitA, bool kSplitB>
+static __device__ __forceinline__ void accumulate_tile(
+    const SmemOperands<kATrans, kBTrans, kSplitA, kSplitB>& op, int i0, int j0, int lane,
+    float (&acc)[2][4]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const int lo8 = lane % 8, second = (lane / 8) % 2, upper = lane / 16;
+  const int a_row = kATrans ? lo8 + 8 * upper : lo8 + 8 * second;
+  const int a_col = kATrans ? 8 * second : 8 * upper;
+  const int b_row = kBTrans ? lo8 + 8 * second : lo8 + 8 * upper;
+  const int b_col = kBTrans ? 8 * upper : 8 * second;
+  const int lda = op.lda, ldb = op.ldb;
+  for (int k0 = 0; k0 < op.k; k0 += 16) {
+    const int a_at = kATrans ? (k0 + a_row) * lda + i0 + a_col : (i0 + a_row) * lda + k0 + a_col;
+    const int b_at = kBTrans ? (k0 + b_row) * ldb + j0 + b_col : (j0 + b_row) * ldb + k0 + b_col;
+    uint32_t af_hi[4], af_lo[4], bf_hi[4], bf_lo[4];
+    ldmatrix_x4<kATrans>(af_hi, op.a_hi + a_at);
+    if constexpr (kSplitA) ldmatrix_x4<kATrans>(af_lo, op.a_lo + a_at);
+    ldmatrix_x4<kBTrans>(bf_hi, op.b_hi + b_at);
+    if constexpr (kSplitB) ldmatrix_x4<kBTrans>(bf_lo, op.b_lo + b_at);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float* c = acc[half];
+      mma_bf16_16816(c, af_hi, bf_hi[2 * half], bf_hi[2 * half + 1]);
+      if constexpr (kSplitB) mma_bf16_16816(c, af_hi, bf_lo[2 * half], bf_lo[2 * half + 1]);
+      if constexpr (kSplitA) mma_bf16_16816(c, af_lo, bf_hi[2 * half], bf_hi[2 * half + 1]);
+    }
+  }
+#else
+  (void)op, (void)i0, (void)j0, (void)lane, (void)acc;
+#endif
+}
+
+// The m×n product, each warp's 16×16 tiles handed whole to tile_out(acc, i0, j0, g, t) (acc as
+// store_tile reads it; g = lane / 4, t = lane % 4): an epilogue that reduces across a tile's
+// lanes.
+template <bool kATrans, bool kBTrans, bool kSplitA, bool kSplitB, class FTile>
+static __device__ __forceinline__ void smem_mma_tiles(
+    int m, int n, const SmemOperands<kATrans, kBTrans, kSplitA, kSplitB>& op, FTile tile_out) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warps = blockDim.x / 32;
+  const int g = lane / 4, t = lane % 4;
+  const int tiles_n = n / 16;
+  const int tiles = (m / 16) * tiles_n;
+  for (int tile = warp; tile < tiles; tile += warps) {
+    const int i0 = (tile / tiles_n) * 16, j0 = (tile % tiles_n) * 16;
+    float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    accumulate_tile(op, i0, j0, lane, acc);
+    tile_out(acc, i0, j0, g, t);
+  }
+}
+
+// Two products of the same m×n shape, each tile of both computed by one warp and handed to
+// out(i, j, first, second) element by element: a sum of two products (or of one and a scaled
+// other) with no pass over an fp32 matrix between them and no barrier.
+template <bool kATrans0, bool kBTrans0, bool kSplitA0, bool kSplitB0, bool kATrans1, bool kBTrans1,
+          bool kSplitA1, bool kSplitB1, class FOut>
+static __device__ __forceinline__ void smem_mma_pair(
+    int m, int n, const SmemOperands<kATrans0, kBTrans0, kSplitA0, kSplitB0>& first,
+    const SmemOperands<kATrans1, kBTrans1, kSplitA1, kSplitB1>& second, FOut out) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warps = blockDim.x / 32;
+  const int g = lane / 4, t = lane % 4;
+  const int tiles_n = n / 16;
+  const int tiles = (m / 16) * tiles_n;
+  for (int tile = warp; tile < tiles; tile += warps) {
+    const int i0 = (tile / tiles_n) * 16, j0 = (tile % tiles_n) * 16;
+    float acc0[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    float acc1[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    accumulate_tile(first, i0, j0, lane, acc0);
+    accumulate_tile(second, i0, j0, lane, acc1);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int col = j0 + half * 8 + 2 * t;
+      out(i0 + g, col, acc0[half][0], acc1[half][0]);
+      out(i0 + g, col + 1, acc0[half][1], acc1[half][1]);
+      out(i0 + g + 8, col, acc0[half][2], acc1[half][2]);
+      out(i0 + g + 8, col + 1, acc0[half][3], acc1[half][3]);
+    }
+  }
+}
+
 // smem_mma (below: the layouts) with near-fp32 operands held in shared memory as hi + lo bf16
 // pairs (split_bf16's):
 // A split when kSplitA (a_hi, a_lo; else a_hi alone), B likewise when kSplitB. The same tiles, k
@@ -297,37 +393,11 @@ static __device__ __forceinline__ void smem_mma_split(int m, int n, int k, const
                                                       const bf16* a_lo, int lda, const bf16* b_hi,
                                                       const bf16* b_lo, int ldb, FOut out) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int warps = blockDim.x / 32;
-  const int g = lane / 4, t = lane % 4;
-  const int lo8 = lane % 8, second = (lane / 8) % 2, upper = lane / 16;
-  const int a_row = kATrans ? lo8 + 8 * upper : lo8 + 8 * second;
-  const int a_col = kATrans ? 8 * second : 8 * upper;
-  const int b_row = kBTrans ? lo8 + 8 * second : lo8 + 8 * upper;
-  const int b_col = kBTrans ? 8 * upper : 8 * second;
-  const int tiles_n = n / 16;
-  const int tiles = (m / 16) * tiles_n;
-  for (int tile = warp; tile < tiles; tile += warps) {
-    const int i0 = (tile / tiles_n) * 16, j0 = (tile % tiles_n) * 16;
-    float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-    for (int k0 = 0; k0 < k; k0 += 16) {
-      const int a_at = kATrans ? (k0 + a_row) * lda + i0 + a_col : (i0 + a_row) * lda + k0 + a_col;
-      const int b_at = kBTrans ? (k0 + b_row) * ldb + j0 + b_col : (j0 + b_row) * ldb + k0 + b_col;
-      uint32_t af_hi[4], af_lo[4], bf_hi[4], bf_lo[4];
-      ldmatrix_x4<kATrans>(af_hi, a_hi + a_at);
-      if constexpr (kSplitA) ldmatrix_x4<kATrans>(af_lo, a_lo + a_at);
-      ldmatrix_x4<kBTrans>(bf_hi, b_hi + b_at);
-      if constexpr (kSplitB) ldmatrix_x4<kBTrans>(bf_lo, b_lo + b_at);
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        float* c = acc[half];
-        mma_bf16_16816(c, af_hi, bf_hi[2 * half], bf_hi[2 * half + 1]);
-        if constexpr (kSplitB) mma_bf16_16816(c, af_hi, bf_lo[2 * half], bf_lo[2 * half + 1]);
-        if constexpr (kSplitA) mma_bf16_16816(c, af_lo, bf_hi[2 * half], bf_hi[2 * half + 1]);
-      }
-    }
-    store_tile(acc, i0, j0, g, t, out);
-  }
+  smem_mma_tiles(
+      m, n, SmemOperands<kATrans, kBTrans, kSplitA, kSplitB>{a_hi, a_lo, lda, b_hi, b_lo, ldb, k},
+      [&](const float(&acc)[2][4], int i0, int j0, int g, int t) {
+        store_tile(acc, i0, j0, g, t, out);
+      });
 #else
   (void)m, (void)n, (void)k, (void)a_hi, (void)a_lo, (void)lda, (void)b_hi, (void)b_lo, (void)ldb,
       (void)out;

@@ -692,25 +692,30 @@ __global__ void __launch_bounds__(kBackwardThreads)
     }
     __syncthreads();
 
-    // dQ = dSc K + e^{l} dO E (unsplit, the fp32 E reloaded: its space held the bf16 dO; split,
-    // the pairs are still E's).
-    if (!split) load_state(d, w.states + bhc * matrix, state, ld_state);
-    bf16_gemm<kTensor, false, true>(
-        M, N, M, weighted, ld_sw, k_rot, ld_qk,
-        [&](int i, int n, float value) { d_qk[i * ld_mn + n] = value; });
-    __syncthreads();
-    {
-      const auto add = [&](int i, int n, float value) {
-        d_qk[i * ld_mn + n] += sc[kEntryDecay * C + d.by_rank.div(i)] * value;
-      };
-      if (split) {
-        smem_mma_split<false, true, true>(M, N, P, d_o_bf16, d_o_lo, ld_pv, state_hi, state_lo,
-                                          ld_split, add);
-      } else {
-        state_gemm<kTensor, true, true>(
-            M, N, P, [&](int i, int p) { return d_o[i * ld_mp + p]; },
-            [&](int p, int n) { return state[p * ld_state + n]; }, add);
-      }
+    // dQ = dSc K + e^{l} dO E. Split (the pairs are still E's), each tile of both products by one
+    // warp, summed in registers; unsplit, the fp32 E reloaded (its space held the bf16 dO) and
+    // the second product added to the first in d_qk.
+    if (split) {
+      smem_mma_pair(M, N,
+                    SmemOperands<false, true, false, false>{weighted, nullptr, ld_sw, k_rot,
+                                                            nullptr, ld_qk, M},
+                    SmemOperands<false, true, true, true>{d_o_bf16, d_o_lo, ld_pv, state_hi,
+                                                          state_lo, ld_split, P},
+                    [&](int i, int n, float d_sc_k, float d_o_e) {
+                      d_qk[i * ld_mn + n] = d_sc_k + sc[kEntryDecay * C + d.by_rank.div(i)] * d_o_e;
+                    });
+    } else {
+      load_state(d, w.states + bhc * matrix, state, ld_state);
+      bf16_gemm<kTensor, false, true>(
+          M, N, M, weighted, ld_sw, k_rot, ld_qk,
+          [&](int i, int n, float value) { d_qk[i * ld_mn + n] = value; });
+      __syncthreads();
+      state_gemm<kTensor, true, true>(
+          M, N, P, [&](int i, int p) { return d_o[i * ld_mp + p]; },
+          [&](int p, int n) { return state[p * ld_state + n]; },
+          [&](int i, int n, float value) {
+            d_qk[i * ld_mn + n] += sc[kEntryDecay * C + d.by_rank.div(i)] * value;
+          });
     }
     __syncthreads();
     // Not closed: the exit state's phase writes neither d_qk nor the sums, and its barrier comes
@@ -760,70 +765,126 @@ __global__ void __launch_bounds__(kBackwardThreads)
       }
     }
     __syncthreads();
-    // dK = dScᵀ Q + exit_scale · V dS.
-    bf16_gemm<kTensor, true, true>(M, N, M, weighted, ld_sw, q_rot, ld_qk,
-                                   [&](int i, int n, float value) { d_qk[i * ld_mn + n] = value; });
-    __syncthreads();
-    {
-      const auto add = [&](int i, int n, float value) {
-        d_qk[i * ld_mn + n] += sc[kExitScale * C + d.by_rank.div(i)] * value;
-      };
-      // K dSᵀ into o (o is no longer needed): dV += exit_scale · K dSᵀ.
-      const auto store = [&](int i, int p, float value) {
-        o[i * ld_mp + p] = value;
-      };
-      if (split) {
-        smem_mma_split<false, true, false>(M, N, P, psiv, nullptr, ld_pv, state_hi, state_lo,
-                                           ld_split, add);
-        smem_mma_split<false, false, false>(M, P, N, k_rot, nullptr, ld_qk, state_hi, state_lo,
-                                            ld_split, store);
-      } else {
-        state_gemm<kTensor, false, true>(
-            M, N, P, [&](int i, int p) { return to_f(psiv[i * ld_pv + p]); },
-            [&](int p, int n) { return state[p * ld_state + n]; }, add);
-        state_gemm<kTensor, false, true>(
-            M, P, N, [&](int i, int n) { return to_f(k_rot[i * ld_qk + n]); },
-            [&](int n, int p) { return state[p * ld_state + n]; }, store);
-      }
-    }
-    __syncthreads();
-    // One warp per token.
-    for (int j = warp; j < C; j += warps) {
-      float d_scale = 0.f;
-      for (int x = lane * W; x < R * P; x += 32 * W) {
-        const int row = j * R + d.by_headdim.div(x), p = d.by_headdim.mod(x);
-        float k_ds[W];
-        load_floats<W>(o + row * ld_mp + p, k_ds);
-        const Bf16Row<W> psiv_row = load_row<W>(psiv + row * ld_pv + p);
+    // dK = dScᵀ Q + exit_scale · V dS, and K dSᵀ for dV += exit_scale · K dSᵀ and for
+    // d_scale = Σ (K dSᵀ) ⊙ PsiV over each token's rows.
+    if (split) {
+      // As dQ: both products of a tile by one warp, summed in registers.
+      smem_mma_pair(M, N,
+                    SmemOperands<true, true, false, false>{weighted, nullptr, ld_sw, q_rot, nullptr,
+                                                           ld_qk, M},
+                    SmemOperands<false, true, false, true>{psiv, nullptr, ld_pv, state_hi, state_lo,
+                                                           ld_split, P},
+                    [&](int i, int n, float d_sc_q, float psiv_ds) {
+                      d_qk[i * ld_mn + n] =
+                          d_sc_q + sc[kExitScale * C + d.by_rank.div(i)] * psiv_ds;
+                    });
+      // K dSᵀ tile by tile, never stored: its warp adds it into dV in place and sums each row's
+      // (K dSᵀ) ⊙ PsiV over the tile's 16 columns into row_terms[row][tile column] (o's space;
+      // o is dead since the epilogue), which the d_scale pass sums in a fixed order.
+      float* row_terms = o;
+      const int column_tiles = P / 16;
+      smem_mma_tiles(M, P,
+                     SmemOperands<false, false, false, true>{k_rot, nullptr, ld_qk, state_hi,
+                                                             state_lo, ld_split, N},
+                     [&](const float(&acc)[2][4], int i0, int j0, int g, int t) {
 #pragma unroll
-        for (int w = 0; w < W; ++w) d_scale += k_ds[w] * psiv_row.at(w);
-      }
-      d_scale = warp_sum(d_scale);
-      if (lane == 0) {
-        const float scale = sc[kExitScale * C + j];
+                       for (int upper = 0; upper < 2; ++upper) {
+                         const int row = i0 + g + 8 * upper;
+                         const float scale = sc[kExitScale * C + d.by_rank.div(row)];
+                         float term = 0.f;
+#pragma unroll
+                         for (int half = 0; half < 2; ++half) {
+                           const int p = j0 + half * 8 + 2 * t;
+                           const float k_ds0 = acc[half][2 * upper],
+                                       k_ds1 = acc[half][2 * upper + 1];
+                           float2* d_v = reinterpret_cast<float2*>(d_psiv + row * ld_mp + p);
+                           float2 value = *d_v;
+                           value.x += scale * k_ds0;
+                           value.y += scale * k_ds1;
+                           *d_v = value;
+                           const __nv_bfloat162 v_pair =
+                               *reinterpret_cast<const __nv_bfloat162*>(psiv + row * ld_pv + p);
+                           term += k_ds0 * __low2float(v_pair) + k_ds1 * __high2float(v_pair);
+                         }
+                         term += __shfl_xor_sync(0xffffffffu, term, 1);
+                         term += __shfl_xor_sync(0xffffffffu, term, 2);
+                         if (t == 0) row_terms[row * column_tiles + j0 / 16] = term;
+                       }
+                     });
+      __syncthreads();
+      // A lane per token; the sum of d_scale · exit_scale over tokens by warp 0 alone, so no
+      // barrier before it.
+      if (warp == 0) {
+        float sum = 0.f;
         const int last = pos.len - 1;
-        sc[kDKappa * C + j] += d_scale * expf(sc[kLog * C + last] - sc[kLog * C + j]);
-        sc[kScratch * C + j] = d_scale * scale;
-        sc[kDLog * C + j] -= d_scale * scale;
+        for (int j = lane; j < C; j += 32) {
+          float d_scale = 0.f;
+          for (int x = 0; x < R * column_tiles; ++x) d_scale += row_terms[j * R * column_tiles + x];
+          const float scale = sc[kExitScale * C + j];
+          sc[kDKappa * C + j] += d_scale * expf(sc[kLog * C + last] - sc[kLog * C + j]);
+          sc[kDLog * C + j] -= d_scale * scale;
+          sum += d_scale * scale;
+        }
+        sum = warp_sum(sum);
+        __syncwarp();
+        if (lane == 0) sc[kDLog * C + last] += sum;
       }
-    }
-    for (int idx = threadIdx.x; idx < M * P / W; idx += blockDim.x) {
-      const auto [row, p] = headdim_item<W>(d, idx);
-      const int at = row * ld_mp + p;
-      const float scale = sc[kExitScale * C + d.by_rank.div(row)];
-      float d_v[W], k_ds[W];
-      load_floats<W>(d_psiv + at, d_v);
-      load_floats<W>(o + at, k_ds);
+    } else {
+      bf16_gemm<kTensor, true, true>(
+          M, N, M, weighted, ld_sw, q_rot, ld_qk,
+          [&](int i, int n, float value) { d_qk[i * ld_mn + n] = value; });
+      __syncthreads();
+      state_gemm<kTensor, false, true>(
+          M, N, P, [&](int i, int p) { return to_f(psiv[i * ld_pv + p]); },
+          [&](int p, int n) { return state[p * ld_state + n]; },
+          [&](int i, int n, float value) {
+            d_qk[i * ld_mn + n] += sc[kExitScale * C + d.by_rank.div(i)] * value;
+          });
+      // K dSᵀ into o (o is no longer needed).
+      state_gemm<kTensor, false, true>(
+          M, P, N, [&](int i, int n) { return to_f(k_rot[i * ld_qk + n]); },
+          [&](int n, int p) { return state[p * ld_state + n]; },
+          [&](int i, int p, float value) { o[i * ld_mp + p] = value; });
+      __syncthreads();
+      // One warp per token.
+      for (int j = warp; j < C; j += warps) {
+        float d_scale = 0.f;
+        for (int x = lane * W; x < R * P; x += 32 * W) {
+          const int row = j * R + d.by_headdim.div(x), p = d.by_headdim.mod(x);
+          float k_ds[W];
+          load_floats<W>(o + row * ld_mp + p, k_ds);
+          const Bf16Row<W> psiv_row = load_row<W>(psiv + row * ld_pv + p);
 #pragma unroll
-      for (int w = 0; w < W; ++w) d_v[w] += scale * k_ds[w];
-      store_floats<W>(d_psiv + at, d_v);
-    }
-    __syncthreads();
-    if (warp == 0) {
-      float sum = 0.f;
-      for (int j = lane; j < C; j += 32) sum += sc[kScratch * C + j];
-      sum = warp_sum(sum);
-      if (lane == 0) sc[kDLog * C + pos.len - 1] += sum;
+          for (int w = 0; w < W; ++w) d_scale += k_ds[w] * psiv_row.at(w);
+        }
+        d_scale = warp_sum(d_scale);
+        if (lane == 0) {
+          const float scale = sc[kExitScale * C + j];
+          const int last = pos.len - 1;
+          sc[kDKappa * C + j] += d_scale * expf(sc[kLog * C + last] - sc[kLog * C + j]);
+          sc[kScratch * C + j] = d_scale * scale;
+          sc[kDLog * C + j] -= d_scale * scale;
+        }
+      }
+      // dV += exit_scale · K dSᵀ.
+      for (int idx = threadIdx.x; idx < M * P / W; idx += blockDim.x) {
+        const auto [row, p] = headdim_item<W>(d, idx);
+        const int at = row * ld_mp + p;
+        const float scale = sc[kExitScale * C + d.by_rank.div(row)];
+        float d_v[W], k_ds[W];
+        load_floats<W>(d_psiv + at, d_v);
+        load_floats<W>(o + at, k_ds);
+#pragma unroll
+        for (int w = 0; w < W; ++w) d_v[w] += scale * k_ds[w];
+        store_floats<W>(d_psiv + at, d_v);
+      }
+      __syncthreads();
+      if (warp == 0) {
+        float sum = 0.f;
+        for (int j = lane; j < C; j += 32) sum += sc[kScratch * C + j];
+        sum = warp_sum(sum);
+        if (lane == 0) sc[kDLog * C + pos.len - 1] += sum;
+      }
     }
     // v in the scores' space is written next (dx's pass), over d_qk.
     const bool v_in_scores = v_tokens != nullptr && v_early == nullptr;
