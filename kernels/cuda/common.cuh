@@ -353,14 +353,14 @@ static __device__ __forceinline__ void smem_mma_tiles(
   }
 }
 
-// Two products of the same m×n shape, each tile of both computed by one warp and handed to
-// out(i, j, first, second) element by element: a sum of two products (or of one and a scaled
-// other) with no pass over an fp32 matrix between them and no barrier.
+// Two products of the same m×n shape, each tile of both computed by one warp and handed whole to
+// tile_out(first, second, i0, j0, g, t) (as smem_mma_tiles'): a sum of two products (or of one
+// and a scaled other) with no pass over an fp32 matrix between them and no barrier.
 template <bool kATrans0, bool kBTrans0, bool kSplitA0, bool kSplitB0, bool kATrans1, bool kBTrans1,
-          bool kSplitA1, bool kSplitB1, class FOut>
-static __device__ __forceinline__ void smem_mma_pair(
+          bool kSplitA1, bool kSplitB1, class FTile>
+static __device__ __forceinline__ void smem_mma_pair_tiles(
     int m, int n, const SmemOperands<kATrans0, kBTrans0, kSplitA0, kSplitB0>& first,
-    const SmemOperands<kATrans1, kBTrans1, kSplitA1, kSplitB1>& second, FOut out) {
+    const SmemOperands<kATrans1, kBTrans1, kSplitA1, kSplitB1>& second, FTile tile_out) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int warps = blockDim.x / 32;
   const int g = lane / 4, t = lane % 4;
@@ -372,15 +372,28 @@ static __device__ __forceinline__ void smem_mma_pair(
     float acc1[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
     accumulate_tile(first, i0, j0, lane, acc0);
     accumulate_tile(second, i0, j0, lane, acc1);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int col = j0 + half * 8 + 2 * t;
-      out(i0 + g, col, acc0[half][0], acc1[half][0]);
-      out(i0 + g, col + 1, acc0[half][1], acc1[half][1]);
-      out(i0 + g + 8, col, acc0[half][2], acc1[half][2]);
-      out(i0 + g + 8, col + 1, acc0[half][3], acc1[half][3]);
-    }
+    tile_out(acc0, acc1, i0, j0, g, t);
   }
+}
+
+// smem_mma_pair_tiles with the tiles handed to out(i, j, first, second) element by element.
+template <bool kATrans0, bool kBTrans0, bool kSplitA0, bool kSplitB0, bool kATrans1, bool kBTrans1,
+          bool kSplitA1, bool kSplitB1, class FOut>
+static __device__ __forceinline__ void smem_mma_pair(
+    int m, int n, const SmemOperands<kATrans0, kBTrans0, kSplitA0, kSplitB0>& first,
+    const SmemOperands<kATrans1, kBTrans1, kSplitA1, kSplitB1>& second, FOut out) {
+  smem_mma_pair_tiles(
+      m, n, first, second,
+      [&](const float(&acc0)[2][4], const float(&acc1)[2][4], int i0, int j0, int g, int t) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int col = j0 + half * 8 + 2 * t;
+          out(i0 + g, col, acc0[half][0], acc1[half][0]);
+          out(i0 + g, col + 1, acc0[half][1], acc1[half][1]);
+          out(i0 + g + 8, col, acc0[half][2], acc1[half][2]);
+          out(i0 + g + 8, col + 1, acc0[half][3], acc1[half][3]);
+        }
+      });
 }
 
 // smem_mma (below: the layouts) with near-fp32 operands held in shared memory as hi + lo bf16

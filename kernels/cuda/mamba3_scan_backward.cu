@@ -45,7 +45,9 @@ constexpr bool kAsyncCopies = true;
 
 // d_o = dy ⊙ silu(z ⊙ mimo_z) ⊙ mimo_o, rows (i, r), fp32; an index is (row, W columns p). With
 // z_dy, also the chunk's z and dy as loaded (bf16 [C][P] each, z then dy; zeros for padded tokens),
-// for the epilogue; with mimo_copy, the head's mimo_z then mimo_o ([R][P] each, fp32).
+// for the epilogue; with mimo_copy, the head's mimo_z then mimo_o ([R][P] each, fp32); with
+// split_hi, also d_o as split_bf16's hi + lo pairs (split_hi, split_lo, rows of ld_split), the
+// tensor-core operands.
 template <class D>
 struct DOutLoader {
   static constexpr int W = kColumnsPerItem<D>;
@@ -62,6 +64,9 @@ struct DOutLoader {
   bf16* z_dy = nullptr;
   float* mimo_copy = nullptr;
   const bf16* staged_z_dy = nullptr;  // the chunk's z then dy already in shared memory, [2][C][P]
+  bf16* split_hi = nullptr;
+  bf16* split_lo = nullptr;
+  int ld_split = 0;
 
   static __device__ __forceinline__ int items(const D& d) { return d.rows * d.headdim / W; }
   __device__ __forceinline__ Loaded load(int idx) const {
@@ -95,6 +100,16 @@ struct DOutLoader {
       d_out[w] = loaded.dy.at(w) * gate * sigmoidf(gate) * loaded.mimo_o.at(w);
     }
     store_floats<W>(dst + row * ld + p, d_out);
+    if (split_hi != nullptr) {
+      float hi[W], lo[W];
+#pragma unroll
+      for (int w = 0; w < W; ++w) {
+        hi[w] = to_f(__float2bfloat16(d_out[w]));
+        lo[w] = d_out[w] - hi[w];
+      }
+      store_row(split_hi + row * ld_split + p, round_row<W>(hi));
+      store_row(split_lo + row * ld_split + p, round_row<W>(lo));
+    }
     if (z_dy != nullptr && r == 0) {
       const int at = i * P + p;
       store_row(z_dy + at, loaded.z);
@@ -317,6 +332,8 @@ __global__ void __launch_bounds__(kBackwardThreads)
   float* d_psiv = reinterpret_cast<float*>(smem + plan.d_psiv);
   float* d_qk = reinterpret_cast<float*>(smem + plan.d_qk);
   float* sum_scratch = reinterpret_cast<float*>(smem + plan.sum_scratch);
+  float* row_terms = reinterpret_cast<float*>(smem + plan.row_terms);
+  const int column_tiles = d.headdim / 16;  // row_terms' columns
   float* d_theta = reinterpret_cast<float*>(smem + plan.d_theta);
   // The head's mimo_x, then mimo_z and mimo_o, [R][P] fp32 each: loaded once with PsiV and dO,
   // read by the epilogue and dx instead of global memory inside their loops.
@@ -339,6 +356,14 @@ __global__ void __launch_bounds__(kBackwardThreads)
   const SmemStrides ld = strides_of<D>(plan);
   const int ld_qk = ld.qk, ld_pv = ld.pv, ld_state = ld.state;
   const int ld_mm = ld.mm, ld_mp = ld.mp, ld_mn = ld.mn, ld_sw = ld.sw;
+  // Split, with R a power of two up to 8 (an R×R block of the scores then lies within a warp's
+  // tile) and d_qk within the scores' space: the score products' tiles make Sw, dSc ⊙ W (bf16, in
+  // d_scores' space) and dL/dW (in the scores' space, free until d_qk) at once, and neither fp32
+  // score matrix is stored.
+  const bool fused_weights = split && (R & (R - 1)) == 0 && R <= 8 && ld_mn <= ld_mm;
+  bf16* d_weighted = fused_weights ? reinterpret_cast<bf16*>(d_scores) : weighted;
+  float* d_weights_fused = scores;
+  const float* d_weights_at = fused_weights ? d_weights_fused : d_weights;
   // State element (p, n): split, its hi + lo pair (split_bf16's), which is all the products read;
   // else the fp32 value.
   const auto set_state = [&](int p, int n, float value) {
@@ -416,7 +441,8 @@ __global__ void __launch_bounds__(kBackwardThreads)
         PsivLoader<D>::items(d),
         PsivLoader<D>{d, in, pos, w.psiv, read_psiv, false, psiv, ld_pv, mimo_x, v_early, staged},
         DOutLoader<D>{d, in, dy, pos, d_o, ld_mp, z_dy, mimo_zo,
-                      staged != nullptr ? staged + C * P : nullptr});
+                      staged != nullptr ? staged + C * P : nullptr, split ? d_o_bf16 : nullptr,
+                      d_o_lo, ld_pv});
     bool entry_split = false;
     if constexpr (W > 1) {
       // Four elements of a row a thread, their hi and lo parts stored 8 bytes at a time.
@@ -452,62 +478,146 @@ __global__ void __launch_bounds__(kBackwardThreads)
     }
 
     // Recompute the forward: scores, weighted scores and o.
-    bf16_gemm<kTensor, false, false>(
-        M, M, N, q_rot, ld_qk, k_rot, ld_qk, [&](int i, int j, float value) {
-          scores[i * ld_mm + j] = value;
-          weighted[i * ld_sw + j] =
-              __float2bfloat16(value * weights[d.by_rank.div(i) * C + d.by_rank.div(j)]);
-        });
-    {
-      const auto store = [&](int i, int p, float value) {
-        o[i * ld_mp + p] = value;
-      };
-      if (split) {
-        smem_mma_split<false, false, false>(M, P, N, q_rot, nullptr, ld_qk, state_hi, state_lo,
-                                            ld_split, store);
-      } else {
-        state_gemm<kTensor, false, true>(
-            M, P, N, [&](int i, int n) { return to_f(q_rot[i * ld_qk + n]); },
-            [&](int n, int p) { return state[p * ld_state + n]; }, store);
-      }
-    }
-    __syncthreads();
-    // dL/dl_i from the entry term e^{l_i} (Q Eᵀ)_i: one warp per token. Each lane then scales the
-    // o elements it read by e^{l_i} and rounds their dO to bf16 (with the lo part when split;
-    // unsplit, E is dead until dO E reloads it, and its space takes the bf16 dO): no barrier
-    // between the dot's reads and those writes, and no second pass.
-    for (int i = warp; i < C; i += warps) {
-      const float decay = sc[kEntryDecay * C + i];
-      float dot = 0.f;
-      for (int x = lane * W; x < R * P; x += 32 * W) {
-        const int row = i * R + d.by_headdim.div(x), p = d.by_headdim.mod(x);
-        const int at = row * ld_mp + p;
-        float out[W], value[W], hi[W], lo[W];
-        load_floats<W>(o + at, out);
-        load_floats<W>(d_o + at, value);
+    if (fused_weights) {
+      // Each warp makes a tile of QKᵀ and the same tile of dSc = dO Vᵀ (dO's pairs came with its
+      // load) and keeps neither in fp32: Sw = QKᵀ ⊙ W and dSc ⊙ W rounded to bf16, and the
+      // score-weight gradient dL/dW, each R×R block's Σ dSc ⊙ QKᵀ, summed across the block's
+      // lanes.
+      smem_mma_pair_tiles(
+          M, M,
+          SmemOperands<false, false, false, false>{q_rot, nullptr, ld_qk, k_rot, nullptr, ld_qk, N},
+          SmemOperands<false, false, false, false>{d_o_bf16, nullptr, ld_pv, psiv, nullptr, ld_pv,
+                                                   P},
+          [&](const float(&score)[2][4], const float(&d_score)[2][4], int i0, int j0, int g,
+              int t) {
 #pragma unroll
-        for (int w = 0; w < W; ++w) {
-          dot += value[w] * out[w];
-          out[w] *= decay;
-          hi[w] = to_f(__float2bfloat16(value[w]));
-          lo[w] = value[w] - hi[w];
-        }
-        store_floats<W>(o + at, out);
-        store_row(d_o_bf16 + row * ld_pv + p, round_row<W>(hi));
-        if (split) store_row(d_o_lo + row * ld_pv + p, round_row<W>(lo));
-      }
-      dot = warp_sum(dot);
-      if (lane == 0) sc[kScratch * C + i] = decay * dot;
+            for (int upper = 0; upper < 2; ++upper) {
+              const int i = i0 + g + 8 * upper;
+              const float* weight_row = weights + d.by_rank.div(i) * C;
+#pragma unroll
+              for (int half = 0; half < 2; ++half) {
+                const int j = j0 + half * 8 + 2 * t;
+                const float s0 = score[half][2 * upper], s1 = score[half][2 * upper + 1];
+                const float ds0 = d_score[half][2 * upper], ds1 = d_score[half][2 * upper + 1];
+                const float w0 = weight_row[d.by_rank.div(j)],
+                            w1 = weight_row[d.by_rank.div(j + 1)];
+                *reinterpret_cast<__nv_bfloat162*>(weighted + i * ld_sw + j) =
+                    __floats2bfloat162_rn(s0 * w0, s1 * w1);
+                *reinterpret_cast<__nv_bfloat162*>(d_weighted + i * ld_sw + j) =
+                    __floats2bfloat162_rn(ds0 * w0, ds1 * w1);
+                if (R == 1) {
+                  *reinterpret_cast<float2*>(d_weights_fused + i * C + j) =
+                      make_float2(ds0 * s0, ds1 * s1);
+                  continue;
+                }
+                // R ≥ 2: the pair of columns lies in one block; its other columns are in the
+                // lanes t ^ 1 … (R / 2 of them), its other rows in the lanes g ^ 1 … (R).
+                const int block_lanes = R > 1 ? R / 2 : 1;  // t-lanes a block spans
+                float block = ds0 * s0 + ds1 * s1;
+                for (int offset = 1; offset < block_lanes; offset <<= 1) {
+                  block += __shfl_xor_sync(0xffffffffu, block, offset);
+                }
+                for (int offset = 4; offset < 4 * R; offset <<= 1) {
+                  block += __shfl_xor_sync(0xffffffffu, block, offset);
+                }
+                if (t % block_lanes == 0 && g % R == 0) {
+                  d_weights_fused[d.by_rank.div(i) * C + d.by_rank.div(j)] = block;
+                }
+              }
+            }
+          });
+    } else {
+      bf16_gemm<kTensor, false, false>(
+          M, M, N, q_rot, ld_qk, k_rot, ld_qk, [&](int i, int j, float value) {
+            scores[i * ld_mm + j] = value;
+            weighted[i * ld_sw + j] =
+                __float2bfloat16(value * weights[d.by_rank.div(i) * C + d.by_rank.div(j)]);
+          });
     }
-    __syncthreads();
-    bf16_gemm<kTensor, false, true>(M, P, M, weighted, ld_sw, psiv, ld_pv,
-                                    [&](int i, int p, float value) {
-                                      o[i * ld_mp + p] += value + skip * to_f(psiv[i * ld_pv + p]);
-                                    });
-    // Inside the chunk: dSc = dO Vᵀ; dV = D dO + Swᵀ dO.
-    bf16_gemm<kTensor, false, false>(
-        M, M, P, d_o_bf16, ld_pv, psiv, ld_pv,
-        [&](int i, int j, float value) { d_scores[i * ld_mm + j] = value; });
+    if (split) {
+      // dO's pairs came with its load: dSc = dO Vᵀ goes with the scores, and each warp makes its
+      // tiles of o whole, o = e^{l} Q Eᵀ + Sw PsiV + D PsiV, from both products in registers,
+      // summing each row's dO ⊙ Q Eᵀ (dL/dl_i's entry term) over the tile into row_terms.
+      if (!fused_weights) {
+        bf16_gemm<kTensor, false, false>(
+            M, M, P, d_o_bf16, ld_pv, psiv, ld_pv,
+            [&](int i, int j, float value) { d_scores[i * ld_mm + j] = value; });
+      }
+      __syncthreads();
+      smem_mma_pair_tiles(
+          M, P,
+          SmemOperands<false, false, false, true>{q_rot, nullptr, ld_qk, state_hi, state_lo,
+                                                  ld_split, N},
+          SmemOperands<false, true, false, false>{weighted, nullptr, ld_sw, psiv, nullptr, ld_pv,
+                                                  M},
+          [&](const float(&entry)[2][4], const float(&intra)[2][4], int i0, int j0, int g, int t) {
+#pragma unroll
+            for (int upper = 0; upper < 2; ++upper) {
+              const int row = i0 + g + 8 * upper;
+              const float decay = sc[kEntryDecay * C + d.by_rank.div(row)];
+              float term = 0.f;
+#pragma unroll
+              for (int half = 0; half < 2; ++half) {
+                const int p = j0 + half * 8 + 2 * t;
+                const float e0 = entry[half][2 * upper], e1 = entry[half][2 * upper + 1];
+                const float2 d_out = *reinterpret_cast<const float2*>(d_o + row * ld_mp + p);
+                term += d_out.x * e0 + d_out.y * e1;
+                const __nv_bfloat162 v_pair =
+                    *reinterpret_cast<const __nv_bfloat162*>(psiv + row * ld_pv + p);
+                // e^{l} Q Eᵀ rounded on its own, as when it was stored before the sum.
+                float2 out;
+                out.x =
+                    __fmul_rn(decay, e0) + (intra[half][2 * upper] + skip * __low2float(v_pair));
+                out.y = __fmul_rn(decay, e1) +
+                        (intra[half][2 * upper + 1] + skip * __high2float(v_pair));
+                *reinterpret_cast<float2*>(o + row * ld_mp + p) = out;
+              }
+              term += __shfl_xor_sync(0xffffffffu, term, 1);
+              term += __shfl_xor_sync(0xffffffffu, term, 2);
+              if (t == 0) row_terms[row * column_tiles + j0 / 16] = term;
+            }
+          });
+    } else {
+      state_gemm<kTensor, false, true>(
+          M, P, N, [&](int i, int n) { return to_f(q_rot[i * ld_qk + n]); },
+          [&](int n, int p) { return state[p * ld_state + n]; },
+          [&](int i, int p, float value) { o[i * ld_mp + p] = value; });
+      __syncthreads();
+      // dL/dl_i from the entry term e^{l_i} (Q Eᵀ)_i: one warp per token. Each lane then scales
+      // the o elements it read by e^{l_i} and rounds their dO to bf16 (E is dead until dO E
+      // reloads it, and its space takes the bf16 dO): no barrier between the dot's reads and
+      // those writes, and no second pass.
+      for (int i = warp; i < C; i += warps) {
+        const float decay = sc[kEntryDecay * C + i];
+        float dot = 0.f;
+        for (int x = lane * W; x < R * P; x += 32 * W) {
+          const int row = i * R + d.by_headdim.div(x), p = d.by_headdim.mod(x);
+          const int at = row * ld_mp + p;
+          float out[W], value[W];
+          load_floats<W>(o + at, out);
+          load_floats<W>(d_o + at, value);
+#pragma unroll
+          for (int w = 0; w < W; ++w) {
+            dot += value[w] * out[w];
+            out[w] *= decay;
+          }
+          store_floats<W>(o + at, out);
+          store_row(d_o_bf16 + row * ld_pv + p, round_row<W>(value));
+        }
+        dot = warp_sum(dot);
+        if (lane == 0) sc[kScratch * C + i] = decay * dot;
+      }
+      __syncthreads();
+      bf16_gemm<kTensor, false, true>(
+          M, P, M, weighted, ld_sw, psiv, ld_pv, [&](int i, int p, float value) {
+            o[i * ld_mp + p] += value + skip * to_f(psiv[i * ld_pv + p]);
+          });
+      // Inside the chunk: dSc = dO Vᵀ.
+      bf16_gemm<kTensor, false, false>(
+          M, M, P, d_o_bf16, ld_pv, psiv, ld_pv,
+          [&](int i, int j, float value) { d_scores[i * ld_mm + j] = value; });
+    }
+    // dV = D dO + Swᵀ dO.
     bf16_gemm<kTensor, true, true>(M, P, M, weighted, ld_sw, d_o_bf16, ld_pv,
                                    [&](int i, int p, float value) {
                                      d_psiv[i * ld_mp + p] = value + skip * d_o[i * ld_mp + p];
@@ -637,8 +747,9 @@ __global__ void __launch_bounds__(kBackwardThreads)
       commit_copies();
     }
 
-    // Score-weight gradients per token pair, then dSc ⊙ W (rounded once, for dQ and dK).
-    for (int idx = threadIdx.x; idx < C * C; idx += blockDim.x) {
+    // Score-weight gradients per token pair, then dSc ⊙ W (rounded once, for dQ and dK), unless
+    // the products' tiles made both.
+    for (int idx = threadIdx.x; idx < (fused_weights ? 0 : C * C); idx += blockDim.x) {
       const int ti = d.by_chunk.div(idx), tj = d.by_chunk.mod(idx);
       float d_weight = 0.f;
       if (tj <= ti) {
@@ -660,8 +771,8 @@ __global__ void __launch_bounds__(kBackwardThreads)
       }
       d_weights[idx] = d_weight;
     }
-    __syncthreads();
-    for (int idx = threadIdx.x; idx < M * M / W; idx += blockDim.x) {
+    if (!fused_weights) __syncthreads();
+    for (int idx = threadIdx.x; idx < (fused_weights ? 0 : M * M / W); idx += blockDim.x) {
       const auto [i, j] = rows_item<W>(d, idx);
       float d_sc[W];
       load_floats<W>(d_scores + i * ld_mm + j, d_sc);
@@ -675,19 +786,26 @@ __global__ void __launch_bounds__(kBackwardThreads)
       float d_log = 0.f, d_kappa = 0.f;
       for (int j = lane; j < C; j += 32) {
         if (j < i) {
-          d_log += d_weights[i * C + j] * weights[i * C + j];
+          d_log += d_weights_at[i * C + j] * weights[i * C + j];
         } else if (j > i) {
-          const float weight_term = d_weights[j * C + i];
+          const float weight_term = d_weights_at[j * C + i];
           d_kappa += weight_term * __expf(sc[kLog * C + j] - sc[kLog * C + i]);
           d_log -= weight_term * weights[j * C + i];
         }
       }
       d_log = warp_sum(d_log);
       d_kappa = warp_sum(d_kappa);
+      // The entry term: split, the sum of the token's row terms (o's tiles), scaled here.
+      float entry = 0.f;
+      if (split) {
+        for (int x = lane; x < R * column_tiles; x += 32)
+          entry += row_terms[i * R * column_tiles + x];
+        entry = sc[kEntryDecay * C + i] * warp_sum(entry);
+      }
       if (lane == 0) {
-        sc[kDLog * C + i] = sc[kScratch * C + i] + d_log;
+        sc[kDLog * C + i] = (split ? entry : sc[kScratch * C + i]) + d_log;
         sc[kDKappa * C + i] = d_kappa;
-        sc[kDGamma * C + i] = d_weights[i * C + i];
+        sc[kDGamma * C + i] = d_weights_at[i * C + i];
       }
     }
     __syncthreads();
@@ -697,7 +815,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
     // the second product added to the first in d_qk.
     if (split) {
       smem_mma_pair(M, N,
-                    SmemOperands<false, true, false, false>{weighted, nullptr, ld_sw, k_rot,
+                    SmemOperands<false, true, false, false>{d_weighted, nullptr, ld_sw, k_rot,
                                                             nullptr, ld_qk, M},
                     SmemOperands<false, true, true, true>{d_o_bf16, d_o_lo, ld_pv, state_hi,
                                                           state_lo, ld_split, P},
@@ -770,8 +888,8 @@ __global__ void __launch_bounds__(kBackwardThreads)
     if (split) {
       // As dQ: both products of a tile by one warp, summed in registers.
       smem_mma_pair(M, N,
-                    SmemOperands<true, true, false, false>{weighted, nullptr, ld_sw, q_rot, nullptr,
-                                                           ld_qk, M},
+                    SmemOperands<true, true, false, false>{d_weighted, nullptr, ld_sw, q_rot,
+                                                           nullptr, ld_qk, M},
                     SmemOperands<false, true, false, true>{psiv, nullptr, ld_pv, state_hi, state_lo,
                                                            ld_split, P},
                     [&](int i, int n, float d_sc_q, float psiv_ds) {
@@ -779,10 +897,8 @@ __global__ void __launch_bounds__(kBackwardThreads)
                           d_sc_q + sc[kExitScale * C + d.by_rank.div(i)] * psiv_ds;
                     });
       // K dSᵀ tile by tile, never stored: its warp adds it into dV in place and sums each row's
-      // (K dSᵀ) ⊙ PsiV over the tile's 16 columns into row_terms[row][tile column] (o's space;
-      // o is dead since the epilogue), which the d_scale pass sums in a fixed order.
-      float* row_terms = o;
-      const int column_tiles = P / 16;
+      // (K dSᵀ) ⊙ PsiV over the tile's 16 columns into row_terms[row][tile column], which the
+      // d_scale pass sums in a fixed order.
       smem_mma_tiles(M, P,
                      SmemOperands<false, false, false, true>{k_rot, nullptr, ld_qk, state_hi,
                                                              state_lo, ld_split, N},

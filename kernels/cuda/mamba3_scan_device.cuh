@@ -115,6 +115,8 @@ struct SmemPlan {
                                //   backward later dL/d(QKᵀ) (= dSc ⊙ W)
   size_t d_out_bf16 = 0;       // bf16 [rows][P]: d_out rounded, the tensor-core operand
   size_t d_theta = 0;          // fp32 [C][A]: dL/dθ of each token of this head
+  size_t row_terms = 0;        // fp32 [rows][P / 16]: chunk_backward's per-row sums of a product's
+                               //   16-column tiles (the entry dot, then d_scale's terms)
   size_t mimo_params = 0;      // fp32 [3][R][P]: the head's mimo_x, mimo_z, mimo_o (backward)
   size_t v_tokens = 0;         // bf16 [C][P]: the chunk's v (backward, when it fits)
   size_t staged_tokens = 0;    // bf16 [3][C][P]: the next head's v, z, dy (backward, when it fits)
@@ -254,6 +256,7 @@ inline SmemPlan plan_for(const Dims& d, ScanKernel kernel) {
     p.d_qk = m * ld_mn <= 2 * m * ld_mm ? p.scores : take(m * ld_mn * sizeof(float));
     p.sum_scratch = take(kBackwardThreads / 32 * sizeof(float));
     p.d_theta = take(c * a * sizeof(float));
+    p.row_terms = take(m * (hp / 16) * sizeof(float));
     p.mimo_params = take(3 * static_cast<size_t>(d.rank) * hp * sizeof(float));
   }
   p.total = cursor;
