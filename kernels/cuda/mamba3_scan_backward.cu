@@ -383,6 +383,11 @@ __global__ void __launch_bounds__(kBackwardThreads)
   // arrives there with PsiV's loads at the head's start: the dx pass then waits on no load.
   bf16* v_early =
       plan.v_tokens != 0 && !read_psiv ? reinterpret_cast<bf16*>(smem + plan.v_tokens) : nullptr;
+  // With fused_weights at R = 1: dV is never stored. Its tiles are made in registers in the
+  // exit-state phase (Swᵀ dO + D dO + exit_scale · K dSᵀ) and give dx, d_scale's and mimo_x's
+  // terms there; z's in-place terms then take dV's space. (At R = 4 the same measured 0.8%
+  // slower: dx then sums over lanes.)
+  const bool fused_dv = fused_weights && R == 1;
   bf16* v_tokens = v_early != nullptr ? v_early
                    : C * P * sizeof(bf16) <= M * ld_mm * sizeof(float)
                        ? reinterpret_cast<bf16*>(scores)
@@ -617,11 +622,13 @@ __global__ void __launch_bounds__(kBackwardThreads)
           M, M, P, d_o_bf16, ld_pv, psiv, ld_pv,
           [&](int i, int j, float value) { d_scores[i * ld_mm + j] = value; });
     }
-    // dV = D dO + Swᵀ dO.
-    bf16_gemm<kTensor, true, true>(M, P, M, weighted, ld_sw, d_o_bf16, ld_pv,
-                                   [&](int i, int p, float value) {
-                                     d_psiv[i * ld_mp + p] = value + skip * d_o[i * ld_mp + p];
-                                   });
+    // dV = D dO + Swᵀ dO (fused_dv: later, with its last term).
+    if (!fused_dv) {
+      bf16_gemm<kTensor, true, true>(M, P, M, weighted, ld_sw, d_o_bf16, ld_pv,
+                                     [&](int i, int p, float value) {
+                                       d_psiv[i * ld_mp + p] = value + skip * d_o[i * ld_mp + p];
+                                     });
+    }
     __syncthreads();
 
     // Epilogue backward (gating, mimo_o, mimo_z, D) now that o is complete; z and dy from z_dy,
@@ -631,7 +638,8 @@ __global__ void __launch_bounds__(kBackwardThreads)
     // the sums over tokens took a second), and left in o and dO for those sums. Not at the fixed
     // SISO shape (kLeanRegisters).
     const bool terms_in_place = split && !kLeanRegisters<D>;
-    float d_local = 0.f;  // D's partial: Σ dO ⊙ PsiV
+    float* z_terms = fused_dv ? d_psiv : d_o;  // fused_dv keeps dO for dV
+    float d_local = 0.f;                       // D's partial: Σ dO ⊙ PsiV
     for (int idx = threadIdx.x; idx < pos.len * P / W; idx += blockDim.x) {
       const auto [i, p] = headdim_item<W>(d, idx);
       const size_t th = token_head(d, pos.b, pos.t0 + i, h);
@@ -661,7 +669,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
         }
         if (terms_in_place) {
           store_floats<W>(o + at, o_term);
-          store_floats<W>(d_o + at, z_term);
+          store_floats<W>(z_terms + at, z_term);
         }
       }
       store_row(grads.z + th * P + p, round_row<W>(dz));
@@ -673,7 +681,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
           [&](int i, int item, float* acc) {
             const int at = (i * R + d.by_headdim.div(item)) * ld_mp + d.by_headdim.mod(item);
             acc[0] += o[at];
-            acc[1] += d_o[at];
+            acc[1] += z_terms[at];
           },
           [&](int item, const float* acc) {
             mo_partial[item] = acc[0];
@@ -896,37 +904,109 @@ __global__ void __launch_bounds__(kBackwardThreads)
                       d_qk[i * ld_mn + n] =
                           d_sc_q + sc[kExitScale * C + d.by_rank.div(i)] * psiv_ds;
                     });
-      // K dSᵀ tile by tile, never stored: its warp adds it into dV in place and sums each row's
-      // (K dSᵀ) ⊙ PsiV over the tile's 16 columns into row_terms[row][tile column], which the
-      // d_scale pass sums in a fixed order.
-      smem_mma_tiles(M, P,
-                     SmemOperands<false, false, false, true>{k_rot, nullptr, ld_qk, state_hi,
-                                                             state_lo, ld_split, N},
-                     [&](const float(&acc)[2][4], int i0, int j0, int g, int t) {
+      if (fused_dv) {
+        // dV's tiles made whole, Swᵀ dO + D dO + exit_scale · K dSᵀ, and never stored: each warp
+        // sums over its tile d_scale's row terms (as below), writes dx = dV ⊙ mimo_x (a row is a
+        // token at R = 1) to grads.v, and sums mimo_x's terms dV ⊙ v over the tile's rows (lanes
+        // g ^ 1 …) into mimo_x_tiles[row tile][p] in o's space (o is dead), summed after the
+        // phase. v from shared memory, or global memory with the PsiV cache (the same bits).
+        float* mimo_x_tiles = o;
+        smem_mma_pair_tiles(
+            M, P,
+            SmemOperands<true, true, false, false>{weighted, nullptr, ld_sw, d_o_bf16, nullptr,
+                                                   ld_pv, M},
+            SmemOperands<false, false, false, true>{k_rot, nullptr, ld_qk, state_hi, state_lo,
+                                                    ld_split, N},
+            [&](const float(&sw_d_o)[2][4], const float(&k_ds)[2][4], int i0, int j0, int g,
+                int t) {
+              float mimo_x_term[2][2];  // [half][column]
 #pragma unroll
-                       for (int upper = 0; upper < 2; ++upper) {
-                         const int row = i0 + g + 8 * upper;
-                         const float scale = sc[kExitScale * C + d.by_rank.div(row)];
-                         float term = 0.f;
+              for (int upper = 0; upper < 2; ++upper) {
+                const int token = i0 + g + 8 * upper;
+                const float scale = sc[kExitScale * C + token];
+                const bool valid = token < pos.len;
+                const size_t th = token_head(d, pos.b, pos.t0 + (valid ? token : 0), h);
+                float term = 0.f;
 #pragma unroll
-                         for (int half = 0; half < 2; ++half) {
-                           const int p = j0 + half * 8 + 2 * t;
-                           const float k_ds0 = acc[half][2 * upper],
-                                       k_ds1 = acc[half][2 * upper + 1];
-                           float2* d_v = reinterpret_cast<float2*>(d_psiv + row * ld_mp + p);
-                           float2 value = *d_v;
-                           value.x += scale * k_ds0;
-                           value.y += scale * k_ds1;
-                           *d_v = value;
-                           const __nv_bfloat162 v_pair =
-                               *reinterpret_cast<const __nv_bfloat162*>(psiv + row * ld_pv + p);
-                           term += k_ds0 * __low2float(v_pair) + k_ds1 * __high2float(v_pair);
+                for (int half = 0; half < 2; ++half) {
+                  const int p = j0 + half * 8 + 2 * t;
+                  const float2 d_out = *reinterpret_cast<const float2*>(d_o + token * ld_mp + p);
+                  const float k_ds0 = k_ds[half][2 * upper], k_ds1 = k_ds[half][2 * upper + 1];
+                  // D dO + Swᵀ dO, then + exit_scale · K dSᵀ: the sums (and roundings) of the
+                  // stored dV's.
+                  const float base0 = sw_d_o[half][2 * upper] + skip * d_out.x;
+                  const float base1 = sw_d_o[half][2 * upper + 1] + skip * d_out.y;
+                  const float d_v0 = base0 + scale * k_ds0, d_v1 = base1 + scale * k_ds1;
+                  const __nv_bfloat162 psiv_pair =
+                      *reinterpret_cast<const __nv_bfloat162*>(psiv + token * ld_pv + p);
+                  term += k_ds0 * __low2float(psiv_pair) + k_ds1 * __high2float(psiv_pair);
+                  const float2 mimo = *reinterpret_cast<const float2*>(mimo_x + p);
+                  __nv_bfloat162 v_pair = __floats2bfloat162_rn(0.f, 0.f);
+                  if (valid) {
+                    *reinterpret_cast<__nv_bfloat162*>(grads.v + th * P + p) =
+                        __floats2bfloat162_rn(d_v0 * mimo.x, d_v1 * mimo.y);
+                    v_pair = *reinterpret_cast<const __nv_bfloat162*>(
+                        v_early != nullptr ? v_early + token * P + p : in.v + th * P + p);
+                  }
+                  const float m0 = d_v0 * __low2float(v_pair), m1 = d_v1 * __high2float(v_pair);
+                  mimo_x_term[half][0] = upper == 0 ? m0 : mimo_x_term[half][0] + m0;
+                  mimo_x_term[half][1] = upper == 0 ? m1 : mimo_x_term[half][1] + m1;
+                }
+                term += __shfl_xor_sync(0xffffffffu, term, 1);
+                term += __shfl_xor_sync(0xffffffffu, term, 2);
+                if (t == 0) row_terms[token * column_tiles + j0 / 16] = term;
+              }
+#pragma unroll
+              for (int offset = 4; offset < 32; offset <<= 1) {
+#pragma unroll
+                for (int half = 0; half < 2; ++half)
+#pragma unroll
+                  for (int c = 0; c < 2; ++c) {
+                    mimo_x_term[half][c] +=
+                        __shfl_xor_sync(0xffffffffu, mimo_x_term[half][c], offset);
+                  }
+              }
+              if (g == 0) {
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                  *reinterpret_cast<float2*>(mimo_x_tiles + (i0 / 16) * P + j0 + half * 8 + 2 * t) =
+                      make_float2(mimo_x_term[half][0], mimo_x_term[half][1]);
+                }
+              }
+            });
+      } else {
+        // K dSᵀ tile by tile, never stored: its warp adds it into dV in place and sums each row's
+        // (K dSᵀ) ⊙ PsiV over the tile's 16 columns into row_terms[row][tile column], which the
+        // d_scale pass sums in a fixed order.
+        smem_mma_tiles(M, P,
+                       SmemOperands<false, false, false, true>{k_rot, nullptr, ld_qk, state_hi,
+                                                               state_lo, ld_split, N},
+                       [&](const float(&acc)[2][4], int i0, int j0, int g, int t) {
+#pragma unroll
+                         for (int upper = 0; upper < 2; ++upper) {
+                           const int row = i0 + g + 8 * upper;
+                           const float scale = sc[kExitScale * C + d.by_rank.div(row)];
+                           float term = 0.f;
+#pragma unroll
+                           for (int half = 0; half < 2; ++half) {
+                             const int p = j0 + half * 8 + 2 * t;
+                             const float k_ds0 = acc[half][2 * upper],
+                                         k_ds1 = acc[half][2 * upper + 1];
+                             float2* d_v = reinterpret_cast<float2*>(d_psiv + row * ld_mp + p);
+                             float2 value = *d_v;
+                             value.x += scale * k_ds0;
+                             value.y += scale * k_ds1;
+                             *d_v = value;
+                             const __nv_bfloat162 v_pair =
+                                 *reinterpret_cast<const __nv_bfloat162*>(psiv + row * ld_pv + p);
+                             term += k_ds0 * __low2float(v_pair) + k_ds1 * __high2float(v_pair);
+                           }
+                           term += __shfl_xor_sync(0xffffffffu, term, 1);
+                           term += __shfl_xor_sync(0xffffffffu, term, 2);
+                           if (t == 0) row_terms[row * column_tiles + j0 / 16] = term;
                          }
-                         term += __shfl_xor_sync(0xffffffffu, term, 1);
-                         term += __shfl_xor_sync(0xffffffffu, term, 2);
-                         if (t == 0) row_terms[row * column_tiles + j0 / 16] = term;
-                       }
-                     });
+                       });
+      }
       __syncthreads();
       // A lane per token; the sum of d_scale · exit_scale over tokens by warp 0 alone, so no
       // barrier before it.
@@ -1007,37 +1087,47 @@ __global__ void __launch_bounds__(kBackwardThreads)
     finish_qk_grad(d, pos, hg == 0, cosv, sinv, k_rot, ld_qk, d_qk, ld_mn, d_theta, kb_partial,
                    dk_sum, w.dk_acc, v_in_scores);
 
-    // v = x ⊙ mimo_x: dx (this head's own output) and mimo_x's partial.
-    for (int idx = threadIdx.x; idx < pos.len * P / W; idx += blockDim.x) {
-      const auto [i, p] = headdim_item<W>(d, idx);
-      const size_t th = token_head(d, pos.b, pos.t0 + i, h);
-      float dx[W] = {};
-      for (int r = 0; r < R; ++r) {
-        float d_psiv_r[W], mimo_x_r[W];
-        load_floats<W>(d_psiv + (i * R + r) * ld_mp + p, d_psiv_r);
-        load_floats<W>(mimo_x + r * P + p, mimo_x_r);
-#pragma unroll
-        for (int w = 0; w < W; ++w) dx[w] += d_psiv_r[w] * mimo_x_r[w];
+    if (fused_dv) {
+      // mimo_x's partial: the row tiles' terms (o's space, from the exit-state phase), in order.
+      const float* mimo_x_tiles = o;
+      for (int item = threadIdx.x; item < R * P; item += blockDim.x) {
+        float sum = 0.f;
+        for (int tile = 0; tile < M / 16; ++tile) sum += mimo_x_tiles[tile * R * P + item];
+        mx_partial[item] = sum;
       }
-      store_row(grads.v + th * P + p, round_row<W>(dx));
-      if (v_in_scores) store_row(v_tokens + i * P + p, load_row<W>(in.v + th * P + p));
-    }
-    if (v_in_scores) __syncthreads();
-    // v from shared memory or global memory, chosen once outside the sums' loops.
-    const auto mimo_x_sums = [&](auto&& v_at) {
-      token_sums<1>(
-          R * P, pos.len,
-          [&](int i, int item, float* acc) {
-            const int r = d.by_headdim.div(item), p = d.by_headdim.mod(item);
-            acc[0] += d_psiv[(i * R + r) * ld_mp + p] * v_at(i, p);
-          },
-          [&](int item, const float* acc) { mx_partial[item] = acc[0]; });
-    };
-    if (v_tokens != nullptr) {
-      mimo_x_sums([&](int i, int p) { return to_f(v_tokens[i * P + p]); });
     } else {
-      mimo_x_sums(
-          [&](int i, int p) { return to_f(in.v[token_head(d, pos.b, pos.t0 + i, h) * P + p]); });
+      // v = x ⊙ mimo_x: dx (this head's own output) and mimo_x's partial.
+      for (int idx = threadIdx.x; idx < pos.len * P / W; idx += blockDim.x) {
+        const auto [i, p] = headdim_item<W>(d, idx);
+        const size_t th = token_head(d, pos.b, pos.t0 + i, h);
+        float dx[W] = {};
+        for (int r = 0; r < R; ++r) {
+          float d_psiv_r[W], mimo_x_r[W];
+          load_floats<W>(d_psiv + (i * R + r) * ld_mp + p, d_psiv_r);
+          load_floats<W>(mimo_x + r * P + p, mimo_x_r);
+#pragma unroll
+          for (int w = 0; w < W; ++w) dx[w] += d_psiv_r[w] * mimo_x_r[w];
+        }
+        store_row(grads.v + th * P + p, round_row<W>(dx));
+        if (v_in_scores) store_row(v_tokens + i * P + p, load_row<W>(in.v + th * P + p));
+      }
+      if (v_in_scores) __syncthreads();
+      // v from shared memory or global memory, chosen once outside the sums' loops.
+      const auto mimo_x_sums = [&](auto&& v_at) {
+        token_sums<1>(
+            R * P, pos.len,
+            [&](int i, int item, float* acc) {
+              const int r = d.by_headdim.div(item), p = d.by_headdim.mod(item);
+              acc[0] += d_psiv[(i * R + r) * ld_mp + p] * v_at(i, p);
+            },
+            [&](int item, const float* acc) { mx_partial[item] = acc[0]; });
+      };
+      if (v_tokens != nullptr) {
+        mimo_x_sums([&](int i, int p) { return to_f(v_tokens[i * P + p]); });
+      } else {
+        mimo_x_sums(
+            [&](int i, int p) { return to_f(in.v[token_head(d, pos.b, pos.t0 + i, h) * P + p]); });
+      }
     }
     // Per-token coefficient gradients; dL/dADT_u = Σ_{i ≥ u} dL/dl_i inside the chunk.
     if (warp == 0) {

@@ -140,6 +140,15 @@ struct Mamba3Scan {
           .same_bits_as = 0,
           .unaligned_parameters = true}},
         "_UnalignedParameters");
+    // At the SISO shape too: there dV's tiles read v from shared memory, or global memory with
+    // the cache.
+    s = grid_shape(64, 64, 1, 64);
+    s.batch = 2;
+    s.seqlen = 1000;
+    add(s,
+        {{.name = "tensor-core"},
+         {.name = "tensor-core psiv-cache", .same_bits_as = 0, .psiv_cache = true}},
+        "_PsivCache");
     return out;
   }
 
