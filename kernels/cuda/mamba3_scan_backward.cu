@@ -420,6 +420,23 @@ __global__ void __launch_bounds__(kBackwardThreads)
   constexpr int W = kPassColumnsPerItem<D>;
   const ChunkPos group_pos = chunk_pos(d, blockIdx.y, true, blockIdx.x);
   if (staged != nullptr) stage(group_pos);  // the group's first head
+  // With fused_weights at the fixed shapes, each head's entry state E (fp32, unpadded) is copied
+  // ahead into d_scores' space, free from the dK phase to the next head's score products: for the
+  // group's first head now, for the next head once dK's phase is done. Each thread reads back
+  // the quads it copied (so no barrier). Its load at the head's start was the largest wait on
+  // global memory there (ncu: a quarter of the kernel's long-scoreboard stalls).
+  const bool entry_ahead = fused_weights && W > 1 && P * N <= M * ld_mm;
+  float* entry_stage = d_scores;
+  const auto copy_entry_ahead = [&](int head) {
+    const float* src =
+        w.states + ((static_cast<size_t>(group_pos.b) * d.heads + head) * d.chunks + group_pos.c) *
+                       static_cast<size_t>(P) * N;
+    for (int quad = threadIdx.x; quad < P * N / 4; quad += blockDim.x) {
+      copy_16_async(entry_stage + 4 * quad, src + 4 * quad, true);
+    }
+    commit_copies();
+  };
+  if (entry_ahead) copy_entry_ahead(group_pos.g * d.heads_per_group);
   const size_t slot = static_cast<size_t>(group_pos.b) * d.chunks + group_pos.c;
   const size_t slots = static_cast<size_t>(d.batch) * d.chunks;
 
@@ -453,7 +470,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
       // Four elements of a row a thread, their hi and lo parts stored 8 bytes at a time.
       if (split) {
         entry_split = true;
-        for_each_state_quad(d, w.states + bhc * matrix, [&](int p, int n, const float4& x) {
+        const auto split_quad = [&](int p, int n, const float4& x) {
           const float values[4] = {x.x, x.y, x.z, x.w};
           float hi[4], lo[4];
 #pragma unroll
@@ -463,7 +480,16 @@ __global__ void __launch_bounds__(kBackwardThreads)
           }
           store_row(state_hi + p * ld_split + n, round_row<4>(hi));
           store_row(state_lo + p * ld_split + n, round_row<4>(lo));
-        });
+        };
+        if (entry_ahead) {
+          wait_copies<0>();  // this thread's quads (with the staged tokens)
+          for (int quad = threadIdx.x; quad < P * N / 4; quad += blockDim.x) {
+            split_quad(d.by_state.div(4 * quad), d.by_state.mod(4 * quad),
+                       reinterpret_cast<const float4*>(entry_stage)[quad]);
+          }
+        } else {
+          for_each_state_quad(d, w.states + bhc * matrix, split_quad);
+        }
       }
     }
     if (!entry_split) for_each_state_element(d, w.states + bhc * matrix, set_state);
@@ -1008,6 +1034,8 @@ __global__ void __launch_bounds__(kBackwardThreads)
                        });
       }
       __syncthreads();
+      // dSc ⊙ W is read: the next head's entry state may land in its space.
+      if (entry_ahead && hg + 1 < d.heads_per_group) copy_entry_ahead(h + 1);
       // A lane per token; the sum of d_scale · exit_scale over tokens by warp 0 alone, so no
       // barrier before it.
       if (warp == 0) {
