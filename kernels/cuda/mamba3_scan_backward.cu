@@ -47,7 +47,8 @@ constexpr bool kAsyncCopies = true;
 // z_dy, also the chunk's z and dy as loaded (bf16 [C][P] each, z then dy; zeros for padded tokens),
 // for the epilogue; with mimo_copy, the head's mimo_z then mimo_o ([R][P] each, fp32); with
 // split_hi, also d_o as split_bf16's hi + lo pairs (split_hi, split_lo, rows of ld_split), the
-// tensor-core operands.
+// tensor-core operands, each row scaled by its token's split_scale first when that is given.
+// Without dst, only the pairs.
 template <class D>
 struct DOutLoader {
   static constexpr int W = kColumnsPerItem<D>;
@@ -67,6 +68,7 @@ struct DOutLoader {
   bf16* split_hi = nullptr;
   bf16* split_lo = nullptr;
   int ld_split = 0;
+  const float* split_scale = nullptr;  // [C], or null
 
   static __device__ __forceinline__ int items(const D& d) { return d.rows * d.headdim / W; }
   __device__ __forceinline__ Loaded load(int idx) const {
@@ -99,13 +101,15 @@ struct DOutLoader {
       const float gate = loaded.z.at(w) * loaded.mimo_z.at(w);
       d_out[w] = loaded.dy.at(w) * gate * sigmoidf(gate) * loaded.mimo_o.at(w);
     }
-    store_floats<W>(dst + row * ld + p, d_out);
+    if (dst != nullptr) store_floats<W>(dst + row * ld + p, d_out);
     if (split_hi != nullptr) {
+      const float scale = split_scale != nullptr ? split_scale[i] : 1.f;
       float hi[W], lo[W];
 #pragma unroll
       for (int w = 0; w < W; ++w) {
-        hi[w] = to_f(__float2bfloat16(d_out[w]));
-        lo[w] = d_out[w] - hi[w];
+        const float x = split_scale != nullptr ? d_out[w] * scale : d_out[w];
+        hi[w] = to_f(__float2bfloat16(x));
+        lo[w] = x - hi[w];
       }
       store_row(split_hi + row * ld_split + p, round_row<W>(hi));
       store_row(split_lo + row * ld_split + p, round_row<W>(lo));
@@ -155,7 +159,18 @@ __global__ void chunk_dstate_kernel(D d, SmemPlan plan, DevInputs in, Work w, co
   const SmemStrides ld = strides_of<D>(plan);
   const int ld_qk = ld.qk, ld_mp = ld.mp;
   load_rotated(d, in.q, in.q_bias, pos, cosv, sinv, q_rot, ld_qk);
-  load_alone(DOutLoader<D>::items(d), DOutLoader<D>{d, in, dy, pos, d_o, ld_mp});
+  // On the tensor cores the loader makes e^{l} d_o's hi + lo pairs itself (the fp32 d_o is not
+  // stored: its space may hold H_c, see backward_launches).
+  const int ld_pv = ld.pv;
+  bf16* scaled_hi = reinterpret_cast<bf16*>(smem + plan.split_hi);
+  bf16* scaled_lo = reinterpret_cast<bf16*>(smem + plan.split_lo);
+  if constexpr (kTensor) {
+    load_alone(DOutLoader<D>::items(d),
+               DOutLoader<D>{d, in, dy, pos, nullptr, ld_mp, nullptr, nullptr, nullptr, scaled_hi,
+                             scaled_lo, ld_pv, sc + kEntryDecay * d.chunk});
+  } else {
+    load_alone(DOutLoader<D>::items(d), DOutLoader<D>{d, in, dy, pos, d_o, ld_mp});
+  }
   __syncthreads();
   const int N = d.state, P = d.headdim, C = d.chunk;
   const size_t bhc = (static_cast<size_t>(pos.b) * d.heads + pos.h) * d.chunks + pos.c;
@@ -166,16 +181,6 @@ __global__ void chunk_dstate_kernel(D d, SmemPlan plan, DevInputs in, Work w, co
     out[p * N + n] = value;
   };
   if constexpr (kTensor) {
-    // e^{l} d_o as hi + lo pairs.
-    const int ld_pv = ld.pv;
-    bf16* scaled_hi = reinterpret_cast<bf16*>(smem + plan.split_hi);
-    bf16* scaled_lo = reinterpret_cast<bf16*>(smem + plan.split_lo);
-    for (int idx = threadIdx.x; idx < d.rows * P; idx += blockDim.x) {
-      const int row = d.by_headdim.div(idx), p = d.by_headdim.mod(idx);
-      store_split(d_o[row * ld_mp + p] * sc[kEntryDecay * C + d.by_rank.div(row)], scaled_hi,
-                  scaled_lo, row * ld_pv + p);
-    }
-    __syncthreads();
     smem_mma_split<true, true, true, false>(P, N, d.rows, scaled_hi, scaled_lo, ld_pv, q_rot,
                                             nullptr, ld_qk, store);
   } else {
@@ -1311,10 +1316,19 @@ BackwardLaunches backward_launches(const Dims& d, bool tensor_cores, size_t shar
     using D = decltype(dims);
     SmemPlan dstate = plan_for(d, kDStateKernel);
     if constexpr (D::kFixed) {
-      // H_c stays in shared memory for the reverse pass.
+      // H_c stays in shared memory for the reverse pass: on the tensor cores in the fp32 d_o's
+      // space, which they do not use (a block then fits in 47,872 B at MIMO: four an SM, not
+      // three).
       l.reverse_pass_fused = true;
-      dstate.exit_part = dstate.total;
-      dstate.total += static_cast<size_t>(d.headdim) * d.state * sizeof(float);
+      const size_t exit_bytes = static_cast<size_t>(d.headdim) * d.state * sizeof(float);
+      const size_t d_out_bytes =
+          static_cast<size_t>(d.rows) * static_cast<size_t>(dstate.ld_mp) * sizeof(float);
+      if (tensor_cores && exit_bytes <= d_out_bytes) {
+        dstate.exit_part = dstate.d_out;
+      } else {
+        dstate.exit_part = dstate.total;
+        dstate.total += exit_bytes;
+      }
       l.chunk_dstate = {"chunk_dstate",
                         tensor_cores ? kernel_address(&chunk_dstate_kernel<true, true, D>)
                                      : kernel_address(&chunk_dstate_kernel<false, true, D>),
