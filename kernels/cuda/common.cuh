@@ -288,7 +288,9 @@ static __device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const bf16* row)
 }
 
 // One product's operands in shared memory as smem_mma_split takes them (layouts as smem_mma's,
-// below): A's hi part (and lo part when kSplitA), B's likewise (kSplitB), and k.
+// below): A's hi part (and lo part when kSplitA), B's likewise (kSplitB), and k. As there: m, n
+// and k multiples of 16 (a partial tile would be dropped, a partial k read past), strides
+// multiples of 8 elements, rows 16-byte aligned.
 template <bool kATrans, bool kBTrans, bool kSplitA, bool kSplitB>
 struct SmemOperands {
   const bf16* a_hi;
@@ -336,7 +338,7 @@ static __device__ __forceinline__ void accumulate_tile(
 
 // The m×n product, each warp's 16×16 tiles handed whole to tile_out(acc, i0, j0, g, t) (acc as
 // store_tile reads it; g = lane / 4, t = lane % 4): an epilogue that reduces across a tile's
-// lanes.
+// lanes. All 32 lanes call tile_out for the same tile together, so it may shuffle.
 template <bool kATrans, bool kBTrans, bool kSplitA, bool kSplitB, class FTile>
 static __device__ __forceinline__ void smem_mma_tiles(
     int m, int n, const SmemOperands<kATrans, kBTrans, kSplitA, kSplitB>& op, FTile tile_out) {

@@ -48,7 +48,7 @@ constexpr bool kAsyncCopies = true;
 // for the epilogue; with mimo_copy, the head's mimo_z then mimo_o ([R][P] each, fp32); with
 // split_hi, also d_o as split_bf16's hi + lo pairs (split_hi, split_lo, rows of ld_split), the
 // tensor-core operands, each row scaled by its token's split_scale first when that is given.
-// Without dst, only the pairs.
+// Without dst, no fp32 d_o (the pairs, z_dy and mimo_copy as asked).
 template <class D>
 struct DOutLoader {
   static constexpr int W = kColumnsPerItem<D>;
@@ -331,7 +331,6 @@ __global__ void __launch_bounds__(kBackwardThreads)
   float* scores = reinterpret_cast<float*>(smem + plan.scores);
   float* d_scores = reinterpret_cast<float*>(smem + plan.d_scores);
   float* weights = reinterpret_cast<float*>(smem + plan.token_weights);
-  float* d_weights = reinterpret_cast<float*>(smem + plan.d_token_weights);
   float* o = reinterpret_cast<float*>(smem + plan.out);
   float* d_o = reinterpret_cast<float*>(smem + plan.d_out);
   float* d_psiv = reinterpret_cast<float*>(smem + plan.d_psiv);
@@ -339,6 +338,13 @@ __global__ void __launch_bounds__(kBackwardThreads)
   float* sum_scratch = reinterpret_cast<float*>(smem + plan.sum_scratch);
   float* row_terms = reinterpret_cast<float*>(smem + plan.row_terms);
   const int column_tiles = d.headdim / 16;  // row_terms' columns
+  // A tile epilogue's per-row partial sum over its own columns: summed over the row's four t-lanes
+  // and stored as row_terms[row][the tile's column]. Every lane of the warp calls it together.
+  const auto store_row_term = [&](float term, int row, int j0, int t) {
+    term += __shfl_xor_sync(0xffffffffu, term, 1);
+    term += __shfl_xor_sync(0xffffffffu, term, 2);
+    if (t == 0) row_terms[row * column_tiles + j0 / 16] = term;
+  };
   float* d_theta = reinterpret_cast<float*>(smem + plan.d_theta);
   // The head's mimo_x, then mimo_z and mimo_o, [R][P] fp32 each: loaded once with PsiV and dO,
   // read by the epilogue and dx instead of global memory inside their loops.
@@ -347,7 +353,8 @@ __global__ void __launch_bounds__(kBackwardThreads)
   // The group's dQ and dK sums, when they stay in shared memory (plan_backward).
   float* dq_sum = plan.dq_acc != 0 ? reinterpret_cast<float*>(smem + plan.dq_acc) : nullptr;
   float* dk_sum = plan.dk_acc != 0 ? reinterpret_cast<float*>(smem + plan.dk_acc) : nullptr;
-  // Sw = QKᵀ ⊙ W until dL/dV, then dSc ⊙ W: the bf16 operands of the tensor-core products.
+  // Sw = QKᵀ ⊙ W, the bf16 operand of the tensor-core products; without fused_weights (below) it
+  // then takes dSc ⊙ W after dL/dV, which fused_weights keeps in d_scores' space (d_weighted).
   bf16* weighted = reinterpret_cast<bf16*>(smem + plan.weighted_scores);
   bf16* d_o_bf16 = reinterpret_cast<bf16*>(smem + plan.d_out_bf16);
   // The state (E, later dS) and dO as hi + lo bf16 pairs for smem_mma_split (plan_backward), or
@@ -367,8 +374,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
   // score matrix is stored.
   const bool fused_weights = split && (R & (R - 1)) == 0 && R <= 8 && ld_mn <= ld_mm;
   bf16* d_weighted = fused_weights ? reinterpret_cast<bf16*>(d_scores) : weighted;
-  float* d_weights_fused = scores;
-  const float* d_weights_at = fused_weights ? d_weights_fused : d_weights;
+  float* d_weights = fused_weights ? scores : reinterpret_cast<float*>(smem + plan.d_token_weights);
   // State element (p, n): split, its hi + lo pair (split_bf16's), which is all the products read;
   // else the fp32 value.
   const auto set_state = [&](int p, int n, float value) {
@@ -542,7 +548,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
                 *reinterpret_cast<__nv_bfloat162*>(d_weighted + i * ld_sw + j) =
                     __floats2bfloat162_rn(ds0 * w0, ds1 * w1);
                 if (R == 1) {
-                  *reinterpret_cast<float2*>(d_weights_fused + i * C + j) =
+                  *reinterpret_cast<float2*>(d_weights + i * C + j) =
                       make_float2(ds0 * s0, ds1 * s1);
                   continue;
                 }
@@ -557,7 +563,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
                   block += __shfl_xor_sync(0xffffffffu, block, offset);
                 }
                 if (t % block_lanes == 0 && g % R == 0) {
-                  d_weights_fused[d.by_rank.div(i) * C + d.by_rank.div(j)] = block;
+                  d_weights[d.by_rank.div(i) * C + d.by_rank.div(j)] = block;
                 }
               }
             }
@@ -608,9 +614,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
                         (intra[half][2 * upper + 1] + skip * __high2float(v_pair));
                 *reinterpret_cast<float2*>(o + row * ld_mp + p) = out;
               }
-              term += __shfl_xor_sync(0xffffffffu, term, 1);
-              term += __shfl_xor_sync(0xffffffffu, term, 2);
-              if (t == 0) row_terms[row * column_tiles + j0 / 16] = term;
+              store_row_term(term, row, j0, t);
             }
           });
     } else {
@@ -664,10 +668,11 @@ __global__ void __launch_bounds__(kBackwardThreads)
 
     // Epilogue backward (gating, mimo_o, mimo_z, D) now that o is complete; z and dy from z_dy,
     // or global memory.
-    // Split, dO (fp32) is dead after D's partial and o after this epilogue: each (i, r, p) term of
-    // mimo_o's and mimo_z's partials is computed once, beside dz (one sigmoid per element where
-    // the sums over tokens took a second), and left in o and dO for those sums. Not at the fixed
-    // SISO shape (kLeanRegisters).
+    // Split, o is dead after this epilogue and dO (fp32) after D's partial (unless fused_dv, whose
+    // dV tiles read it later): each (i, r, p) term of mimo_o's and mimo_z's partials is computed
+    // once, beside dz (one sigmoid per element where the sums over tokens took a second), and left
+    // in o and z_terms (dO's space, or dV's with fused_dv) for those sums. Not at the fixed SISO
+    // shape (kLeanRegisters).
     const bool terms_in_place = split && !kLeanRegisters<D>;
     float* z_terms = fused_dv ? d_psiv : d_o;  // fused_dv keeps dO for dV
     float d_local = 0.f;                       // D's partial: Σ dO ⊙ PsiV
@@ -825,9 +830,9 @@ __global__ void __launch_bounds__(kBackwardThreads)
       float d_log = 0.f, d_kappa = 0.f;
       for (int j = lane; j < C; j += 32) {
         if (j < i) {
-          d_log += d_weights_at[i * C + j] * weights[i * C + j];
+          d_log += d_weights[i * C + j] * weights[i * C + j];
         } else if (j > i) {
-          const float weight_term = d_weights_at[j * C + i];
+          const float weight_term = d_weights[j * C + i];
           d_kappa += weight_term * __expf(sc[kLog * C + j] - sc[kLog * C + i]);
           d_log -= weight_term * weights[j * C + i];
         }
@@ -844,7 +849,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
       if (lane == 0) {
         sc[kDLog * C + i] = (split ? entry : sc[kScratch * C + i]) + d_log;
         sc[kDKappa * C + i] = d_kappa;
-        sc[kDGamma * C + i] = d_weights_at[i * C + i];
+        sc[kDGamma * C + i] = d_weights[i * C + i];
       }
     }
     __syncthreads();
@@ -983,9 +988,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
                   mimo_x_term[half][0] = upper == 0 ? m0 : mimo_x_term[half][0] + m0;
                   mimo_x_term[half][1] = upper == 0 ? m1 : mimo_x_term[half][1] + m1;
                 }
-                term += __shfl_xor_sync(0xffffffffu, term, 1);
-                term += __shfl_xor_sync(0xffffffffu, term, 2);
-                if (t == 0) row_terms[token * column_tiles + j0 / 16] = term;
+                store_row_term(term, token, j0, t);
               }
 #pragma unroll
               for (int offset = 4; offset < 32; offset <<= 1) {
@@ -1032,9 +1035,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
                                  *reinterpret_cast<const __nv_bfloat162*>(psiv + row * ld_pv + p);
                              term += k_ds0 * __low2float(v_pair) + k_ds1 * __high2float(v_pair);
                            }
-                           term += __shfl_xor_sync(0xffffffffu, term, 1);
-                           term += __shfl_xor_sync(0xffffffffu, term, 2);
-                           if (t == 0) row_terms[row * column_tiles + j0 / 16] = term;
+                           store_row_term(term, row, j0, t);
                          }
                        });
       }
@@ -1115,17 +1116,18 @@ __global__ void __launch_bounds__(kBackwardThreads)
         if (lane == 0) sc[kDLog * C + pos.len - 1] += sum;
       }
     }
-    // v in the scores' space is written next (dx's pass), over d_qk.
-    const bool v_in_scores = v_tokens != nullptr && v_early == nullptr;
+    // v in the scores' space is written next (dx's pass), over d_qk; not with fused_dv (no dx
+    // pass).
+    const bool v_in_scores = !fused_dv && v_tokens != nullptr && v_early == nullptr;
     finish_qk_grad(d, pos, hg == 0, cosv, sinv, k_rot, ld_qk, d_qk, ld_mn, d_theta, kb_partial,
                    dk_sum, w.dk_acc, v_in_scores);
 
     if (fused_dv) {
       // mimo_x's partial: the row tiles' terms (o's space, from the exit-state phase), in order.
       const float* mimo_x_tiles = o;
-      for (int item = threadIdx.x; item < R * P; item += blockDim.x) {
+      for (int item = threadIdx.x; item < P; item += blockDim.x) {  // R = 1
         float sum = 0.f;
-        for (int tile = 0; tile < M / 16; ++tile) sum += mimo_x_tiles[tile * R * P + item];
+        for (int tile = 0; tile < M / 16; ++tile) sum += mimo_x_tiles[tile * P + item];
         mx_partial[item] = sum;
       }
     } else {

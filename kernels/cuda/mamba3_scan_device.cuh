@@ -90,29 +90,40 @@ __host__ __device__ constexpr SmemStrides smem_strides(int n, int p, int rows) {
 // Byte offsets of the blocks of a chunk kernel's dynamic shared memory; a block the kernel does
 // not use stays at offset 0. rows = (token i, rank r) of the chunk, i·R + r; C = chunk tokens.
 struct SmemPlan {
-  size_t token_scalars = 0;    // fp32 [kScalarCount][C]: the per-token scalars (enum Scalar)
-  size_t rotation_cos = 0;     // fp32 [C][A]: cos θ of each rotation pair at each token
-  size_t rotation_sin = 0;     // fp32 [C][A]: sin θ
-  size_t q_rotated = 0;        // bf16 [rows][N]: q + q_bias, rotated
-  size_t k_rotated = 0;        // bf16 [rows][N]: k + k_bias, rotated
-  size_t psiv = 0;             // bf16 [rows][P]: v ⊙ mimo_x
-  size_t state = 0;            // fp32 [P][N]: the chunk's entry state E; in the backward later
-                               //   dL/d(exit state). chunk_output on the tensor cores holds E's
-                               //   hi + lo pairs here instead; chunk_backward with the split
-                               //   state holds z and dy here for the epilogue, then dS (copied
-                               //   ahead; rows of N, unpadded, at the fixed shapes) until the
-                               //   exit-state phase, and never the fp32 E; chunk_forward F_c
-  size_t scores = 0;           // fp32 [rows][rows]: Q Kᵀ (backward)
-  size_t d_scores = 0;         // fp32 [rows][rows]: dL/d(Q Kᵀ ⊙ W), then ⊙ W (= dL/d(Q Kᵀ))
-  size_t token_weights = 0;    // fp32 [C][C]: W
-  size_t d_token_weights = 0;  // fp32 [C][C]: dL/dW; shares `out` when it fits
-  size_t out = 0;              // fp32 [rows][P]: o; in the backward later K dSᵀ
-  size_t d_out = 0;            // fp32 [rows][P]: dL/do = dy ⊙ silu(z ⊙ mimo_z) ⊙ mimo_o
-  size_t d_psiv = 0;           // fp32 [rows][P]: dL/d(v ⊙ mimo_x)
-  size_t d_qk = 0;             // fp32 [rows][N]: dL/d(rotated q), then dL/d(rotated k)
-  size_t sum_scratch = 0;      // fp32 [kBackwardThreads / 32]: block_sum's
+  size_t token_scalars = 0;  // fp32 [kScalarCount][C]: the per-token scalars (enum Scalar)
+  size_t rotation_cos = 0;   // fp32 [C][A]: cos θ of each rotation pair at each token
+  size_t rotation_sin = 0;   // fp32 [C][A]: sin θ
+  size_t q_rotated = 0;      // bf16 [rows][N]: q + q_bias, rotated
+  size_t k_rotated = 0;      // bf16 [rows][N]: k + k_bias, rotated
+  size_t psiv = 0;           // bf16 [rows][P]: v ⊙ mimo_x
+  size_t state = 0;          // fp32 [P][N]: the chunk's entry state E; in the backward later
+                             //   dL/d(exit state). chunk_output on the tensor cores holds E's
+                             //   hi + lo pairs here instead; chunk_backward with the split
+                             //   state holds z and dy here for the epilogue, then dS (copied
+                             //   ahead; rows of N, unpadded, at the fixed shapes) until the
+                             //   exit-state phase, and never the fp32 E; chunk_forward F_c
+  size_t scores = 0;         // fp32 [rows][rows]: Q Kᵀ (backward). With chunk_backward's
+                             //   fused_weights: dL/dW [C][C] instead, then (as without) d_qk,
+                             //   then possibly the chunk's v
+  size_t d_scores = 0;       // fp32 [rows][rows]: dL/d(Q Kᵀ ⊙ W). With fused_weights: dSc ⊙ W
+                             //   (bf16 [rows][ld_sw]) until the dK phase, then the next head's
+                             //   entry state [P][N] copied ahead
+  size_t token_weights = 0;  // fp32 [C][C]: W
+  size_t d_token_weights = 0;  // fp32 [C][C]: dL/dW without fused_weights; shares `out` when it
+                               //   fits
+  size_t out = 0;              // fp32 [rows][P]: o; in the backward then mimo_o's terms, later
+                               //   K dSᵀ (without fused_weights) or, at R = 1, mimo_x's row-tile
+                               //   terms
+  size_t d_out = 0;        // fp32 [rows][P]: dL/do = dy ⊙ silu(z ⊙ mimo_z) ⊙ mimo_o; in the
+                           //   backward then mimo_z's terms (not with fused_dv); chunk_dstate
+                           //   on the tensor cores stores none, and at the fixed shapes H_c
+                           //   lives here
+  size_t d_psiv = 0;       // fp32 [rows][P]: dL/d(v ⊙ mimo_x); with fused_dv (never stored)
+                           //   mimo_z's terms
+  size_t d_qk = 0;         // fp32 [rows][N]: dL/d(rotated q), then dL/d(rotated k)
+  size_t sum_scratch = 0;  // fp32 [kBackwardThreads / 32]: block_sum's
   size_t weighted_scores = 0;  // bf16 [rows][rows]: QKᵀ ⊙ W, the tensor-core operand; in the
-                               //   backward later dL/d(QKᵀ) (= dSc ⊙ W)
+                               //   backward without fused_weights later dL/d(QKᵀ) (= dSc ⊙ W)
   size_t d_out_bf16 = 0;       // bf16 [rows][P]: d_out rounded, the tensor-core operand
   size_t d_theta = 0;          // fp32 [C][A]: dL/dθ of each token of this head
   size_t row_terms = 0;        // fp32 [rows][P / 16]: chunk_backward's per-row sums of a product's
@@ -127,7 +138,8 @@ struct SmemPlan {
   size_t d_out_lo = 0;         // bf16 [rows][P]: d_out − bf16(d_out), beside d_out_bf16
   size_t exit_part = 0;        // fp32 [P][N], rows of N: chunk_forward's F_c (the chunk's own
                                //   part of the next entry state; in `state` when it fits),
-                               //   chunk_dstate's H_c
+                               //   chunk_dstate's H_c (in `d_out` at the fixed shapes on the
+                               //   tensor cores)
   size_t psiv_lo = 0;          // bf16 [rows][P]: chunk_forward's exit-scaled PsiV, lo part (the hi
                                //   part in PsiV's place once o no longer needs PsiV; in
                                //   weighted_scores when it fits)
@@ -268,7 +280,7 @@ inline SmemPlan plan_for(const Dims& d, ScanKernel kernel) {
 //     once, so that their products fetch operands by ldmatrix (smem_mma_split) rather than
 //     element by element with a split per fetch (the fp32 state reads were about a tenth of the
 //     kernel's stall samples); the bf16 dO then gets its own space;
-//   v: the chunk's v, loaded with PsiV at the head's start for the dx pass;
+//   v: the chunk's v, loaded with PsiV at the head's start for the dx pass (or dV's tiles);
 //   accumulators: the group's dQ and dK sums: the block walks every head of the group over the
 //     same rows, so the sums need no global read-modify-write per head, and the block writes the
 //     bf16 gradients once at the end. Otherwise they go through the workspace;

@@ -140,6 +140,16 @@ struct Mamba3Scan {
           .same_bits_as = 0,
           .unaligned_parameters = true}},
         "_UnalignedParameters");
+    // Runtime shapes (not compiled with fixed dimensions) where chunk_backward's score products
+    // make dL/dW in registers (N ≤ rows, R a power of two): R = 2 and R = 8 sum the R × R blocks
+    // over lanes; R = 1 also makes dV's tiles whole, with mimo_z's terms in dV's space. Ragged.
+    for (const auto& [n, r, chunk] :
+         {std::array{64, 2, 32}, std::array{64, 8, 8}, std::array{32, 1, 32}}) {
+      s = grid_shape(n, 64, r, chunk);
+      s.batch = 2;
+      s.seqlen = 1000;
+      add(s, both);
+    }
     // At the SISO shape too: there dV's tiles read v from shared memory, or global memory with
     // the cache.
     s = grid_shape(64, 64, 1, 64);
