@@ -89,76 +89,55 @@ struct Mamba3Scan {
           std::array{128, 64, 2, 32}, std::array{128, 64, 1, 64}}) {
       add(grid_shape(n, p, r, chunk), both);
     }
+    // A grid shape at a batch and sequence length of its own (ragged where seqlen is not a
+    // multiple of the chunk).
+    const auto sized = [](int n, int p, int r, int chunk, int batch, int seqlen) {
+      ScanShape shape = grid_shape(n, p, r, chunk);
+      shape.batch = batch;
+      shape.seqlen = seqlen;
+      return shape;
+    };
     // A last chunk shorter than the others.
-    ScanShape s = grid_shape(64, 64, 4, 16);
-    s.batch = 2;
-    s.seqlen = 2043;
-    add(s, both);
-    s = grid_shape(128, 64, 1, 64);
-    s.batch = 2;
-    s.seqlen = 1000;
-    add(s, both);
+    add(sized(64, 64, 4, 16, 2, 2043), both);
+    add(sized(128, 64, 1, 64, 2, 1000), both);
     // The shapes compiled with fixed dimensions (with_fixed_dims in mamba3_scan_device.cuh): the
     // MIMO one is in the grid and above; the SISO benchmark shape here, ragged.
-    s = grid_shape(64, 64, 1, 64);
-    s.batch = 2;
-    s.seqlen = 1000;
-    add(s, both);
+    add(sized(64, 64, 1, 64, 2, 1000), both);
     // A single chunk, shorter than the chunk, at both fixed shapes: the chunk chains of
     // chunk_forward and the fused chunk_dstate with nothing to wait for and nothing to hand on.
-    s = grid_shape(64, 64, 4, 16);
-    s.batch = 2;
-    s.seqlen = 13;
-    add(s, both);
-    s = grid_shape(64, 64, 1, 64);
-    s.batch = 2;
-    s.seqlen = 50;
-    add(s, both);
+    add(sized(64, 64, 4, 16, 2, 13), both);
+    add(sized(64, 64, 1, 64, 2, 50), both);
     // Two groups: q and k gradients summed over each group's heads.
-    s = grid_shape(64, 64, 4, 16);
+    ScanShape s = sized(64, 64, 4, 16, 2, 2048);
     s.groups = 2;
-    s.batch = 2;
     add(s, both);
-    s = grid_shape(128, 64, 2, 32);
-    s.batch = 1;
-    add(s, both);
+    add(sized(128, 64, 2, 32, 1, 2048), both);
+    // Variants that must give the tensor-core variant's bits exactly.
+    const auto same_bits_as_tensor_cores = [](Variant variant) {
+      variant.same_bits_as = 0;
+      return std::vector<Variant>{{.name = "tensor-core"}, std::move(variant)};
+    };
+    const Variant psiv_cache{.name = "tensor-core psiv-cache", .psiv_cache = true};
     // The PsiV cache changes no bit.
-    s = grid_shape(64, 64, 4, 16);
-    s.batch = 2;
-    s.seqlen = 1000;
+    s = sized(64, 64, 4, 16, 2, 1000);
+    add(s, same_bits_as_tensor_cores(psiv_cache), "_PsivCache");
     add(s,
-        {{.name = "tensor-core"},
-         {.name = "tensor-core psiv-cache", .same_bits_as = 0, .psiv_cache = true}},
-        "_PsivCache");
-    add(s,
-        {{.name = "tensor-core"},
-         {.name = "tensor-core shared-backward", .same_bits_as = 0, .shared_backward = true}},
+        same_bits_as_tensor_cores({.name = "tensor-core shared-backward", .shared_backward = true}),
         "_SharedBackward");
     add(s,
-        {{.name = "tensor-core"},
-         {.name = "tensor-core unaligned-parameters",
-          .same_bits_as = 0,
-          .unaligned_parameters = true}},
+        same_bits_as_tensor_cores(
+            {.name = "tensor-core unaligned-parameters", .unaligned_parameters = true}),
         "_UnalignedParameters");
     // Runtime shapes (not compiled with fixed dimensions) where chunk_backward's score products
     // make dL/dW in registers (N ≤ rows, R a power of two): R = 2 and R = 8 sum the R × R blocks
     // over lanes; R = 1 also makes dV's tiles whole, with mimo_z's terms in dV's space. Ragged.
     for (const auto& [n, r, chunk] :
          {std::array{64, 2, 32}, std::array{64, 8, 8}, std::array{32, 1, 32}}) {
-      s = grid_shape(n, 64, r, chunk);
-      s.batch = 2;
-      s.seqlen = 1000;
-      add(s, both);
+      add(sized(n, 64, r, chunk, 2, 1000), both);
     }
     // At the SISO shape too: there dV's tiles read v from shared memory, or global memory with
     // the cache.
-    s = grid_shape(64, 64, 1, 64);
-    s.batch = 2;
-    s.seqlen = 1000;
-    add(s,
-        {{.name = "tensor-core"},
-         {.name = "tensor-core psiv-cache", .same_bits_as = 0, .psiv_cache = true}},
-        "_PsivCache");
+    add(sized(64, 64, 1, 64, 2, 1000), same_bits_as_tensor_cores(psiv_cache), "_PsivCache");
     return out;
   }
 
