@@ -399,6 +399,14 @@ __global__ void __launch_bounds__(kBackwardThreads)
   // terms there; z's in-place terms then take dV's space. (At R = 4 the same measured 0.8%
   // slower: dx then sums over lanes.)
   const bool fused_dv = fused_weights && R == 1;
+  // With fused_weights and the chunk's z and dy in shared memory (not at the fixed SISO shape:
+  // kLeanRegisters), o's tiles finish the gating epilogue in registers and o is never stored:
+  // dz (a token's ranks summed over the lanes g ^ 1 …), D's partial, and mimo_o's and mimo_z's
+  // terms summed over each rank's rows of the tile (lanes g ^ R …) into gating_tiles, two
+  // [row tile][R][P] blocks in o's space, summed over the row tiles after the phase.
+  const bool gating_in_tiles = fused_weights && z_dy != nullptr && !kLeanRegisters<D>;
+  float* gating_tiles = o;
+  const int row_tiles = M / 16;
   bf16* v_tokens = v_early != nullptr ? v_early
                    : C * P * sizeof(bf16) <= M * ld_mm * sizeof(float)
                        ? reinterpret_cast<bf16*>(scores)
@@ -519,6 +527,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
       stage(next);
     }
 
+    float d_local = 0.f;  // D's partial: Σ dO ⊙ PsiV
     // Recompute the forward: scores, weighted scores and o.
     if (fused_weights) {
       // Each warp makes a tile of QKᵀ and the same tile of dSc = dO Vᵀ (dO's pairs came with its
@@ -586,37 +595,129 @@ __global__ void __launch_bounds__(kBackwardThreads)
             [&](int i, int j, float value) { d_scores[i * ld_mm + j] = value; });
       }
       __syncthreads();
-      smem_mma_pair_tiles(
-          M, P,
-          SmemOperands<false, false, false, true>{q_rot, nullptr, ld_qk, state_hi, state_lo,
-                                                  ld_split, N},
-          SmemOperands<false, true, false, false>{weighted, nullptr, ld_sw, psiv, nullptr, ld_pv,
-                                                  M},
-          [&](const float(&entry)[2][4], const float(&intra)[2][4], int i0, int j0, int g, int t) {
+      // kGating: gating_in_tiles, compiled in only where it may be taken (the fixed SISO shape's
+      // code stays as it was: kLeanRegisters).
+      const auto o_tiles = [&](auto gating) {
+        constexpr bool kGating = decltype(gating)::value;
+        smem_mma_pair_tiles(
+            M, P,
+            SmemOperands<false, false, false, true>{q_rot, nullptr, ld_qk, state_hi, state_lo,
+                                                    ld_split, N},
+            SmemOperands<false, true, false, false>{weighted, nullptr, ld_sw, psiv, nullptr, ld_pv,
+                                                    M},
+            [&](const float(&entry)[2][4], const float(&intra)[2][4], int i0, int j0, int g,
+                int t) {
+              // kGating: mimo_o's and mimo_z's terms [which][half][column], summed over the
+              // thread's two rows (one rank: R divides 8), and dz [half][column] of each row.
+              [[maybe_unused]] float gating_sums[2][2][2] = {};
 #pragma unroll
-            for (int upper = 0; upper < 2; ++upper) {
-              const int row = i0 + g + 8 * upper;
-              const float decay = sc[kEntryDecay * C + d.by_rank.div(row)];
-              float term = 0.f;
+              for (int upper = 0; upper < 2; ++upper) {
+                const int row = i0 + g + 8 * upper;
+                const int token = d.by_rank.div(row);
+                const float decay = sc[kEntryDecay * C + token];
+                float term = 0.f;
+                [[maybe_unused]] float dz[2][2];
 #pragma unroll
-              for (int half = 0; half < 2; ++half) {
-                const int p = j0 + half * 8 + 2 * t;
-                const float e0 = entry[half][2 * upper], e1 = entry[half][2 * upper + 1];
-                const float2 d_out = *reinterpret_cast<const float2*>(d_o + row * ld_mp + p);
-                term += d_out.x * e0 + d_out.y * e1;
-                const __nv_bfloat162 v_pair =
-                    *reinterpret_cast<const __nv_bfloat162*>(psiv + row * ld_pv + p);
-                // e^{l} Q Eᵀ rounded on its own, as when it was stored before the sum.
-                float2 out;
-                out.x =
-                    __fmul_rn(decay, e0) + (intra[half][2 * upper] + skip * __low2float(v_pair));
-                out.y = __fmul_rn(decay, e1) +
-                        (intra[half][2 * upper + 1] + skip * __high2float(v_pair));
-                *reinterpret_cast<float2*>(o + row * ld_mp + p) = out;
+                for (int half = 0; half < 2; ++half) {
+                  const int p = j0 + half * 8 + 2 * t;
+                  const float e0 = entry[half][2 * upper], e1 = entry[half][2 * upper + 1];
+                  const float2 d_out = *reinterpret_cast<const float2*>(d_o + row * ld_mp + p);
+                  term += d_out.x * e0 + d_out.y * e1;
+                  const __nv_bfloat162 v_pair =
+                      *reinterpret_cast<const __nv_bfloat162*>(psiv + row * ld_pv + p);
+                  // e^{l} Q Eᵀ rounded on its own, as when it was stored before the sum.
+                  float2 out;
+                  out.x =
+                      __fmul_rn(decay, e0) + (intra[half][2 * upper] + skip * __low2float(v_pair));
+                  out.y = __fmul_rn(decay, e1) +
+                          (intra[half][2 * upper + 1] + skip * __high2float(v_pair));
+                  if constexpr (!kGating) {
+                    *reinterpret_cast<float2*>(o + row * ld_mp + p) = out;
+                  } else {
+                    // The gating epilogue's terms of (token, rank, p) and (…, p + 1).
+                    const int rank = d.by_rank.mod(row);
+                    const bool valid = token < pos.len;
+                    const float2 zs = __bfloat1622float2(
+                        *reinterpret_cast<const __nv_bfloat162*>(z_dy + token * P + p));
+                    const float2 dys = __bfloat1622float2(
+                        *reinterpret_cast<const __nv_bfloat162*>(z_dy + (C + token) * P + p));
+                    const float2 mz = *reinterpret_cast<const float2*>(mimo_zo + rank * P + p);
+                    const float2 mo =
+                        *reinterpret_cast<const float2*>(mimo_zo + (R + rank) * P + p);
+                    const float zc[2] = {zs.x, zs.y}, dyc[2] = {dys.x, dys.y};
+                    const float mzc[2] = {mz.x, mz.y}, moc[2] = {mo.x, mo.y};
+                    const float oc[2] = {out.x, out.y};
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                      const float gate = zc[c] * mzc[c], sg = sigmoidf(gate);
+                      const float gated = dyc[c] * oc[c] * sg;
+                      const float slope = moc[c] * (1.f + gate * (1.f - sg));
+                      dz[half][c] = gated * slope * mzc[c];
+                      gating_sums[0][half][c] += valid ? gated * gate : 0.f;
+                      gating_sums[1][half][c] += valid ? gated * slope * zc[c] : 0.f;
+                    }
+                    if (valid) {
+                      d_local += d_out.x * __low2float(v_pair) + d_out.y * __high2float(v_pair);
+                    }
+                  }
+                }
+                store_row_term(term, row, j0, t);
+                if constexpr (kGating) {
+                  const int rank = d.by_rank.mod(row);
+                  const bool valid = token < pos.len;
+                  // dz = Σ over the token's ranks, its rows g ^ 1 … (lanes 4 apart).
+                  for (int offset = 4; offset < 4 * R; offset <<= 1) {
+#pragma unroll
+                    for (int half = 0; half < 2; ++half)
+#pragma unroll
+                      for (int c = 0; c < 2; ++c) {
+                        dz[half][c] += __shfl_xor_sync(0xffffffffu, dz[half][c], offset);
+                      }
+                  }
+                  if (valid && rank == 0) {
+                    const size_t th = token_head(d, pos.b, pos.t0 + token, h);
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                      *reinterpret_cast<__nv_bfloat162*>(grads.z + th * P + j0 + half * 8 + 2 * t) =
+                          __floats2bfloat162_rn(dz[half][0], dz[half][1]);
+                    }
+                  }
+                }
               }
-              store_row_term(term, row, j0, t);
-            }
-          });
+              if constexpr (kGating) {
+                // Each rank's rows of the tile: lanes g ^ R … (R divides 8).
+                for (int offset = 4 * R; offset < 32; offset <<= 1) {
+#pragma unroll
+                  for (int which = 0; which < 2; ++which)
+#pragma unroll
+                    for (int half = 0; half < 2; ++half)
+#pragma unroll
+                      for (int c = 0; c < 2; ++c) {
+                        gating_sums[which][half][c] +=
+                            __shfl_xor_sync(0xffffffffu, gating_sums[which][half][c], offset);
+                      }
+                }
+                if (g < R) {  // rank g
+#pragma unroll
+                  for (int which = 0; which < 2; ++which)
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                      const int at =
+                          ((which * row_tiles + i0 / 16) * R + g) * P + j0 + half * 8 + 2 * t;
+                      *reinterpret_cast<float2*>(gating_tiles + at) =
+                          make_float2(gating_sums[which][half][0], gating_sums[which][half][1]);
+                    }
+                }
+              }
+            });
+      };
+      if constexpr (kLeanRegisters<D>) {
+        o_tiles(std::false_type{});
+      } else if (gating_in_tiles) {
+        o_tiles(std::true_type{});
+      } else {
+        o_tiles(std::false_type{});
+      }
     } else {
       state_gemm<kTensor, false, true>(
           M, P, N, [&](int i, int n) { return to_f(q_rot[i * ld_qk + n]); },
@@ -675,8 +776,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
     // shape (kLeanRegisters).
     const bool terms_in_place = split && !kLeanRegisters<D>;
     float* z_terms = fused_dv ? d_psiv : d_o;  // fused_dv keeps dO for dV
-    float d_local = 0.f;                       // D's partial: Σ dO ⊙ PsiV
-    for (int idx = threadIdx.x; idx < pos.len * P / W; idx += blockDim.x) {
+    for (int idx = threadIdx.x; idx < (gating_in_tiles ? 0 : pos.len * P / W); idx += blockDim.x) {
       const auto [i, p] = headdim_item<W>(d, idx);
       const size_t th = token_head(d, pos.b, pos.t0 + i, h);
       const Bf16Row<W> zs = load_row<W>(z_dy != nullptr ? z_dy + i * P + p : in.z + th * P + p);
@@ -710,7 +810,18 @@ __global__ void __launch_bounds__(kBackwardThreads)
       }
       store_row(grads.z + th * P + p, round_row<W>(dz));
     }
-    if (terms_in_place) {
+    if (gating_in_tiles) {
+      // The row tiles' sums, in order (the phase's barrier above made them visible).
+      for (int item = threadIdx.x; item < R * P; item += blockDim.x) {
+        float mo_sum = 0.f, mz_sum = 0.f;
+        for (int tile = 0; tile < row_tiles; ++tile) {
+          mo_sum += gating_tiles[tile * R * P + item];
+          mz_sum += gating_tiles[(row_tiles + tile) * R * P + item];
+        }
+        mo_partial[item] = mo_sum;
+        mz_partial[item] = mz_sum;
+      }
+    } else if (terms_in_place) {
       __syncthreads();
       token_sums<2>(
           R * P, pos.len,

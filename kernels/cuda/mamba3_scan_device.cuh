@@ -111,7 +111,8 @@ struct SmemPlan {
   size_t token_weights = 0;  // fp32 [C][C]: W
   size_t d_token_weights = 0;  // fp32 [C][C]: dL/dW without fused_weights; shares `out` when it
                                //   fits
-  size_t out = 0;              // fp32 [rows][P]: o; in the backward then mimo_o's terms, later
+  size_t out = 0;              // fp32 [rows][P]: o (not chunk_forward's); in the backward then
+                               //   mimo_o's terms (or their row-tile sums with mimo_z's), later
                                //   K dSᵀ (without fused_weights) or, at R = 1, mimo_x's row-tile
                                //   terms
   size_t d_out = 0;        // fp32 [rows][P]: dL/do = dy ⊙ silu(z ⊙ mimo_z) ⊙ mimo_o; in the
@@ -140,9 +141,8 @@ struct SmemPlan {
                                //   part of the next entry state; in `state` when it fits),
                                //   chunk_dstate's H_c (in `d_out` at the fixed shapes on the
                                //   tensor cores)
-  size_t psiv_lo = 0;          // bf16 [rows][P]: chunk_forward's exit-scaled PsiV, lo part (the hi
-                               //   part in PsiV's place once o no longer needs PsiV; in
-                               //   weighted_scores when it fits)
+  size_t psiv_hi = 0;          // bf16 [rows][P]: chunk_forward's exit-scaled PsiV, hi part
+  size_t psiv_lo = 0;          //   and lo part
   size_t split_hi = 0;         // bf16, the forward kernels' and chunk_dstate's one fp32 operand
   size_t split_lo = 0;         //   as hi + lo: chunk_dstate's e^l dO [rows][P] (ld_pv); chunk_state
                                //   its scaled PsiV's lo part (the hi part in PsiV's place, so no
@@ -228,7 +228,7 @@ inline SmemPlan plan_for(const Dims& d, ScanKernel kernel) {
       p.d_scores = take(m * ld_mm * sizeof(float));
     }
     p.token_weights = take(c * c * sizeof(float));
-    p.out = take(m * ld_mp * sizeof(float));
+    if (!fused) p.out = take(m * ld_mp * sizeof(float));  // chunk_forward keeps o in registers
     p.weighted_scores = take(m * ld_sw * sizeof(bf16));
   }
   if (kernel == kDStateKernel || backward) p.d_out = take(m * ld_mp * sizeof(float));
@@ -252,7 +252,10 @@ inline SmemPlan plan_for(const Dims& d, ScanKernel kernel) {
     const size_t exit_bytes = hp * static_cast<size_t>(d.state) * sizeof(float);
     const size_t state_bytes = std::max(hp * ld_state * sizeof(float), split_state);
     p.exit_part = exit_bytes <= state_bytes ? p.state : take(exit_bytes);
-    p.psiv_lo = m * ld_pv <= m * ld_sw ? p.weighted_scores : take(m * ld_pv * sizeof(bf16));
+    // The exit-scaled PsiV's pairs have spaces of their own: PsiV and the weighted scores stay
+    // whole for o's tiles, made after the publish.
+    p.psiv_hi = take(m * ld_pv * sizeof(bf16));
+    p.psiv_lo = take(m * ld_pv * sizeof(bf16));
   }
   if (backward) {
     // d_token_weights lives in out's space (o is dead between the epilogue and K dSᵀ) when it

@@ -185,15 +185,14 @@ __global__ void __launch_bounds__(kOutputThreads)
 }
 
 // chunk_state, state_pass and chunk_output in one pass (tensor cores): each block computes its
-// chunk's F_c and intra-chunk output, then takes its entry state E_c from the block of chunk c − 1
-// (the same (b, h)), publishes E_{c+1} = a_c E_c + F_c for the block of chunk c + 1, and finishes
-// o with E_c. F_c never goes through memory and the state pass is not a kernel of its own (the two
-// cost 2.5 ms of the 5.9 ms MIMO forward at M3-ref; the state pass ran at 85% of DRAM bandwidth).
+// chunk's F_c, takes its entry state E_c from the block of chunk c − 1 (the same (b, h)), publishes
+// E_{c+1} = a_c E_c + F_c for the block of chunk c + 1, then makes o and y. F_c never goes through
+// memory and the state pass is not a kernel of its own (the two cost 2.5 ms of the 5.9 ms MIMO
+// forward at M3-ref; the state pass ran at 85% of DRAM bandwidth).
 //
 // Blocks take their chunk from a ticket (take_ticket: why every wait ends). The recurrence is the
-// state pass's (E_0 = 0, scale_add, chunks in order), and o's two terms are rounded and
-// added as chunk_output rounds and adds them: the same operations in the same order as the three
-// kernels.
+// state pass's (E_0 = 0, scale_add, chunks in order), and o's two terms are rounded and added as
+// chunk_output rounds and adds them; y sums a token's ranks in another order (over lanes).
 template <class D>
 __global__ void __launch_bounds__(kOutputThreads, 2)
     chunk_forward_kernel(D d, SmemPlan plan, DevInputs in, Work w, bool write_psiv, bf16* y) {
@@ -206,16 +205,16 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
   bf16* q_rot = reinterpret_cast<bf16*>(smem + plan.q_rotated);
   bf16* k_rot = reinterpret_cast<bf16*>(smem + plan.k_rotated);
   bf16* psiv = reinterpret_cast<bf16*>(smem + plan.psiv);
+  bf16* psiv_hi = reinterpret_cast<bf16*>(smem + plan.psiv_hi);
   bf16* psiv_lo = reinterpret_cast<bf16*>(smem + plan.psiv_lo);
   float* exit_part = reinterpret_cast<float*>(smem + plan.exit_part);
   float* weights = reinterpret_cast<float*>(smem + plan.token_weights);
-  float* o = reinterpret_cast<float*>(smem + plan.out);
   bf16* weighted = reinterpret_cast<bf16*>(smem + plan.weighted_scores);
   bf16* entry_hi = reinterpret_cast<bf16*>(smem + plan.split_hi);
   bf16* entry_lo = reinterpret_cast<bf16*>(smem + plan.split_lo);
-  const int N = d.state, P = d.headdim, C = d.chunk, M = d.rows;
+  const int N = d.state, P = d.headdim, R = d.rank, C = d.chunk, M = d.rows;
   const SmemStrides ld = strides_of<D>(plan);
-  const int ld_qk = ld.qk, ld_pv = ld.pv, ld_mp = ld.mp, ld_sw = ld.sw;
+  const int ld_qk = ld.qk, ld_pv = ld.pv, ld_sw = ld.sw;
   const int ld_split = plan.ld_split;
   load_scalars(d, in, w, pos, sc, cosv, sinv);
   load_rotated_qk(d, in, pos, cosv, sinv, q_rot, k_rot, ld_qk);
@@ -227,16 +226,9 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
         weighted[i * ld_sw + j] =
             __float2bfloat16(value * weights[d.by_rank.div(i) * C + d.by_rank.div(j)]);
       });
-  __syncthreads();
-  // o's intra-chunk terms first (chunk_output adds them to the rounded entry term, and a + b is
-  // b + a); PsiV is then free for the exit-scaled pairs.
-  const float skip = to_f(in.d[pos.h]);
-  bf16_gemm<true, false, true>(M, P, M, weighted, ld_sw, psiv, ld_pv,
-                               [&](int i, int p, float value) {
-                                 o[i * ld_mp + p] = value + skip * to_f(psiv[i * ld_pv + p]);
-                               });
-  __syncthreads();
-  // kColumnsPerItem elements of a row a thread: 16-byte shared rows of bf16 at the fixed shapes.
+  // The exit-scaled PsiV as hi + lo pairs beside PsiV (no barrier: the scores' product reads
+  // neither). kColumnsPerItem elements of a row a thread: 16-byte shared rows of bf16 at the fixed
+  // shapes.
   constexpr int W = kColumnsPerItem<D>;
   for (int idx = threadIdx.x; idx < M * P / W; idx += blockDim.x) {
     const auto [row, p] = headdim_item<W>(d, idx);
@@ -250,12 +242,12 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
       hi[w] = to_f(__float2bfloat16(x));
       lo[w] = x - hi[w];
     }
-    store_row(psiv + at, round_row<W>(hi));
+    store_row(psiv_hi + at, round_row<W>(hi));
     store_row(psiv_lo + at, round_row<W>(lo));
   }
   __syncthreads();
   smem_mma_split<true, true, true, false>(
-      P, N, M, psiv, psiv_lo, ld_pv, k_rot, nullptr, ld_qk,
+      P, N, M, psiv_hi, psiv_lo, ld_pv, k_rot, nullptr, ld_qk,
       [&](int p, int n, float value) { exit_part[p * N + n] = value; });
   // E_c from chunk c − 1's block (chunk 0 starts from zero).
   const size_t pair = static_cast<size_t>(pos.b) * d.heads + pos.h;
@@ -295,14 +287,67 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
     store_split(entry[u].w, entry_hi, entry_lo, at + 3);
   }
   __syncthreads();
-  smem_mma_split<false, false, false>(
-      M, P, N, q_rot, nullptr, ld_qk, entry_hi, entry_lo, ld_split, [&](int i, int p, float value) {
-        // The product rounded, then the sum: no fused multiply-add that chunk_output lacks.
-        const float decayed = __fmul_rn(value, sc[kEntryDecay * C + d.by_rank.div(i)]);
-        o[i * ld_mp + p] = __fadd_rn(o[i * ld_mp + p], decayed);
+  // o = e^{l} Q E_cᵀ + Sw PsiV + D PsiV, each tile of both products made whole in registers by one
+  // warp (rounded and summed as chunk_output rounds and sums them), and y's terms
+  // o_r ⊙ silu(z ⊙ mimo_z_r) ⊙ mimo_o_r summed over a token's ranks, rows g ^ 1 … of the tile
+  // (R divides 8 at the fixed shapes): o is never stored.
+  static_assert(8 % D::rank == 0);
+  const float skip = to_f(in.d[pos.h]);
+  smem_mma_pair_tiles(
+      M, P,
+      SmemOperands<false, false, false, true>{q_rot, nullptr, ld_qk, entry_hi, entry_lo, ld_split,
+                                              N},
+      SmemOperands<false, true, false, false>{weighted, nullptr, ld_sw, psiv, nullptr, ld_pv, M},
+      [&](const float(&entry)[2][4], const float(&intra)[2][4], int i0, int j0, int g, int t) {
+#pragma unroll
+        for (int upper = 0; upper < 2; ++upper) {
+          const int row = i0 + g + 8 * upper;
+          const int token = d.by_rank.div(row), rank = d.by_rank.mod(row);
+          const bool valid = token < pos.len;
+          const float decay = sc[kEntryDecay * C + token];
+          const size_t th = token_head(d, pos.b, pos.t0 + (valid ? token : 0), pos.h);
+          const size_t wr = (static_cast<size_t>(pos.h) * R + rank) * P;
+          float terms[2][2];  // [half][column]
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int p = j0 + half * 8 + 2 * t;
+            const float2 v = __bfloat1622float2(
+                *reinterpret_cast<const __nv_bfloat162*>(psiv + row * ld_pv + p));
+            const float2 z = valid ? __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(
+                                         in.z + th * P + p))
+                                   : make_float2(0.f, 0.f);
+            const float2 mimo_z =
+                __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(in.mimo_z + wr + p));
+            const float2 mimo_o =
+                __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(in.mimo_o + wr + p));
+            const float vs[2] = {v.x, v.y}, zs[2] = {z.x, z.y};
+            const float mzs[2] = {mimo_z.x, mimo_z.y}, mos[2] = {mimo_o.x, mimo_o.y};
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              // The product rounded, then the sum: no fused multiply-add that chunk_output lacks.
+              const float intra_part = intra[half][2 * upper + c] + skip * vs[c];
+              const float out = __fadd_rn(intra_part, __fmul_rn(entry[half][2 * upper + c], decay));
+              const float gate = zs[c] * mzs[c];
+              terms[half][c] = out * gate * sigmoidf(gate) * mos[c];
+            }
+          }
+          for (int offset = 4; offset < 4 * R; offset <<= 1) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+#pragma unroll
+              for (int c = 0; c < 2; ++c) {
+                terms[half][c] += __shfl_xor_sync(0xffffffffu, terms[half][c], offset);
+              }
+          }
+          if (valid && rank == 0) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              *reinterpret_cast<__nv_bfloat162*>(y + th * P + j0 + half * 8 + 2 * t) =
+                  __floats2bfloat162_rn(terms[half][0], terms[half][1]);
+            }
+          }
+        }
       });
-  __syncthreads();
-  write_gated_output(d, in, pos, o, ld_mp, y);
 }
 
 }  // namespace
