@@ -396,8 +396,8 @@ __global__ void __launch_bounds__(kBackwardThreads)
       plan.v_tokens != 0 && !read_psiv ? reinterpret_cast<bf16*>(smem + plan.v_tokens) : nullptr;
   // With fused_weights at R = 1: dV is never stored. Its tiles are made in registers in the
   // exit-state phase (Swᵀ dO + D dO + exit_scale · K dSᵀ) and give dx, d_scale's and mimo_x's
-  // terms there; z's in-place terms then take dV's space. (At R = 4 the same measured 0.8%
-  // slower: dx then sums over lanes.)
+  // terms there; z's in-place terms (without gating_in_tiles) then take dV's space. (At R = 4 the
+  // same measured 0.8% slower: dx then sums over lanes.)
   const bool fused_dv = fused_weights && R == 1;
   // With fused_weights and the chunk's z and dy in shared memory (not at the fixed SISO shape:
   // kLeanRegisters), o's tiles finish the gating epilogue in registers and o is never stored:
@@ -773,7 +773,8 @@ __global__ void __launch_bounds__(kBackwardThreads)
     // dV tiles read it later): each (i, r, p) term of mimo_o's and mimo_z's partials is computed
     // once, beside dz (one sigmoid per element where the sums over tokens took a second), and left
     // in o and z_terms (dO's space, or dV's with fused_dv) for those sums. Not at the fixed SISO
-    // shape (kLeanRegisters).
+    // shape (kLeanRegisters). With gating_in_tiles, o's tiles did all of it: only the row tiles'
+    // sums are left.
     const bool terms_in_place = split && !kLeanRegisters<D>;
     float* z_terms = fused_dv ? d_psiv : d_o;  // fused_dv keeps dO for dV
     for (int idx = threadIdx.x; idx < (gating_in_tiles ? 0 : pos.len * P / W); idx += blockDim.x) {

@@ -115,14 +115,14 @@ struct SmemPlan {
                                //   mimo_o's terms (or their row-tile sums with mimo_z's), later
                                //   K dSᵀ (without fused_weights) or, at R = 1, mimo_x's row-tile
                                //   terms
-  size_t d_out = 0;        // fp32 [rows][P]: dL/do = dy ⊙ silu(z ⊙ mimo_z) ⊙ mimo_o; in the
-                           //   backward then mimo_z's terms (not with fused_dv); chunk_dstate
-                           //   on the tensor cores stores none, and at the fixed shapes H_c
-                           //   lives here
-  size_t d_psiv = 0;       // fp32 [rows][P]: dL/d(v ⊙ mimo_x); with fused_dv (never stored)
-                           //   mimo_z's terms
-  size_t d_qk = 0;         // fp32 [rows][N]: dL/d(rotated q), then dL/d(rotated k)
-  size_t sum_scratch = 0;  // fp32 [kBackwardThreads / 32]: block_sum's
+  size_t d_out = 0;   // fp32 [rows][P]: dL/do = dy ⊙ silu(z ⊙ mimo_z) ⊙ mimo_o; in the
+                      //   backward then mimo_z's terms (not with fused_dv or gating_in_tiles);
+                      //   chunk_dstate on the tensor cores stores none, and at the fixed shapes H_c
+                      //   lives here
+  size_t d_psiv = 0;  // fp32 [rows][P]: dL/d(v ⊙ mimo_x); with fused_dv (never stored)
+                      //   mimo_z's terms, unless o's tiles take them (gating_in_tiles)
+  size_t d_qk = 0;    // fp32 [rows][N]: dL/d(rotated q), then dL/d(rotated k)
+  size_t sum_scratch = 0;      // fp32 [kBackwardThreads / 32]: block_sum's
   size_t weighted_scores = 0;  // bf16 [rows][rows]: QKᵀ ⊙ W, the tensor-core operand; in the
                                //   backward without fused_weights later dL/d(QKᵀ) (= dSc ⊙ W)
   size_t d_out_bf16 = 0;       // bf16 [rows][P]: d_out rounded, the tensor-core operand
@@ -209,7 +209,8 @@ inline SmemPlan plan_for(const Dims& d, ScanKernel kernel) {
   p.rotation_cos = take(c * a * sizeof(float));
   p.rotation_sin = take(c * a * sizeof(float));
   const bool backward = kernel == kBackwardKernel;
-  // chunk_forward holds everything chunk_output does, plus F_c and the scaled PsiV's lo part.
+  // chunk_forward holds what chunk_output does but o (kept in registers), plus F_c and the
+  // exit-scaled PsiV's pairs.
   const bool fused = kernel == kForwardKernel;
   if (fused) kernel = kOutputKernel;
   if (kernel != kStateKernel) p.q_rotated = take(m * ld_qk * sizeof(bf16));
@@ -246,9 +247,7 @@ inline SmemPlan plan_for(const Dims& d, ScanKernel kernel) {
   }
   if (fused) {
     // F_c lives in the entry state's space (its last read, the publish, is a barrier before E_c's
-    // pairs are written there), the scaled PsiV's lo part in the weighted scores' (dead after the
-    // intra-chunk product) when it fits: chunk_forward then takes what chunk_output takes, and
-    // two blocks an SM at the fixed SISO shape too.
+    // pairs are written there).
     const size_t exit_bytes = hp * static_cast<size_t>(d.state) * sizeof(float);
     const size_t state_bytes = std::max(hp * ld_state * sizeof(float), split_state);
     p.exit_part = exit_bytes <= state_bytes ? p.state : take(exit_bytes);

@@ -275,7 +275,7 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
   }
   publish_ready(ready + pos.c + 1, has_next);
   if (threadIdx.x == 0) w.decay[pair * d.chunks + pos.c] = decay;
-    // o += e^{l} Q E_cᵀ, E_c as hi + lo pairs.
+    // E_c as hi + lo pairs, the operand of o's tiles.
 #pragma unroll
   for (int u = 0; u < kPerThread; ++u) {
     const int quad = threadIdx.x + u * kOutputThreads;
@@ -298,13 +298,13 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
       SmemOperands<false, false, false, true>{q_rot, nullptr, ld_qk, entry_hi, entry_lo, ld_split,
                                               N},
       SmemOperands<false, true, false, false>{weighted, nullptr, ld_sw, psiv, nullptr, ld_pv, M},
-      [&](const float(&entry)[2][4], const float(&intra)[2][4], int i0, int j0, int g, int t) {
+      [&](const float(&from_entry)[2][4], const float(&intra)[2][4], int i0, int j0, int g, int t) {
 #pragma unroll
         for (int upper = 0; upper < 2; ++upper) {
           const int row = i0 + g + 8 * upper;
           const int token = d.by_rank.div(row), rank = d.by_rank.mod(row);
           const bool valid = token < pos.len;
-          const float decay = sc[kEntryDecay * C + token];
+          const float entry_decay = sc[kEntryDecay * C + token];
           const size_t th = token_head(d, pos.b, pos.t0 + (valid ? token : 0), pos.h);
           const size_t wr = (static_cast<size_t>(pos.h) * R + rank) * P;
           float terms[2][2];  // [half][column]
@@ -326,7 +326,8 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
             for (int c = 0; c < 2; ++c) {
               // The product rounded, then the sum: no fused multiply-add that chunk_output lacks.
               const float intra_part = intra[half][2 * upper + c] + skip * vs[c];
-              const float out = __fadd_rn(intra_part, __fmul_rn(entry[half][2 * upper + c], decay));
+              const float out =
+                  __fadd_rn(intra_part, __fmul_rn(from_entry[half][2 * upper + c], entry_decay));
               const float gate = zs[c] * mzs[c];
               terms[half][c] = out * gate * sigmoidf(gate) * mos[c];
             }

@@ -129,11 +129,14 @@ struct Mamba3Scan {
             {.name = "tensor-core unaligned-parameters", .unaligned_parameters = true}),
         "_UnalignedParameters");
     // Runtime shapes (not compiled with fixed dimensions) where chunk_backward's score products
-    // make dL/dW in registers (N ≤ rows, R a power of two): R = 2 and R = 8 sum the R × R blocks
-    // over lanes; R = 1 also makes dV's tiles whole, with mimo_z's terms in dV's space. Ragged.
+    // make dL/dW in registers (N ≤ rows, R a power of two up to 8), all ragged: R = 2, 4 and 8 sum
+    // the R × R blocks over lanes, and o's tiles make the gating terms (dz over a token's R
+    // lanes). R = 1 also makes dV's tiles whole: at chunk 32 with z and dy in shared memory (o's
+    // tiles take the gating terms), at chunk 64 > N + 1 without (mimo_z's terms in dV's space).
     for (const auto& [n, r, chunk] :
-         {std::array{64, 2, 32}, std::array{64, 8, 8}, std::array{32, 1, 32}}) {
-      add(sized(n, 64, r, chunk, 2, 1000), both);
+         {std::array{64, 2, 32}, std::array{32, 4, 16}, std::array{64, 8, 8}, std::array{32, 1, 32},
+          std::array{32, 1, 64}}) {
+      add(sized(n, 64, r, chunk, 2, 1001), both);
     }
     // At the SISO shape too: there dV's tiles read v from shared memory, or global memory with
     // the cache.
