@@ -246,6 +246,15 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
     store_row(psiv_lo + at, round_row<W>(lo));
   }
   __syncthreads();
+  // o's intra-chunk tile Sw PsiV, one a warp, made before the wait and kept in registers through
+  // it.
+  static_assert((D::rows / 16) * (D::headdim / 16) == kOutputThreads / 32);
+  const int lane = static_cast<int>(threadIdx.x % 32), tile = static_cast<int>(threadIdx.x / 32);
+  const int tile_i0 = (tile / (D::headdim / 16)) * 16, tile_j0 = (tile % (D::headdim / 16)) * 16;
+  float intra_tile[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+  accumulate_tile(
+      SmemOperands<false, true, false, false>{weighted, nullptr, ld_sw, psiv, nullptr, ld_pv, M},
+      tile_i0, tile_j0, lane, intra_tile);
   smem_mma_split<true, true, true, false>(
       P, N, M, psiv_hi, psiv_lo, ld_pv, k_rot, nullptr, ld_qk,
       [&](int p, int n, float value) { exit_part[p * N + n] = value; });
@@ -293,62 +302,63 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
   // (R divides 8 at the fixed shapes): o is never stored.
   static_assert(8 % D::rank == 0);
   const float skip = to_f(in.d[pos.h]);
-  smem_mma_pair_tiles(
-      M, P,
-      SmemOperands<false, false, false, true>{q_rot, nullptr, ld_qk, entry_hi, entry_lo, ld_split,
-                                              N},
-      SmemOperands<false, true, false, false>{weighted, nullptr, ld_sw, psiv, nullptr, ld_pv, M},
-      [&](const float(&from_entry)[2][4], const float(&intra)[2][4], int i0, int j0, int g, int t) {
+  const auto finish_tile = [&](const float(&from_entry)[2][4], const float(&intra)[2][4], int i0,
+                               int j0, int g, int t) {
 #pragma unroll
-        for (int upper = 0; upper < 2; ++upper) {
-          const int row = i0 + g + 8 * upper;
-          const int token = d.by_rank.div(row), rank = d.by_rank.mod(row);
-          const bool valid = token < pos.len;
-          const float entry_decay = sc[kEntryDecay * C + token];
-          const size_t th = token_head(d, pos.b, pos.t0 + (valid ? token : 0), pos.h);
-          const size_t wr = (static_cast<size_t>(pos.h) * R + rank) * P;
-          float terms[2][2];  // [half][column]
+    for (int upper = 0; upper < 2; ++upper) {
+      const int row = i0 + g + 8 * upper;
+      const int token = d.by_rank.div(row), rank = d.by_rank.mod(row);
+      const bool valid = token < pos.len;
+      const float entry_decay = sc[kEntryDecay * C + token];
+      const size_t th = token_head(d, pos.b, pos.t0 + (valid ? token : 0), pos.h);
+      const size_t wr = (static_cast<size_t>(pos.h) * R + rank) * P;
+      float terms[2][2];  // [half][column]
 #pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int p = j0 + half * 8 + 2 * t;
-            const float2 v = __bfloat1622float2(
-                *reinterpret_cast<const __nv_bfloat162*>(psiv + row * ld_pv + p));
-            const float2 z = valid ? __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(
-                                         in.z + th * P + p))
-                                   : make_float2(0.f, 0.f);
-            const float2 mimo_z =
-                __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(in.mimo_z + wr + p));
-            const float2 mimo_o =
-                __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(in.mimo_o + wr + p));
-            const float vs[2] = {v.x, v.y}, zs[2] = {z.x, z.y};
-            const float mzs[2] = {mimo_z.x, mimo_z.y}, mos[2] = {mimo_o.x, mimo_o.y};
+      for (int half = 0; half < 2; ++half) {
+        const int p = j0 + half * 8 + 2 * t;
+        const float2 v =
+            __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(psiv + row * ld_pv + p));
+        const float2 z =
+            valid ? __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(in.z + th * P + p))
+                  : make_float2(0.f, 0.f);
+        const float2 mimo_z =
+            __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(in.mimo_z + wr + p));
+        const float2 mimo_o =
+            __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(in.mimo_o + wr + p));
+        const float vs[2] = {v.x, v.y}, zs[2] = {z.x, z.y};
+        const float mzs[2] = {mimo_z.x, mimo_z.y}, mos[2] = {mimo_o.x, mimo_o.y};
 #pragma unroll
-            for (int c = 0; c < 2; ++c) {
-              // The product rounded, then the sum: no fused multiply-add that chunk_output lacks.
-              const float intra_part = intra[half][2 * upper + c] + skip * vs[c];
-              const float out =
-                  __fadd_rn(intra_part, __fmul_rn(from_entry[half][2 * upper + c], entry_decay));
-              const float gate = zs[c] * mzs[c];
-              terms[half][c] = out * gate * sigmoidf(gate) * mos[c];
-            }
-          }
-          for (int offset = 4; offset < 4 * R; offset <<= 1) {
-#pragma unroll
-            for (int half = 0; half < 2; ++half)
-#pragma unroll
-              for (int c = 0; c < 2; ++c) {
-                terms[half][c] += __shfl_xor_sync(0xffffffffu, terms[half][c], offset);
-              }
-          }
-          if (valid && rank == 0) {
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-              *reinterpret_cast<__nv_bfloat162*>(y + th * P + j0 + half * 8 + 2 * t) =
-                  __floats2bfloat162_rn(terms[half][0], terms[half][1]);
-            }
-          }
+        for (int c = 0; c < 2; ++c) {
+          // The product rounded, then the sum: no fused multiply-add that chunk_output lacks.
+          const float intra_part = intra[half][2 * upper + c] + skip * vs[c];
+          const float out =
+              __fadd_rn(intra_part, __fmul_rn(from_entry[half][2 * upper + c], entry_decay));
+          const float gate = zs[c] * mzs[c];
+          terms[half][c] = out * gate * sigmoidf(gate) * mos[c];
         }
-      });
+      }
+      for (int offset = 4; offset < 4 * R; offset <<= 1) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            terms[half][c] += __shfl_xor_sync(0xffffffffu, terms[half][c], offset);
+          }
+      }
+      if (valid && rank == 0) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          *reinterpret_cast<__nv_bfloat162*>(y + th * P + j0 + half * 8 + 2 * t) =
+              __floats2bfloat162_rn(terms[half][0], terms[half][1]);
+        }
+      }
+    }
+  };
+  float entry_tile[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+  accumulate_tile(SmemOperands<false, false, false, true>{q_rot, nullptr, ld_qk, entry_hi, entry_lo,
+                                                          ld_split, N},
+                  tile_i0, tile_j0, lane, entry_tile);
+  finish_tile(entry_tile, intra_tile, tile_i0, tile_j0, lane / 4, lane % 4);
 }
 
 }  // namespace
