@@ -252,7 +252,7 @@ inline SmemPlan plan_for(const Dims& d, ScanKernel kernel) {
     const size_t state_bytes = std::max(hp * ld_state * sizeof(float), split_state);
     p.exit_part = exit_bytes <= state_bytes ? p.state : take(exit_bytes);
     // The exit-scaled PsiV's pairs have spaces of their own: PsiV and the weighted scores stay
-    // whole for o's tiles, made after the publish.
+    // whole for o's intra-chunk tiles.
     p.psiv_hi = take(m * ld_pv * sizeof(bf16));
     p.psiv_lo = take(m * ld_pv * sizeof(bf16));
   }

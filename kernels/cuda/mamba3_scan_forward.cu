@@ -186,9 +186,10 @@ __global__ void __launch_bounds__(kOutputThreads)
 
 // chunk_state, state_pass and chunk_output in one pass (tensor cores): each block computes its
 // chunk's F_c, takes its entry state E_c from the block of chunk c − 1 (the same (b, h)), publishes
-// E_{c+1} = a_c E_c + F_c for the block of chunk c + 1, then makes o and y. F_c never goes through
-// memory and the state pass is not a kernel of its own (the two cost 2.5 ms of the 5.9 ms MIMO
-// forward at M3-ref; the state pass ran at 85% of DRAM bandwidth).
+// E_{c+1} = a_c E_c + F_c for the block of chunk c + 1, and makes o and y (o's intra-chunk tiles
+// before the wait, its entry tiles after the publish). F_c never goes through memory and the state
+// pass is not a kernel of its own (the two cost 2.5 ms of the 5.9 ms MIMO forward at M3-ref; the
+// state pass ran at 85% of DRAM bandwidth).
 //
 // Blocks take their chunk from a ticket (take_ticket: why every wait ends). The recurrence is the
 // state pass's (E_0 = 0, scale_add, chunks in order), and o's two terms are rounded and added as
@@ -284,7 +285,7 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
   }
   publish_ready(ready + pos.c + 1, has_next);
   if (threadIdx.x == 0) w.decay[pair * d.chunks + pos.c] = decay;
-    // E_c as hi + lo pairs, the operand of o's tiles.
+    // E_c as hi + lo pairs, the operand of o's entry tiles.
 #pragma unroll
   for (int u = 0; u < kPerThread; ++u) {
     const int quad = threadIdx.x + u * kOutputThreads;
@@ -296,8 +297,9 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
     store_split(entry[u].w, entry_hi, entry_lo, at + 3);
   }
   __syncthreads();
-  // o = e^{l} Q E_cᵀ + Sw PsiV + D PsiV, each tile of both products made whole in registers by one
-  // warp (rounded and summed as chunk_output rounds and sums them), and y's terms
+  // o = e^{l} Q E_cᵀ + Sw PsiV + D PsiV made whole in registers, a tile a warp: its entry tile now,
+  // its intra-chunk tile made before the wait (rounded and summed as chunk_output rounds and sums
+  // them), and y's terms
   // o_r ⊙ silu(z ⊙ mimo_z_r) ⊙ mimo_o_r summed over a token's ranks, rows g ^ 1 … of the tile
   // (R divides 8 at the fixed shapes): o is never stored.
   static_assert(8 % D::rank == 0);
