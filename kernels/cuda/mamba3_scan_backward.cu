@@ -665,15 +665,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
                 if constexpr (kGating) {
                   const int rank = d.by_rank.mod(row);
                   const bool valid = token < pos.len;
-                  // dz = Σ over the token's ranks, its rows g ^ 1 … (lanes 4 apart).
-                  for (int offset = 4; offset < 4 * R; offset <<= 1) {
-#pragma unroll
-                    for (int half = 0; half < 2; ++half)
-#pragma unroll
-                      for (int c = 0; c < 2; ++c) {
-                        dz[half][c] += __shfl_xor_sync(0xffffffffu, dz[half][c], offset);
-                      }
-                  }
+                  sum_over_token_ranks(dz, R);
                   if (valid && rank == 0) {
                     const size_t th = token_head(d, pos.b, pos.t0 + token, h);
 #pragma unroll

@@ -603,6 +603,20 @@ static __device__ __forceinline__ RowColumn rows_item(const D& d, int idx) {
 template <class D>
 constexpr int kLoaderBatch = D::kFixed ? 1 : kLoadBatch;
 
+// An mma tile's fragment values [half][column] of rows (token, rank), rank fastest, R ranks a
+// token with R dividing 8: each summed over its token's R rows, which lie in the lanes g ^ 1 …
+// (4 apart) of the calling warp. Every lane calls it together.
+static __device__ __forceinline__ void sum_over_token_ranks(float (&values)[2][2], int ranks) {
+  for (int offset = 4; offset < 4 * ranks; offset <<= 1) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        values[half][c] += __shfl_xor_sync(0xffffffffu, values[half][c], offset);
+      }
+  }
+}
+
 // For each of `items` outputs, kOutputs sums over the chunk's tokens i < len, taken by the whole
 // block: `slices` neighbouring lanes of one warp share an output, lane s adding tokens s,
 // s + slices, ... through term(i, item, acc) (which adds into acc[0 … kOutputs)), and a butterfly

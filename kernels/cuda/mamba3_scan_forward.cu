@@ -339,14 +339,7 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
           terms[half][c] = out * gate * sigmoidf(gate) * mos[c];
         }
       }
-      for (int offset = 4; offset < 4 * R; offset <<= 1) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half)
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            terms[half][c] += __shfl_xor_sync(0xffffffffu, terms[half][c], offset);
-          }
-      }
+      sum_over_token_ranks(terms, R);
       if (valid && rank == 0) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
