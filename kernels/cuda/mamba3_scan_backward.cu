@@ -407,6 +407,12 @@ __global__ void __launch_bounds__(kBackwardThreads)
   const bool gating_in_tiles = fused_weights && z_dy != nullptr && !kLeanRegisters<D>;
   float* gating_tiles = o;
   const int row_tiles = M / 16;
+  // With gating_in_tiles at R ≥ 2 (not fused_dv): K dSᵀ's tiles, which complete dV, also give
+  // dx (a token's ranks summed over lanes) and mimo_x's terms (each rank's rows of the tile summed
+  // over lanes into [row tile][R][P] blocks in o's space, summed after the phase); dV is not
+  // stored back and the dx pass is gone.
+  const bool dx_in_tiles = gating_in_tiles && !fused_dv;
+  float* mimo_x_tiles = o;
   bf16* v_tokens = v_early != nullptr ? v_early
                    : C * P * sizeof(bf16) <= M * ld_mm * sizeof(float)
                        ? reinterpret_cast<bf16*>(scores)
@@ -1050,7 +1056,6 @@ __global__ void __launch_bounds__(kBackwardThreads)
         // token at R = 1) to grads.v, and sums mimo_x's terms dV ⊙ v over the tile's rows (lanes
         // g ^ 1 …) into mimo_x_tiles[row tile][p] in o's space (o is dead), summed after the
         // phase. v from shared memory, or global memory with the PsiV cache (the same bits).
-        float* mimo_x_tiles = o;
         smem_mma_pair_tiles(
             M, P,
             SmemOperands<true, true, false, false>{weighted, nullptr, ld_sw, d_o_bf16, nullptr,
@@ -1116,32 +1121,95 @@ __global__ void __launch_bounds__(kBackwardThreads)
         // K dSᵀ tile by tile, never stored: its warp adds it into dV in place and sums each row's
         // (K dSᵀ) ⊙ PsiV over the tile's 16 columns into row_terms[row][tile column], which the
         // d_scale pass sums in a fixed order.
-        smem_mma_tiles(M, P,
-                       SmemOperands<false, false, false, true>{k_rot, nullptr, ld_qk, state_hi,
-                                                               state_lo, ld_split, N},
-                       [&](const float(&acc)[2][4], int i0, int j0, int g, int t) {
+        const auto k_ds_tiles = [&](auto with_dx) {
+          constexpr bool kDx = decltype(with_dx)::value;
+          smem_mma_tiles(
+              M, P,
+              SmemOperands<false, false, false, true>{k_rot, nullptr, ld_qk, state_hi, state_lo,
+                                                      ld_split, N},
+              [&](const float(&acc)[2][4], int i0, int j0, int g, int t) {
+                [[maybe_unused]] float mimo_x_sums[2][2] = {};  // [half][column], one rank
 #pragma unroll
-                         for (int upper = 0; upper < 2; ++upper) {
-                           const int row = i0 + g + 8 * upper;
-                           const float scale = sc[kExitScale * C + d.by_rank.div(row)];
-                           float term = 0.f;
+                for (int upper = 0; upper < 2; ++upper) {
+                  const int row = i0 + g + 8 * upper;
+                  const int token = d.by_rank.div(row);
+                  const float scale = sc[kExitScale * C + token];
+                  float term = 0.f;
+                  [[maybe_unused]] float dx[2][2];
 #pragma unroll
-                           for (int half = 0; half < 2; ++half) {
-                             const int p = j0 + half * 8 + 2 * t;
-                             const float k_ds0 = acc[half][2 * upper],
-                                         k_ds1 = acc[half][2 * upper + 1];
-                             float2* d_v = reinterpret_cast<float2*>(d_psiv + row * ld_mp + p);
-                             float2 value = *d_v;
-                             value.x += scale * k_ds0;
-                             value.y += scale * k_ds1;
-                             *d_v = value;
-                             const __nv_bfloat162 v_pair =
-                                 *reinterpret_cast<const __nv_bfloat162*>(psiv + row * ld_pv + p);
-                             term += k_ds0 * __low2float(v_pair) + k_ds1 * __high2float(v_pair);
-                           }
-                           store_row_term(term, row, j0, t);
-                         }
-                       });
+                  for (int half = 0; half < 2; ++half) {
+                    const int p = j0 + half * 8 + 2 * t;
+                    const float k_ds0 = acc[half][2 * upper], k_ds1 = acc[half][2 * upper + 1];
+                    float2* d_v = reinterpret_cast<float2*>(d_psiv + row * ld_mp + p);
+                    float2 value = *d_v;
+                    value.x += scale * k_ds0;
+                    value.y += scale * k_ds1;
+                    const __nv_bfloat162 v_pair =
+                        *reinterpret_cast<const __nv_bfloat162*>(psiv + row * ld_pv + p);
+                    term += k_ds0 * __low2float(v_pair) + k_ds1 * __high2float(v_pair);
+                    if constexpr (!kDx) {
+                      *d_v = value;
+                    } else {
+                      // dx's and mimo_x's terms of (token, rank, p) and (…, p + 1); v from shared
+                      // memory, or global memory with the PsiV cache (the same bits).
+                      const int rank = d.by_rank.mod(row);
+                      const bool valid = token < pos.len;
+                      const float2 mimo = *reinterpret_cast<const float2*>(mimo_x + rank * P + p);
+                      dx[half][0] = value.x * mimo.x;
+                      dx[half][1] = value.y * mimo.y;
+                      if (valid) {
+                        const size_t th = token_head(d, pos.b, pos.t0 + token, h);
+                        const float2 v =
+                            __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(
+                                v_early != nullptr ? v_early + token * P + p : in.v + th * P + p));
+                        mimo_x_sums[half][0] += value.x * v.x;
+                        mimo_x_sums[half][1] += value.y * v.y;
+                      }
+                    }
+                  }
+                  store_row_term(term, row, j0, t);
+                  if constexpr (kDx) {
+                    sum_over_token_ranks(dx, R);
+                    if (token < pos.len && d.by_rank.mod(row) == 0) {
+                      const size_t th = token_head(d, pos.b, pos.t0 + token, h);
+#pragma unroll
+                      for (int half = 0; half < 2; ++half) {
+                        *reinterpret_cast<__nv_bfloat162*>(grads.v + th * P + j0 + half * 8 +
+                                                           2 * t) =
+                            __floats2bfloat162_rn(dx[half][0], dx[half][1]);
+                      }
+                    }
+                  }
+                }
+                if constexpr (kDx) {
+                  // Each rank's rows of the tile: lanes g ^ R … (R divides 8).
+                  for (int offset = 4 * R; offset < 32; offset <<= 1) {
+#pragma unroll
+                    for (int half = 0; half < 2; ++half)
+#pragma unroll
+                      for (int c = 0; c < 2; ++c) {
+                        mimo_x_sums[half][c] +=
+                            __shfl_xor_sync(0xffffffffu, mimo_x_sums[half][c], offset);
+                      }
+                  }
+                  if (g < R) {  // rank g
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                      *reinterpret_cast<float2*>(mimo_x_tiles + ((i0 / 16) * R + g) * P + j0 +
+                                                 half * 8 + 2 * t) =
+                          make_float2(mimo_x_sums[half][0], mimo_x_sums[half][1]);
+                    }
+                  }
+                }
+              });
+        };
+        if constexpr (kLeanRegisters<D>) {
+          k_ds_tiles(std::false_type{});
+        } else if (dx_in_tiles) {
+          k_ds_tiles(std::true_type{});
+        } else {
+          k_ds_tiles(std::false_type{});
+        }
       }
       __syncthreads();
       // dSc ⊙ W is read: the next head's entry state may land in its space.
@@ -1222,16 +1290,15 @@ __global__ void __launch_bounds__(kBackwardThreads)
     }
     // v in the scores' space is written next (dx's pass), over d_qk; not with fused_dv (no dx
     // pass).
-    const bool v_in_scores = !fused_dv && v_tokens != nullptr && v_early == nullptr;
+    const bool v_in_scores = !fused_dv && !dx_in_tiles && v_tokens != nullptr && v_early == nullptr;
     finish_qk_grad(d, pos, hg == 0, cosv, sinv, k_rot, ld_qk, d_qk, ld_mn, d_theta, kb_partial,
                    dk_sum, w.dk_acc, v_in_scores);
 
-    if (fused_dv) {
+    if (fused_dv || dx_in_tiles) {
       // mimo_x's partial: the row tiles' terms (o's space, from the exit-state phase), in order.
-      const float* mimo_x_tiles = o;
-      for (int item = threadIdx.x; item < P; item += blockDim.x) {  // R = 1
+      for (int item = threadIdx.x; item < R * P; item += blockDim.x) {
         float sum = 0.f;
-        for (int tile = 0; tile < M / 16; ++tile) sum += mimo_x_tiles[tile * P + item];
+        for (int tile = 0; tile < row_tiles; ++tile) sum += mimo_x_tiles[tile * R * P + item];
         mx_partial[item] = sum;
       }
     } else {
