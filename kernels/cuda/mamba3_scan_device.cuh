@@ -113,8 +113,8 @@ struct SmemPlan {
                                //   fits
   size_t out = 0;              // fp32 [rows][P]: o (not chunk_forward's); in the backward then
                                //   mimo_o's terms (or their row-tile sums with mimo_z's), later
-                               //   K dSᵀ (without fused_weights) or, at R = 1, mimo_x's row-tile
-                               //   terms
+                               //   K dSᵀ (without fused_weights) or mimo_x's row-tile terms
+                               //   (fused_dv, dx_in_tiles)
   size_t d_out = 0;   // fp32 [rows][P]: dL/do = dy ⊙ silu(z ⊙ mimo_z) ⊙ mimo_o; in the
                       //   backward then mimo_z's terms (not with fused_dv or gating_in_tiles);
                       //   chunk_dstate on the tensor cores stores none, and at the fixed shapes H_c
