@@ -391,13 +391,15 @@ __global__ void __launch_bounds__(kBackwardThreads)
   // finish_qk_grad for k has passed its last barrier, when neither the scores nor d_qk (which may
   // share that space) are read again for the head.
   // With a space of its own (plan_backward) and PsiV computed rather than read from the cache, v
-  // arrives there with PsiV's loads at the head's start: the dx pass then waits on no load.
+  // arrives there with PsiV's loads at the head's start: dx's pass (or dV's tiles) then waits on
+  // no load.
   bf16* v_early =
       plan.v_tokens != 0 && !read_psiv ? reinterpret_cast<bf16*>(smem + plan.v_tokens) : nullptr;
   // With fused_weights at R = 1: dV is never stored. Its tiles are made in registers in the
   // exit-state phase (Swᵀ dO + D dO + exit_scale · K dSᵀ) and give dx, d_scale's and mimo_x's
-  // terms there; z's in-place terms (without gating_in_tiles) then take dV's space. (At R = 4 the
-  // same measured 0.8% slower: dx then sums over lanes.)
+  // terms there; z's in-place terms (without gating_in_tiles) then take dV's space. (At R = 4,
+  // making dV's tiles whole with Swᵀ dO in them measured 0.8% slower; dx_in_tiles below keeps
+  // Swᵀ dO stored and only finishes dV in K dSᵀ's tiles.)
   const bool fused_dv = fused_weights && R == 1;
   // With fused_weights and the chunk's z and dy in shared memory (not at the fixed SISO shape:
   // kLeanRegisters), o's tiles finish the gating epilogue in registers and o is never stored:
@@ -1118,9 +1120,10 @@ __global__ void __launch_bounds__(kBackwardThreads)
               }
             });
       } else {
-        // K dSᵀ tile by tile, never stored: its warp adds it into dV in place and sums each row's
-        // (K dSᵀ) ⊙ PsiV over the tile's 16 columns into row_terms[row][tile column], which the
-        // d_scale pass sums in a fixed order.
+        // K dSᵀ tile by tile, never stored: its warp adds it into dV (in place, or with
+        // dx_in_tiles into dx's and mimo_x's terms) and sums each row's (K dSᵀ) ⊙ PsiV over the
+        // tile's 16 columns into row_terms[row][tile column], which the d_scale pass sums in a
+        // fixed order.
         const auto k_ds_tiles = [&](auto with_dx) {
           constexpr bool kDx = decltype(with_dx)::value;
           smem_mma_tiles(
@@ -1288,8 +1291,8 @@ __global__ void __launch_bounds__(kBackwardThreads)
         if (lane == 0) sc[kDLog * C + pos.len - 1] += sum;
       }
     }
-    // v in the scores' space is written next (dx's pass), over d_qk; not with fused_dv (no dx
-    // pass).
+    // v in the scores' space is written next (dx's pass), over d_qk; not with fused_dv or
+    // dx_in_tiles (no dx pass).
     const bool v_in_scores = !fused_dv && !dx_in_tiles && v_tokens != nullptr && v_early == nullptr;
     finish_qk_grad(d, pos, hg == 0, cosv, sinv, k_rot, ld_qk, d_qk, ld_mn, d_theta, kb_partial,
                    dk_sum, w.dk_acc, v_in_scores);

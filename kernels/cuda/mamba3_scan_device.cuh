@@ -119,8 +119,9 @@ struct SmemPlan {
                       //   backward then mimo_z's terms (not with fused_dv or gating_in_tiles);
                       //   chunk_dstate on the tensor cores stores none, and at the fixed shapes H_c
                       //   lives here
-  size_t d_psiv = 0;  // fp32 [rows][P]: dL/d(v ⊙ mimo_x); with fused_dv (never stored)
-                      //   mimo_z's terms, unless o's tiles take them (gating_in_tiles)
+  size_t d_psiv = 0;  // fp32 [rows][P]: dL/d(v ⊙ mimo_x) (with dx_in_tiles only D dO + Swᵀ dO,
+                      //   finished in K dSᵀ's tiles); with fused_dv (never stored) mimo_z's
+                      //   terms, unless o's tiles take them (gating_in_tiles)
   size_t d_qk = 0;    // fp32 [rows][N]: dL/d(rotated q), then dL/d(rotated k)
   size_t sum_scratch = 0;      // fp32 [kBackwardThreads / 32]: block_sum's
   size_t weighted_scores = 0;  // bf16 [rows][rows]: QKᵀ ⊙ W, the tensor-core operand; in the
@@ -282,7 +283,8 @@ inline SmemPlan plan_for(const Dims& d, ScanKernel kernel) {
 //     once, so that their products fetch operands by ldmatrix (smem_mma_split) rather than
 //     element by element with a split per fetch (the fp32 state reads were about a tenth of the
 //     kernel's stall samples); the bf16 dO then gets its own space;
-//   v: the chunk's v, loaded with PsiV at the head's start for the dx pass (or dV's tiles);
+//   v: the chunk's v, loaded with PsiV at the head's start for dx's pass (or dV's or K dSᵀ's
+//     tiles);
 //   accumulators: the group's dQ and dK sums: the block walks every head of the group over the
 //     same rows, so the sums need no global read-modify-write per head, and the block writes the
 //     bf16 gradients once at the end. Otherwise they go through the workspace;
