@@ -8,7 +8,11 @@
 #include <signal.h>
 #include <spdlog/spdlog.h>
 #include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <CLI/CLI.hpp>
+
+#include <cerrno>
 
 #include <csignal>
 #include <fstream>
@@ -59,6 +63,20 @@ bool local_only(const std::string& address) {
   return host == "localhost" || host == "[::1]" || host.starts_with("127.");
 }
 
+// The main thread, which takes the stop signals with sigwait (see main).
+pid_t main_thread_id = 0;
+
+// A stop signal that reaches another thread, one that does not block it (a thread a library
+// started before main blocked the signals), is forwarded to the main thread, where it stays
+// pending until sigwait takes it. Without this, the default action of SIGTERM killed the process
+// whenever it arrived while the main thread was not yet in sigwait (after daemon.json was
+// written): no clean stop, no "stopped" boot receipt.
+void forward_stop_signal(int signal_number) {
+  const int saved_errno = errno;
+  ::syscall(SYS_tgkill, ::getpid(), main_thread_id, signal_number);
+  errno = saved_errno;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -81,6 +99,13 @@ int main(int argc, char** argv) {
   sigaddset(&stop_signals, SIGTERM);
   sigaddset(&stop_signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  main_thread_id = static_cast<pid_t>(::syscall(SYS_gettid));
+  struct sigaction forward = {};
+  forward.sa_handler = forward_stop_signal;
+  sigemptyset(&forward.sa_mask);
+  forward.sa_flags = SA_RESTART;
+  ::sigaction(SIGTERM, &forward, nullptr);
+  ::sigaction(SIGINT, &forward, nullptr);
   std::signal(SIGPIPE, SIG_IGN);
 
   namespace mc = megacpp;

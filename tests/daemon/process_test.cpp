@@ -7,6 +7,9 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <string>
@@ -187,6 +190,26 @@ TEST(DaemonProcess, LogsGoToStderrAndLeaveStdoutEmpty) {
   EXPECT_EQ(printed, "") << "stderr:\n" << logged;
   EXPECT_NE(logged.find("serving gRPC"), std::string::npos) << logged;
   EXPECT_NE(logged.find("stopped cleanly"), std::string::npos) << logged;
+}
+
+// The kernel hands a process-directed SIGTERM to any thread that does not block it, such as one a
+// library started before main blocked the stop signals (such a thread's default action killed the
+// daemon mid-start, once, in CI): sent to each of the daemon's threads, then to the process, it
+// still stops the daemon cleanly, and the boot is recorded as stopped.
+TEST(DaemonProcess, SigtermThroughAnyOfItsThreadsStopsItCleanly) {
+  Daemon d;
+  ASSERT_EQ(d.start(), -1) << d.log();
+  const int64_t boot = ready_file(d)["boot_id"];
+  const pid_t pid = d.pid();
+  for (const auto& task : fs::directory_iterator("/proc/" + std::to_string(pid) + "/task")) {
+    const pid_t thread = static_cast<pid_t>(std::stol(task.path().filename().string()));
+    if (thread != pid) ::syscall(SYS_tgkill, pid, thread, SIGTERM);
+  }
+  const int status = d.stop(SIGTERM);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status << "\n" << d.log();
+  EXPECT_NE(d.log().find("stopped cleanly"), std::string::npos) << d.log();
+  receipts::Store store(d.store_path(), receipts::OpenMode::kReadOnly);
+  EXPECT_EQ(store.get_boot(boot)->status, "stopped");
 }
 
 TEST(DaemonProcess, KilledDaemonsBootIsMarkedCrashedAtTheNextStart) {
