@@ -155,20 +155,48 @@ __global__ void chunk_dstate_kernel(D d, SmemPlan plan, DevInputs in, Work w, co
   float* sinv = reinterpret_cast<float*>(smem + plan.rotation_sin);
   bf16* q_rot = reinterpret_cast<bf16*>(smem + plan.q_rotated);
   float* d_o = reinterpret_cast<float*>(smem + plan.d_out);
-  load_scalars(d, in, w, pos, sc, cosv, sinv);
+  // At the fixed shapes on the tensor cores, z and dy (then q, where it fits: MIMO) are staged in
+  // the fp32 d_o's space, which holds nothing until H_c (stage_rows).
+  constexpr bool kStaged = kTensor && D::kFixed;
+  bf16* staged_z_dy = nullptr;
+  bf16* staged_q = nullptr;
+  if constexpr (kStaged) {
+    constexpr int kZDy = 2 * D::chunk * D::headdim, kQ = D::rows * D::state;
+    constexpr int kSpace = D::rows * (D::headdim + 4) * sizeof(float) / sizeof(bf16);
+    static_assert(kZDy <= kSpace);
+    staged_z_dy = reinterpret_cast<bf16*>(smem + plan.d_out);
+    stage_tokens(d, in.z, pos, staged_z_dy);
+    stage_tokens(d, dy, pos, staged_z_dy + D::chunk * D::headdim);
+    if constexpr (kZDy + kQ <= kSpace) {
+      staged_q = staged_z_dy + kZDy;
+      stage_rows(d, in.q, pos, staged_q);
+    }
+    commit_copies();
+  }
+  load_scalars<kStaged>(d, in, w, pos, sc, cosv, sinv);
   const SmemStrides ld = strides_of<D>(plan);
   const int ld_qk = ld.qk, ld_mp = ld.mp;
-  load_rotated(d, in.q, in.q_bias, pos, cosv, sinv, q_rot, ld_qk);
+  const RotatedLoader<D> q_loader(d, pos, in.q, in.q_bias, cosv, sinv, q_rot, ld_qk, staged_q);
   // On the tensor cores the loader makes e^{l} d_o's hi + lo pairs itself (the fp32 d_o is not
   // stored: its space may hold H_c, see backward_launches).
   const int ld_pv = ld.pv;
   bf16* scaled_hi = reinterpret_cast<bf16*>(smem + plan.split_hi);
   bf16* scaled_lo = reinterpret_cast<bf16*>(smem + plan.split_lo);
-  if constexpr (kTensor) {
+  if constexpr (kStaged) {
+    // q's and d_o's loads in one pass (load_together): the global loads left (q where it is not
+    // staged, the per-head parameters) wait once.
+    static_assert(D::rows * (D::state / 2) / RotatedLoader<D>::W ==
+                  D::rows * D::headdim / DOutLoader<D>::W);
+    load_together(DOutLoader<D>::items(d), q_loader,
+                  DOutLoader<D>{d, in, dy, pos, nullptr, ld_mp, nullptr, nullptr, staged_z_dy,
+                                scaled_hi, scaled_lo, ld_pv, sc + kEntryDecay * d.chunk});
+  } else if constexpr (kTensor) {
+    load_alone(RotatedLoader<D>::items(d), q_loader);
     load_alone(DOutLoader<D>::items(d),
                DOutLoader<D>{d, in, dy, pos, nullptr, ld_mp, nullptr, nullptr, nullptr, scaled_hi,
                              scaled_lo, ld_pv, sc + kEntryDecay * d.chunk});
   } else {
+    load_alone(RotatedLoader<D>::items(d), q_loader);
     load_alone(DOutLoader<D>::items(d), DOutLoader<D>{d, in, dy, pos, d_o, ld_mp});
   }
   __syncthreads();
@@ -482,7 +510,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
     float* d_partial = mo_partial + R * P;
     const float skip = to_f(in.d[h]);
 
-    // This head's staged tokens: load_scalars' barriers make every thread's copies visible.
+    // This head's staged tokens: load_scalars' barrier makes every thread's copies visible.
     if (staged != nullptr) wait_copies<0>();
     load_scalars(d, in, w, pos, sc, cosv, sinv);
     load_rotated_qk(d, in, pos, cosv, sinv, q_rot, k_rot, ld_qk);

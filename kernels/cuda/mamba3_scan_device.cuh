@@ -772,97 +772,179 @@ static __device__ __forceinline__ void state_recurrence(float4* column, size_t s
 }
 
 // Per-token scalars and rotation cos/sin of head pos.h for the chunk. Padded tokens
-// (i ≥ len) get zero coefficients, so they contribute nothing anywhere. The two prefix sums (l
-// over tokens, θ over tokens per rotation pair) are a warp's scan each (warp_scan); every load,
-// exponential and sincos runs on all threads. Every global load (the token scalars, the angle
-// increments' inputs, the chunk's starting angles) is issued before the first is used: one
-// memory latency per head, where a loop of loads per kind waited for each kind in turn (the
-// scalars were 6.4% of chunk_backward's time, measured).
-template <class D>
+// (i ≥ len) get zero coefficients, so they contribute nothing anywhere. Each rotation pair's θ is
+// scanned over the tokens by the lanes of one warp (a segment of `span` lanes, two or more pairs a
+// warp when the chunk is short) straight from the loaded increments, and the same lanes take its
+// cos and sin; the last warp also makes the token scalars and l's prefix. So the pass has one
+// barrier, at its end: it had three (the increments through shared memory, then a warp's scan
+// per pair while the others waited, then sincos), and its barriers were a tenth of
+// chunk_backward's stall samples at MIMO (ncu source counters). Every global load of a batch of a
+// lane's pair steps is issued before the first is used, and the last warp's token loads before
+// its pair steps. The sums are warp_scan's (the same bits).
+template <bool kLandCopies = false, class D>
 static __device__ void load_scalars(const D& d, const DevInputs& in, const Work& w,
                                     const ChunkPos& pos, float* sc, float* cosv, float* sinv) {
   const int C = d.chunk, A = d.angles;
-  const int own = static_cast<int>(threadIdx.x);
-  // Token `own` (< C) of the chunk: adt, dt, trap, and the next token's trap and dt (κ).
-  bf16 adt = __float2bfloat16(0.f), dt = adt, trap = adt, next_trap = adt, next_dt = adt;
-  const bool token = own < C && own < pos.len;
-  const bool has_next = token && pos.t0 + own + 1 < d.seqlen;
-  if (token) {
-    const size_t th = token_head(d, pos.b, pos.t0 + own, pos.h);
-    adt = in.adt[th];
-    dt = in.dt[th];
-    trap = in.trap[th];
-    if (has_next) {
-      next_trap = in.trap[th + d.heads];
-      next_dt = in.dt[th + d.heads];
-    }
-  }
-  const size_t bh = static_cast<size_t>(pos.b) * d.heads + pos.h;
-  const float theta_start = own < A ? w.theta0[(bh * d.chunks + pos.c) * A + own] : 0.f;
-  // θ increments tanh(angle)·DT·π, held in cosv until the prefix below.
-  struct Increment {
-    bf16 angle, dt;
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int warp = static_cast<int>(threadIdx.x) / 32, warps = static_cast<int>(blockDim.x) / 32;
+  const bool token_warp = warp == warps - 1;
+  // A token's adt, dt, trap, and the next token's trap and dt (κ); zeros for padded tokens.
+  struct TokenLoads {
+    bf16 adt, dt, trap, next_trap, next_dt;
   };
-  for_each_batched<kLoadBatch>(
-      C * A,
-      [&](int item) {
-        const int i = d.by_angles.div(item), j = d.by_angles.mod(item);
-        Increment loaded{__float2bfloat16(0.f), __float2bfloat16(0.f)};
+  const auto load_token = [&](int i) {
+    const bf16 zero = __float2bfloat16(0.f);
+    TokenLoads t{zero, zero, zero, zero, zero};
+    if (i < pos.len) {
+      const size_t th = token_head(d, pos.b, pos.t0 + i, pos.h);
+      t.adt = in.adt[th];
+      t.dt = in.dt[th];
+      t.trap = in.trap[th];
+      if (pos.t0 + i + 1 < d.seqlen) {
+        t.next_trap = in.trap[th + d.heads];
+        t.next_dt = in.dt[th + d.heads];
+      }
+    }
+    return t;
+  };
+  constexpr int kTokenGroupsAhead = 2;  // 64 tokens: both fixed chunks
+  TokenLoads ahead[kTokenGroupsAhead];
+  if (token_warp) {
+#pragma unroll
+    for (int g = 0; g < kTokenGroupsAhead; ++g) ahead[g] = load_token(g * 32 + lane);
+  }
+
+  // θ of pair j at token i = θ at the chunk's start + Σ_{k ≤ i} tanh(angle_k,j)·DT_k·π.
+  const int span = C >= 32 ? 32 : 1 << (32 - __clz(C - 1));  // C ≤ span up to 32 lanes
+  const int pairs_per_warp = 32 / span, part = lane / span, slot = lane % span;
+  const int groups = (C + span - 1) / span;  // 32-token groups of a pair (one when C ≤ 32)
+  const int pair_stride = warps * pairs_per_warp;
+  const int steps = (A + pair_stride - 1) / pair_stride * groups;
+  const size_t bh = static_cast<size_t>(pos.b) * d.heads + pos.h;
+  const float* theta_start = w.theta0 + (bh * d.chunks + pos.c) * A;
+  constexpr int kStepsAhead = 4;
+  float carry = 0.f;
+  for (int first = 0; first < steps; first += kStepsAhead) {
+    bf16 angle[kStepsAhead], dt[kStepsAhead];
+    float start[kStepsAhead];
+#pragma unroll
+    for (int u = 0; u < kStepsAhead; ++u) {
+      const int step = first + u;
+      const int j = step / groups * pair_stride + warp * pairs_per_warp + part;
+      const int i = step % groups * span + slot;
+      angle[u] = dt[u] = __float2bfloat16(0.f);
+      start[u] = 0.f;
+      if (step < steps && j < A) {
+        if (step % groups == 0) start[u] = theta_start[j];
         if (i < pos.len) {
           const int t = pos.t0 + i;
-          loaded = {in.angles[(static_cast<size_t>(pos.b) * d.seqlen + t) * A + j],
-                    in.dt[token_head(d, pos.b, t, pos.h)]};
+          angle[u] = in.angles[(static_cast<size_t>(pos.b) * d.seqlen + t) * A + j];
+          dt[u] = in.dt[token_head(d, pos.b, t, pos.h)];
         }
-        return loaded;
-      },
-      [&](int item, const Increment& loaded) {
-        cosv[item] = tanhf(to_f(loaded.angle)) * to_f(loaded.dt) * kPi;
-      });
-  if (own < C) {
-    float tau = 0.f, kappa = 0.f;
-    if (token) {
-      tau = sigmoidf(to_f(trap));
-      kappa = tau * to_f(dt);
-      if (has_next) kappa += (1.f - sigmoidf(to_f(next_trap))) * to_f(next_dt);
+      }
     }
-    sc[kAdt * C + own] = to_f(adt);
-    sc[kLog * C + own] = to_f(adt);  // summed in place below
-    sc[kDt * C + own] = to_f(dt);
-    sc[kTau * C + own] = tau;
-    sc[kGamma * C + own] = tau * to_f(dt);
-    sc[kKappa * C + own] = kappa;
-  }
-  // The starting angles wait in sinv (written with the sines only after the prefixes).
-  if (own < A) sinv[own] = theta_start;
-  __syncthreads();
-  // The prefixes, a warp each: task 0 is l over tokens, task 1 + j is θ of rotation pair j.
-  const int warps = static_cast<int>(blockDim.x) / 32;
-  for (int task = own / 32; task <= A; task += warps) {
-    if (task == 0) {
-      float* log = sc + kLog * C;
-      warp_scan(
-          C, false, false, 0.f, [&](int i) { return log[i]; },
-          [&](int i, float value) { log[i] = value; });
-    } else {
-      const int j = task - 1;
-      warp_scan(
-          C, false, false, sinv[j], [&](int i) { return cosv[i * A + j]; },
-          [&](int i, float value) { cosv[i * A + j] = value; });
+#pragma unroll
+    for (int u = 0; u < kStepsAhead; ++u) {
+      const int step = first + u;
+      if (step >= steps) break;  // the same for the whole warp
+      const int j = step / groups * pair_stride + warp * pairs_per_warp + part;
+      const int i = step % groups * span + slot;
+      if (step % groups == 0) carry = start[u];
+      float inclusive = tanhf(to_f(angle[u])) * to_f(dt[u]) * kPi;  // 0 for padded tokens
+      for (int offset = 1; offset < span; offset <<= 1) {
+        const float other = __shfl_up_sync(0xffffffffu, inclusive, offset, span);
+        if (slot >= offset) inclusive += other;
+      }
+      if (j < A && i < C) {
+        float cs = 1.f, sn = 0.f;
+        if (i < pos.len) sincosf(carry + inclusive, &sn, &cs);
+        cosv[i * A + j] = cs;
+        sinv[i * A + j] = sn;
+      }
+      carry += __shfl_sync(0xffffffffu, inclusive, span - 1, span);
     }
   }
-  __syncthreads();
-  const float last = sc[kLog * C + (pos.len - 1)];
-  for (int i = own; i < C; i += blockDim.x) {
-    sc[kEntryDecay * C + i] = expf(sc[kLog * C + i]);
-    sc[kExitScale * C + i] = expf(last - sc[kLog * C + i]) * sc[kKappa * C + i];
+
+  if (token_warp) {
+    float log_carry = 0.f;
+    for (int base = 0; base < C; base += 32) {
+      const int i = base + lane;
+      const int group = base / 32;
+      const TokenLoads t = group < kTokenGroupsAhead ? ahead[group] : load_token(i);
+      const bool token = i < pos.len;
+      float tau = 0.f, kappa = 0.f;
+      if (token) {
+        tau = sigmoidf(to_f(t.trap));
+        kappa = tau * to_f(t.dt);
+        if (pos.t0 + i + 1 < d.seqlen)
+          kappa += (1.f - sigmoidf(to_f(t.next_trap))) * to_f(t.next_dt);
+      }
+      float inclusive = to_f(t.adt);  // l: the prefix of adt (warp_scan's sums)
+#pragma unroll
+      for (int offset = 1; offset < 32; offset <<= 1) {
+        const float other = __shfl_up_sync(0xffffffffu, inclusive, offset);
+        if (lane >= offset) inclusive += other;
+      }
+      if (i < C) {
+        sc[kAdt * C + i] = to_f(t.adt);
+        sc[kLog * C + i] = log_carry + inclusive;
+        sc[kDt * C + i] = to_f(t.dt);
+        sc[kTau * C + i] = tau;
+        sc[kGamma * C + i] = tau * to_f(t.dt);
+        sc[kKappa * C + i] = kappa;
+      }
+      log_carry += __shfl_sync(0xffffffffu, inclusive, 31);
+    }
+    __syncwarp();
+    const float last = sc[kLog * C + (pos.len - 1)];
+    for (int i = lane; i < C; i += 32) {
+      sc[kEntryDecay * C + i] = expf(sc[kLog * C + i]);
+      sc[kExitScale * C + i] = expf(last - sc[kLog * C + i]) * sc[kKappa * C + i];
+    }
   }
-  for (int item = own; item < C * A; item += blockDim.x) {
-    float cs = 1.f, sn = 0.f;
-    if (d.by_angles.div(item) < pos.len) sincosf(cosv[item], &sn, &cs);
-    cosv[item] = cs;
-    sinv[item] = sn;
-  }
+  if constexpr (kLandCopies) wait_copies<0>();
   __syncthreads();
+}
+
+// A chunk's inputs copied into shared memory with cp.async (16 bytes a copy, zeros for padded
+// tokens) before load_scalars, so that their memory latency overlaps the scalars' instead of
+// following it: the loaders then read them there (RotatedLoader's and PsivLoader's staged rows,
+// DOutLoader's staged z and dy). In chunk_forward and chunk_dstate the loaders' first use of each
+// loaded value, after the scalars' barriers, was where their warps waited most (long-scoreboard
+// stalls, ncu source counters). The caller commits the copies and lands them (load_scalars with
+// kLandCopies). Fixed shapes only: their rows are whole 16-byte pieces, and the per-token tensors
+// are 16-byte aligned (require_aligned_rows).
+constexpr int kStagePiece = 8;  // bf16 per 16-byte copy
+// The chunk's rows (i, r) of q or k ([B, T, R, G, N]) as [rows][N], unpadded.
+template <class D>
+static __device__ __forceinline__ void stage_rows(const D& d, const bf16* src, const ChunkPos& pos,
+                                                  bf16* staged) {
+  static_assert(D::kFixed && D::state % kStagePiece == 0);
+  constexpr int kPieces = D::state / kStagePiece;
+  const bf16* chunk_src =
+      src +
+      ((static_cast<size_t>(pos.b) * d.seqlen + pos.t0) * D::rank * d.groups + pos.g) * D::state;
+  for (int idx = threadIdx.x; idx < D::rows * kPieces; idx += blockDim.x) {
+    const int row = idx / kPieces, piece = idx % kPieces;
+    const bool valid = d.by_rank.div(row) < pos.len;
+    const size_t at = valid ? static_cast<size_t>(row) * d.groups * D::state : 0;
+    copy_16_async(staged + row * D::state + piece * kStagePiece,
+                  chunk_src + at + piece * kStagePiece, valid);
+  }
+}
+// The chunk's tokens of head pos.h of a [B, T, H, P] tensor (v, z, dy) as [C][P], unpadded.
+template <class D>
+static __device__ __forceinline__ void stage_tokens(const D& d, const bf16* src,
+                                                    const ChunkPos& pos, bf16* staged) {
+  static_assert(D::kFixed && D::headdim % kStagePiece == 0);
+  constexpr int kPieces = D::headdim / kStagePiece;
+  for (int idx = threadIdx.x; idx < D::chunk * kPieces; idx += blockDim.x) {
+    const int i = idx / kPieces, piece = idx % kPieces;
+    const bool valid = i < pos.len;
+    const size_t th = token_head(d, pos.b, pos.t0 + (valid ? i : 0), pos.h);
+    copy_16_async(staged + i * D::headdim + piece * kStagePiece,
+                  src + th * D::headdim + piece * kStagePiece, valid);
+  }
 }
 
 // Two element loaders over the same index space in one pass (for_each_batched): every global
@@ -912,9 +994,11 @@ struct RotatedLoader {
   const float* sinv;
   bf16* dst;
   int ld;
+  const bf16* staged;  // the chunk's rows already in shared memory, [rows][N] (stage_rows), or null
 
   __device__ RotatedLoader(const D& dims, const ChunkPos& p, const bf16* src, const bf16* b,
-                           const float* c, const float* s, bf16* out, int stride)
+                           const float* c, const float* s, bf16* out, int stride,
+                           const bf16* staged_rows = nullptr)
       : d(dims),
         pos(p),
         chunk_src(src + ((static_cast<size_t>(p.b) * dims.seqlen + p.t0) * dims.rank * dims.groups +
@@ -924,7 +1008,8 @@ struct RotatedLoader {
         cosv(c),
         sinv(s),
         dst(out),
-        ld(stride) {}
+        ld(stride),
+        staged(staged_rows) {}
   static __device__ __forceinline__ int items(const D& d) { return d.rows * (d.state / 2) / W; }
   __device__ __forceinline__ RowColumn at(int idx) const {
     if constexpr (W == 1) {
@@ -940,7 +1025,8 @@ struct RotatedLoader {
     const int i = d.by_rank.div(row), r = d.by_rank.mod(row);
     Loaded pair{zero_row<W>(), zero_row<W>(), zero_row<W>(), zero_row<W>()};
     if (i < pos.len) {
-      const bf16* in_row = chunk_src + row * (d.groups * d.state);
+      const bf16* in_row =
+          staged != nullptr ? staged + row * d.state : chunk_src + row * (d.groups * d.state);
       const bf16* bias_row = bias + (pos.h * d.rank + r) * d.state;
       pair = {load_row<W>(in_row + n), load_row<W>(in_row + n + half), load_row<W>(bias_row + n),
               load_row<W>(bias_row + n + half)};
@@ -974,18 +1060,20 @@ struct RotatedLoader {
 template <class D>
 static __device__ void load_rotated(const D& d, const bf16* src, const bf16* bias,
                                     const ChunkPos& pos, const float* cosv, const float* sinv,
-                                    bf16* dst, int ld) {
-  load_alone(RotatedLoader<D>::items(d), RotatedLoader<D>(d, pos, src, bias, cosv, sinv, dst, ld));
+                                    bf16* dst, int ld, const bf16* staged = nullptr) {
+  load_alone(RotatedLoader<D>::items(d),
+             RotatedLoader<D>(d, pos, src, bias, cosv, sinv, dst, ld, staged));
 }
 
 // q and k together: one memory latency for both.
 template <class D>
 static __device__ void load_rotated_qk(const D& d, const DevInputs& in, const ChunkPos& pos,
                                        const float* cosv, const float* sinv, bf16* q_dst,
-                                       bf16* k_dst, int ld) {
+                                       bf16* k_dst, int ld, const bf16* q_staged = nullptr,
+                                       const bf16* k_staged = nullptr) {
   load_together(RotatedLoader<D>::items(d),
-                RotatedLoader<D>(d, pos, in.q, in.q_bias, cosv, sinv, q_dst, ld),
-                RotatedLoader<D>(d, pos, in.k, in.k_bias, cosv, sinv, k_dst, ld));
+                RotatedLoader<D>(d, pos, in.q, in.q_bias, cosv, sinv, q_dst, ld, q_staged),
+                RotatedLoader<D>(d, pos, in.k, in.k_bias, cosv, sinv, k_dst, ld, k_staged));
 }
 
 // v = x ⊙ mimo_x (PsiV) of head pos.h, rows (i, r), bf16: from the cache when
@@ -1058,9 +1146,10 @@ struct PsivLoader {
 
 template <class D>
 static __device__ void load_psiv(const D& d, const DevInputs& in, const ChunkPos& pos, bf16* cache,
-                                 bool read_cache, bool write_cache, bf16* dst, int ld) {
-  load_alone(PsivLoader<D>::items(d),
-             PsivLoader<D>{d, in, pos, cache, read_cache, write_cache, dst, ld});
+                                 bool read_cache, bool write_cache, bf16* dst, int ld,
+                                 const bf16* staged_v = nullptr) {
+  load_alone(PsivLoader<D>::items(d), PsivLoader<D>{d, in, pos, cache, read_cache, write_cache, dst,
+                                                    ld, nullptr, nullptr, staged_v});
 }
 
 // Token-level weights W[i][j] of the chunk (zero above the diagonal).
