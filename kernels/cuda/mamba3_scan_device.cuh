@@ -1069,11 +1069,10 @@ static __device__ void load_rotated(const D& d, const bf16* src, const bf16* bia
 template <class D>
 static __device__ void load_rotated_qk(const D& d, const DevInputs& in, const ChunkPos& pos,
                                        const float* cosv, const float* sinv, bf16* q_dst,
-                                       bf16* k_dst, int ld, const bf16* q_staged = nullptr,
-                                       const bf16* k_staged = nullptr) {
+                                       bf16* k_dst, int ld) {
   load_together(RotatedLoader<D>::items(d),
-                RotatedLoader<D>(d, pos, in.q, in.q_bias, cosv, sinv, q_dst, ld, q_staged),
-                RotatedLoader<D>(d, pos, in.k, in.k_bias, cosv, sinv, k_dst, ld, k_staged));
+                RotatedLoader<D>(d, pos, in.q, in.q_bias, cosv, sinv, q_dst, ld),
+                RotatedLoader<D>(d, pos, in.k, in.k_bias, cosv, sinv, k_dst, ld));
 }
 
 // v = x ⊙ mimo_x (PsiV) of head pos.h, rows (i, r), bf16: from the cache when
@@ -1146,10 +1145,9 @@ struct PsivLoader {
 
 template <class D>
 static __device__ void load_psiv(const D& d, const DevInputs& in, const ChunkPos& pos, bf16* cache,
-                                 bool read_cache, bool write_cache, bf16* dst, int ld,
-                                 const bf16* staged_v = nullptr) {
-  load_alone(PsivLoader<D>::items(d), PsivLoader<D>{d, in, pos, cache, read_cache, write_cache, dst,
-                                                    ld, nullptr, nullptr, staged_v});
+                                 bool read_cache, bool write_cache, bf16* dst, int ld) {
+  load_alone(PsivLoader<D>::items(d),
+             PsivLoader<D>{d, in, pos, cache, read_cache, write_cache, dst, ld});
 }
 
 // Token-level weights W[i][j] of the chunk (zero above the diagonal).
