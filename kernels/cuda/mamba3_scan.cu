@@ -100,7 +100,8 @@ void validate(const ops::ScanShape& s) {
            "Mamba3ScanCuda: ScanShape.angles={} must lie in [0, state/2={}]", s.angles,
            s.state / 2);
   }
-  // load_scalars gives each token and each rotation pair one thread of the smallest block.
+  // The bounds the chunk kernels are tested within (load_scalars once gave each token and each
+  // rotation pair one thread of the smallest block).
   if (s.chunk > kThreads || s.angles > kThreads) {
     refuse(ErrorKind::kInvalidArgument,
            "Mamba3ScanCuda: ScanShape.chunk={} and angles={} must each be at most {}", s.chunk,

@@ -156,8 +156,8 @@ __global__ void chunk_dstate_kernel(D d, SmemPlan plan, DevInputs in, Work w, co
   bf16* q_rot = reinterpret_cast<bf16*>(smem + plan.q_rotated);
   float* d_o = reinterpret_cast<float*>(smem + plan.d_out);
   // At the fixed shapes on the tensor cores, z and dy (then q, where it fits: MIMO) are staged in
-  // the fp32 d_o's space, which holds nothing until H_c (stage_rows).
-  constexpr bool kStaged = kTensor && D::kFixed;
+  // the fp32 d_o's space, which holds nothing until H_c (why: above stage_rows).
+  constexpr bool kStaged = kAsyncCopies && kTensor && D::kFixed;
   bf16* staged_z_dy = nullptr;
   bf16* staged_q = nullptr;
   if constexpr (kStaged) {

@@ -780,7 +780,9 @@ static __device__ __forceinline__ void state_recurrence(float4* column, size_t s
 // per pair while the others waited, then sincos), and its barriers were a tenth of
 // chunk_backward's stall samples at MIMO (ncu source counters). Every global load of a batch of a
 // lane's pair steps is issued before the first is used, and the last warp's token loads before
-// its pair steps. The sums are warp_scan's (the same bits).
+// its pair steps. The sums are warp_scan's, in its order; the compiler may now fuse an increment's
+// last product into the first sum it enters (no longer stored between them), which can change θ
+// in its last bit: every kernel takes θ from here, so they still agree.
 template <bool kLandCopies = false, class D>
 static __device__ void load_scalars(const D& d, const DevInputs& in, const Work& w,
                                     const ChunkPos& pos, float* sc, float* cosv, float* sinv) {
@@ -906,14 +908,14 @@ static __device__ void load_scalars(const D& d, const DevInputs& in, const Work&
   __syncthreads();
 }
 
-// A chunk's inputs copied into shared memory with cp.async (16 bytes a copy, zeros for padded
+// chunk_dstate's inputs copied into shared memory with cp.async (16 bytes a copy, zeros for padded
 // tokens) before load_scalars, so that their memory latency overlaps the scalars' instead of
-// following it: the loaders then read them there (RotatedLoader's and PsivLoader's staged rows,
-// DOutLoader's staged z and dy). In chunk_forward and chunk_dstate the loaders' first use of each
-// loaded value, after the scalars' barriers, was where their warps waited most (long-scoreboard
-// stalls, ncu source counters). The caller commits the copies and lands them (load_scalars with
-// kLandCopies). Fixed shapes only: their rows are whole 16-byte pieces, and the per-token tensors
-// are 16-byte aligned (require_aligned_rows).
+// following it: the loaders then read them there (RotatedLoader's staged rows, DOutLoader's staged
+// z and dy). The loaders' first use of each loaded value, after the scalars' barrier, was where its
+// warps waited most (long-scoreboard stalls, ncu source counters). The caller commits the copies
+// and lands them (load_scalars with kLandCopies). Fixed shapes only: their rows are whole 16-byte
+// pieces, and the per-token tensors are 16-byte aligned (require_aligned_rows). Staged the same
+// way, q and k of chunk_forward and chunk_backward (L2-resident there) measured 2-5% slower.
 constexpr int kStagePiece = 8;  // bf16 per 16-byte copy
 // The chunk's rows (i, r) of q or k ([B, T, R, G, N]) as [rows][N], unpadded.
 template <class D>
@@ -932,7 +934,7 @@ static __device__ __forceinline__ void stage_rows(const D& d, const bf16* src, c
                   chunk_src + at + piece * kStagePiece, valid);
   }
 }
-// The chunk's tokens of head pos.h of a [B, T, H, P] tensor (v, z, dy) as [C][P], unpadded.
+// The chunk's tokens of head pos.h of a [B, T, H, P] tensor (z, dy) as [C][P], unpadded.
 template <class D>
 static __device__ __forceinline__ void stage_tokens(const D& d, const bf16* src,
                                                     const ChunkPos& pos, bf16* staged) {
@@ -1060,9 +1062,8 @@ struct RotatedLoader {
 template <class D>
 static __device__ void load_rotated(const D& d, const bf16* src, const bf16* bias,
                                     const ChunkPos& pos, const float* cosv, const float* sinv,
-                                    bf16* dst, int ld, const bf16* staged = nullptr) {
-  load_alone(RotatedLoader<D>::items(d),
-             RotatedLoader<D>(d, pos, src, bias, cosv, sinv, dst, ld, staged));
+                                    bf16* dst, int ld) {
+  load_alone(RotatedLoader<D>::items(d), RotatedLoader<D>(d, pos, src, bias, cosv, sinv, dst, ld));
 }
 
 // q and k together: one memory latency for both.
