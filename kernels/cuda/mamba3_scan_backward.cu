@@ -698,19 +698,8 @@ __global__ void __launch_bounds__(kBackwardThreads)
                   }
                 }
                 store_row_term(term, row, j0, t);
-                if constexpr (kGating) {
-                  const int rank = d.by_rank.mod(row);
-                  const bool valid = token < pos.len;
-                  sum_over_token_ranks(dz, R);
-                  if (valid && rank == 0) {
-                    const size_t th = token_head(d, pos.b, pos.t0 + token, h);
-#pragma unroll
-                    for (int half = 0; half < 2; ++half) {
-                      *reinterpret_cast<__nv_bfloat162*>(grads.z + th * P + j0 + half * 8 + 2 * t) =
-                          __floats2bfloat162_rn(dz[half][0], dz[half][1]);
-                    }
-                  }
-                }
+                if constexpr (kGating)
+                  store_token_fragment(d, pos, h, token, row, j0, t, dz, grads.z);
               }
               if constexpr (kGating) {
                 // Each rank's rows of the tile: lanes g ^ R … (R divides 8).
@@ -1199,18 +1188,8 @@ __global__ void __launch_bounds__(kBackwardThreads)
                     }
                   }
                   store_row_term(term, row, j0, t);
-                  if constexpr (kDx) {
-                    sum_over_token_ranks(dx, R);
-                    if (token < pos.len && d.by_rank.mod(row) == 0) {
-                      const size_t th = token_head(d, pos.b, pos.t0 + token, h);
-#pragma unroll
-                      for (int half = 0; half < 2; ++half) {
-                        *reinterpret_cast<__nv_bfloat162*>(grads.v + th * P + j0 + half * 8 +
-                                                           2 * t) =
-                            __floats2bfloat162_rn(dx[half][0], dx[half][1]);
-                      }
-                    }
-                  }
+                  if constexpr (kDx)
+                    store_token_fragment(d, pos, h, token, row, j0, t, dx, grads.v);
                 }
                 if constexpr (kDx) {
                   // Each rank's rows of the tile: lanes g ^ R … (R divides 8).

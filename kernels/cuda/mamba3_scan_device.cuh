@@ -652,6 +652,24 @@ static __device__ __forceinline__ void token_sums(int items, int len, Term term,
   }
 }
 
+// An mma tile's fragment of one token's row (rows (token, rank), columns j0 + half·8 + 2t and the
+// next), summed over the token's ranks (sum_over_token_ranks), stored as bf16 pairs by the rank-0
+// lanes into head h's columns of a [B, T, H, P] gradient. Every lane calls it together.
+template <class D>
+static __device__ __forceinline__ void store_token_fragment(const D& d, const ChunkPos& pos, int h,
+                                                            int token, int row, int j0, int t,
+                                                            float (&values)[2][2], bf16* dst) {
+  sum_over_token_ranks(values, d.rank);
+  if (token < pos.len && d.by_rank.mod(row) == 0) {
+    const size_t th = token_head(d, pos.b, pos.t0 + token, h);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      *reinterpret_cast<__nv_bfloat162*>(dst + th * d.headdim + j0 + half * 8 + 2 * t) =
+          __floats2bfloat162_rn(values[half][0], values[half][1]);
+    }
+  }
+}
+
 // A prefix sum over count values by one whole warp, 32 at a time (shuffles within each group,
 // the running total carried between groups): emit(k, initial + value_0 + … + value_k), or
 // without value_k when exclusive; with reverse the order is count − 1, …, 0 (suffix sums).
