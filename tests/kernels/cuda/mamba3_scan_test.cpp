@@ -112,6 +112,19 @@ struct Mamba3Scan {
     s.groups = 2;
     add(s, both);
     add(sized(128, 64, 2, 32, 1, 2048), both);
+    // load_scalars' rotation scans at other chunks and angle counts than the grid's (powers of two
+    // up to 64, A = N/4): chunks of 48 and 24 tokens (segments of lanes that do not divide a
+    // warp), a chunk of 80 (a third group of 32 tokens a pair, and token loads past the two
+    // issued ahead), every pair rotated (A = N/2), and none (A = 0), the last at the fixed MIMO
+    // shape. (A chunk of 96 at N = P = 32 needs more shared memory than a block may have.)
+    s = sized(64, 64, 1, 48, 2, 1001);
+    s.angles = 32;
+    add(s, both);
+    add(sized(32, 64, 2, 24, 2, 1001), both);
+    add(sized(32, 32, 1, 80, 2, 1001), both);
+    s = sized(64, 64, 4, 16, 2, 1001);
+    s.angles = 0;
+    add(s, both, "_NoAngles");
     // Variants that must give the tensor-core variant's bits exactly.
     const auto same_bits_as_tensor_cores = [](Variant variant) {
       variant.same_bits_as = 0;
