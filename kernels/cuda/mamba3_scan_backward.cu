@@ -255,6 +255,42 @@ __global__ void state_pass_backward_kernel(Dims d, Work w) {
 }
 
 // Un-rotates the gradient in d_qk (w.r.t. rotated q or k, rows (i, r)) in place, adds
+// For each of `items` outputs, kOutputs sums over the chunk's tokens i < len, taken by the whole
+// block: `slices` neighbouring lanes of one warp share an output, lane s adding tokens s,
+// s + slices, ... through term(i, item, acc) (which adds into acc[0 … kOutputs)), and a butterfly
+// over those lanes (a fixed order: deterministic) combines them before the first calls
+// store(item, acc). One thread per output walking every token left most of the block waiting
+// at the next barrier where the outputs are few (R·P = 64 per-head parameters in SISO).
+// The block is chunk_backward's (kBackwardThreads, its only caller): with that a constant, the
+// slices are worked out at compile time at the fixed shapes rather than at every call (backward
+// −1% at MIMO and SISO, measured).
+template <int kOutputs, class Term, class Store>
+static __device__ __forceinline__ void token_sums(int items, int len, Term term, Store store) {
+  // slices = 2^shift: shifts, not integer divisions by a runtime value (about 4% of
+  // chunk_backward's instructions were those divisions).
+  int slices = 1, shift = 0;
+  while (slices < 32 && items * slices * 2 <= kBackwardThreads) {
+    slices *= 2;
+    ++shift;
+  }
+  const int per_pass = kBackwardThreads >> shift;
+  const int slice = static_cast<int>(threadIdx.x) & (slices - 1);
+  for (int first = 0; first < items; first += per_pass) {
+    const int item = first + (static_cast<int>(threadIdx.x) >> shift);
+    float acc[kOutputs];
+#pragma unroll
+    for (int o = 0; o < kOutputs; ++o) acc[o] = 0.f;
+    if (item < items) {
+      for (int i = slice; i < len; i += slices) term(i, item, acc);
+    }
+    for (int offset = slices / 2; offset > 0; offset >>= 1) {
+#pragma unroll
+      for (int o = 0; o < kOutputs; ++o) acc[o] += __shfl_xor_sync(0xffffffffu, acc[o], offset);
+    }
+    if (slice == 0 && item < items) store(item, acc);
+  }
+}
+
 // dL/dθ into d_theta, the bias gradient of head h into its partial, and the result into the
 // group's sum (= for the group's first head, + after: a fixed order): the block's shared
 // [rows][N] sum when smem_acc is not null, else the workspace's [B, T, R, G, N] one, acc.
@@ -348,10 +384,10 @@ template <bool kTensor, class D>
 __global__ void __launch_bounds__(kBackwardThreads)
     chunk_backward_kernel(D d, SmemPlan plan, DevInputs in, Work w, bool read_psiv, const bf16* dy,
                           DevGrads grads) {
-  // At the fixed SISO shape, the launch's block (backward_launches) as a constant: loops over
-  // blockDim.x strides here and in the helpers inlined then have constant strides and trip counts
-  // (SISO backward −2.5%). At MIMO the same made the backward 4% slower (more unrolled, more
-  // spills: 52/44 bytes against 28/20).
+  // At the fixed SISO shape (kLeanRegisters: R = 1), the launch's block (backward_launches) as a
+  // constant: loops over blockDim.x strides here and in the helpers inlined then have constant
+  // strides and trip counts (SISO backward −2.5%). At MIMO the same made the backward 4% slower
+  // (more unrolled: 52/44 bytes of spill stores/loads a thread against 28/20).
   if constexpr (kLeanRegisters<D>) __builtin_assume(blockDim.x == kBackwardThreads);
   extern __shared__ __align__(16) unsigned char smem[];
   float* sc = reinterpret_cast<float*>(smem + plan.token_scalars);
@@ -1407,21 +1443,26 @@ __global__ void finish_tokens_kernel(Dims d, DevInputs in, Work w, DevGrads grad
                                      bool qk_in_workspace) {
   const int c = blockIdx.x, b = blockIdx.y, A = d.angles, H = d.heads;
   const int t0 = c * d.chunk, len = min(d.chunk, d.seqlen - t0);
-  // The suffix sums walk the chunk's tokens backwards, kAhead of them loaded before the first is
-  // added: one load's latency per kAhead tokens rather than per token (the chain of loads was this
-  // kernel's time at chunk 64).
-  constexpr int kAhead = 8;
+  // The suffix sums walk the chunk's tokens backwards, kTokensAhead of them loaded before the
+  // first is added and stored: one load's latency per kTokensAhead tokens. One token at a time,
+  // each load waited for the store before it (A is a runtime value, and the compiler could not
+  // rule out that the two addresses meet), and that chain was most of this kernel's time at
+  // chunk 64. Each thread owns its (h, j) column, so loading ahead is safe; the adds and stores
+  // keep their order, so the sums are the same bits.
+  constexpr int kTokensAhead = 8;
   for (int item = threadIdx.x; item < H * A; item += blockDim.x) {
     const int h = d.by_angles.div(item), j = d.by_angles.mod(item);
     const size_t bh = static_cast<size_t>(b) * H + h;
     float suffix = w.dtheta_tot[(bh * d.chunks + c) * A + j];
     float* column = w.dtheta + (bh * d.seqlen + t0) * A + j;  // token i at column[i * A]
-    for (int last = len - 1; last >= 0; last -= kAhead) {
-      float values[kAhead];
+    for (int last = len - 1; last >= 0; last -= kTokensAhead) {
+      float values[kTokensAhead];
 #pragma unroll
-      for (int u = 0; u < kAhead; ++u) values[u] = last - u >= 0 ? column[(last - u) * A] : 0.f;
+      for (int u = 0; u < kTokensAhead; ++u) {
+        values[u] = last - u >= 0 ? column[(last - u) * A] : 0.f;
+      }
 #pragma unroll
-      for (int u = 0; u < kAhead; ++u) {
+      for (int u = 0; u < kTokensAhead; ++u) {
         if (last - u < 0) break;
         suffix += values[u];
         column[(last - u) * A] = suffix;

@@ -619,43 +619,6 @@ static __device__ __forceinline__ void sum_over_token_ranks(float (&values)[2][2
   }
 }
 
-// For each of `items` outputs, kOutputs sums over the chunk's tokens i < len, taken by the whole
-// block: `slices` neighbouring lanes of one warp share an output, lane s adding tokens s,
-// s + slices, ... through term(i, item, acc) (which adds into acc[0 … kOutputs)), and a butterfly
-// over those lanes (a fixed order: deterministic) combines them before the first calls
-// store(item, acc). One thread per output walking every token left most of the block waiting
-// at the next barrier where the outputs are few (R·P = 64 per-head parameters in SISO).
-// Only chunk_backward calls it, so the block is kBackwardThreads: with that a constant, the
-// slices are worked out at compile time at the fixed shapes rather than at every call (backward
-// −1% at MIMO and SISO, measured).
-template <int kOutputs, class Term, class Store>
-static __device__ __forceinline__ void token_sums(int items, int len, Term term, Store store) {
-  constexpr int kThreads = kBackwardThreads;
-  // slices = 2^shift: shifts, not integer divisions by a runtime value (about 4% of
-  // chunk_backward's instructions were those divisions).
-  int slices = 1, shift = 0;
-  while (slices < 32 && items * slices * 2 <= kThreads) {
-    slices *= 2;
-    ++shift;
-  }
-  const int per_pass = kThreads >> shift;
-  const int slice = static_cast<int>(threadIdx.x) & (slices - 1);
-  for (int first = 0; first < items; first += per_pass) {
-    const int item = first + (static_cast<int>(threadIdx.x) >> shift);
-    float acc[kOutputs];
-#pragma unroll
-    for (int o = 0; o < kOutputs; ++o) acc[o] = 0.f;
-    if (item < items) {
-      for (int i = slice; i < len; i += slices) term(i, item, acc);
-    }
-    for (int offset = slices / 2; offset > 0; offset >>= 1) {
-#pragma unroll
-      for (int o = 0; o < kOutputs; ++o) acc[o] += __shfl_xor_sync(0xffffffffu, acc[o], offset);
-    }
-    if (slice == 0 && item < items) store(item, acc);
-  }
-}
-
 // An mma tile's fragment of one token's row (rows (token, rank), columns j0 + half·8 + 2t and the
 // next), summed over the token's ranks (sum_over_token_ranks), stored as bf16 pairs by the rank-0
 // lanes into head h's columns of a [B, T, H, P] gradient. Every lane calls it together.
