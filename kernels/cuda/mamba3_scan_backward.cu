@@ -254,7 +254,6 @@ __global__ void state_pass_backward_kernel(Dims d, Work w) {
                          w.decay + bh * d.chunks, d.chunks);
 }
 
-// Un-rotates the gradient in d_qk (w.r.t. rotated q or k, rows (i, r)) in place, adds
 // For each of `items` outputs, kOutputs sums over the chunk's tokens i < len, taken by the whole
 // block: `slices` neighbouring lanes of one warp share an output, lane s adding tokens s,
 // s + slices, ... through term(i, item, acc) (which adds into acc[0 … kOutputs)), and a butterfly
@@ -291,6 +290,7 @@ static __device__ __forceinline__ void token_sums(int items, int len, Term term,
   }
 }
 
+// Un-rotates the gradient in d_qk (w.r.t. rotated q or k, rows (i, r)) in place, adds
 // dL/dθ into d_theta, the bias gradient of head h into its partial, and the result into the
 // group's sum (= for the group's first head, + after: a fixed order): the block's shared
 // [rows][N] sum when smem_acc is not null, else the workspace's [B, T, R, G, N] one, acc.
