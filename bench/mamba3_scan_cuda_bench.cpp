@@ -31,6 +31,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
+#include "kernels/cuda/device_query.h"
 #include "kernels/cuda/mamba3_scan.h"
 #endif
 
@@ -398,6 +399,14 @@ int main(int argc, char** argv) {
   const Ceilings ceil = measure_ceilings(repeats);
   std::printf("device %s: copy %.2f TB/s, bf16 GEMM %.0f TFLOP/s, fp32 SGEMM %.1f TFLOP/s\n",
               ceil.device.c_str(), ceil.copy_tb_s, ceil.bf16_tflop_s, ceil.fp32_tflop_s);
+  int device = 0;
+  ok(cudaGetDevice(&device), "cudaGetDevice");
+  const megacpp::cuda::SharedMemoryLimits shared = megacpp::cuda::shared_memory_limits(device);
+  if (shared.capped) {
+    // The plans (and so the timings) are those of a GPU with this much shared memory.
+    std::printf("shared memory capped by %s: %zu bytes per SM, %zu per block\n",
+                megacpp::cuda::kSharedMemoryCapVariable, shared.per_sm, shared.per_block);
+  }
   struct Config {
     std::string name;
     ScanShape shape;
@@ -407,6 +416,15 @@ int main(int argc, char** argv) {
   std::vector<Measured> results;
   std::vector<Work> works;
   for (const Config& c : configs) {
+    // A shape this device cannot hold (the SISO shape in an A100's shared memory) is named and
+    // left out of the tables.
+    if (megacpp::cuda::scan_shared_bytes_needed(c.shape) > shared.per_block) {
+      std::printf(
+          "%s: not run: chunk_backward needs %zu bytes of shared memory per block, this "
+          "device allows %zu\n",
+          c.name.c_str(), megacpp::cuda::scan_shared_bytes_needed(c.shape), shared.per_block);
+      continue;
+    }
     Problem pr = make_problem(c.shape);
     // Tensor cores with and without the PsiV cache, then the CUDA-core variant.
     const bool variants[3][2] = {{true, false}, {true, true}, {false, false}};
@@ -431,7 +449,11 @@ int main(int argc, char** argv) {
   json << "{\n  \"device\": \"" << ceil.device << "\",\n  \"date\": \"" << today << "\",\n"
        << "  \"copy_tb_s\": " << ceil.copy_tb_s
        << ",\n  \"bf16_gemm_tflop_s\": " << ceil.bf16_tflop_s
-       << ",\n  \"fp32_sgemm_tflop_s\": " << ceil.fp32_tflop_s << ",\n  \"runs\": [\n";
+       << ",\n  \"fp32_sgemm_tflop_s\": " << ceil.fp32_tflop_s
+       << ",\n  \"shared_memory_per_sm\": " << shared.per_sm
+       << ",\n  \"shared_memory_per_block\": " << shared.per_block
+       << ",\n  \"shared_memory_capped\": " << (shared.capped ? "true" : "false")
+       << ",\n  \"runs\": [\n";
   char line[512];
   for (size_t i = 0; i < results.size(); ++i) {
     const Measured& m = results[i];

@@ -18,6 +18,7 @@
 
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/device_query.h"
 
 namespace megacpp::cuda {
 namespace {
@@ -716,15 +717,14 @@ CausalAttentionCuda::CausalAttentionCuda(const AttentionShape& shape, void* work
   // Above 48 KiB a kernel's dynamic shared memory must be allowed explicitly; past the device's
   // limit per block it cannot be.
   const Kernels k = kernels_of(shape.head_dim);
-  int shared_limit = 0;
-  MEGACPP_CUDA_CHECK(
-      cudaDeviceGetAttribute(&shared_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device_));
+  const SharedMemoryLimits shared = shared_memory_limits(device_);
   const size_t most = std::max({k.forward_smem, k.dq_smem, k.dkdv_smem});
-  if (most > static_cast<size_t>(shared_limit)) {
+  if (most > shared.per_block) {
     refuse(ErrorKind::kFailedPrecondition,
            "CausalAttentionCuda: head_dim={} needs {} bytes of shared memory per block; device {} "
-           "allows {}",
-           shape.head_dim, most, device_, shared_limit);
+           "allows {}{}",
+           shape.head_dim, most, device_, shared.per_block,
+           shared.capped ? std::string(" (capped by ") + kSharedMemoryCapVariable + ")" : "");
   }
   MEGACPP_CUDA_CHECK(cudaFuncSetAttribute(kernel_address(k.forward),
                                           cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -1,5 +1,11 @@
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <charconv>
+#include <cstdlib>
+#include <cstring>
+
+#include "kernels/cuda/check.h"
 #include "kernels/cuda/device_query.h"
 
 namespace megacpp::cuda {
@@ -59,6 +65,36 @@ std::string probe_kernel_image(int device) {
   }
   if (status == cudaSuccess) return std::string();
   return std::string(cudaGetErrorName(status)) + ": " + cudaGetErrorString(status);
+}
+
+SharedMemoryLimits cap_shared_memory(const SharedMemoryLimits& device, const char* value) {
+  if (value == nullptr || *value == '\0') return device;
+  constexpr size_t kLeast = 48 * 1024;
+  const char* end = value + std::strlen(value);
+  unsigned long long bytes = 0;
+  const auto [stop, error] = std::from_chars(value, end, bytes);
+  if (error != std::errc() || stop != end || bytes < kLeast || bytes > device.per_sm) {
+    detail::refuse(ErrorKind::kInvalidArgument,
+                   "{}='{}' must be a whole number of bytes from {} to this device's {} per SM",
+                   kSharedMemoryCapVariable, value, kLeast, device.per_sm);
+  }
+  SharedMemoryLimits capped = device;
+  capped.per_sm = static_cast<size_t>(bytes);
+  // The device keeps back per_sm − per_block for each block (1 KiB on Ampere and Hopper).
+  const size_t reserved = device.per_sm > device.per_block ? device.per_sm - device.per_block : 0;
+  capped.per_block = std::min(device.per_block, capped.per_sm - reserved);
+  capped.capped = true;
+  return capped;
+}
+
+SharedMemoryLimits shared_memory_limits(int device) {
+  int per_sm = 0, per_block = 0;
+  MEGACPP_CUDA_CHECK(
+      cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+  MEGACPP_CUDA_CHECK(
+      cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  return cap_shared_memory({static_cast<size_t>(per_sm), static_cast<size_t>(per_block), false},
+                           std::getenv(kSharedMemoryCapVariable));
 }
 
 }  // namespace megacpp::cuda

@@ -1,6 +1,7 @@
 #pragma once
 // The GPUs this process can see, read through the CUDA runtime. Compiled only
 // when MEGACPP_CUDA is on; callers test MEGACPP_HAVE_CUDA.
+#include <cstddef>
 #include <string>
 #include <vector>
 
@@ -35,5 +36,29 @@ std::string vector_add_on_device(int device, const std::vector<float>& a, std::v
 // else the CUDA error (cudaErrorNoKernelImageForDevice or cudaErrorInvalidDeviceFunction for a
 // missing image; any other error, e.g. an invalid device index, is returned as well).
 std::string probe_kernel_image(int device);
+
+// Shared memory as megacpp's own kernels plan with it on one device (cuBLAS and cuDNN read the
+// device for themselves).
+struct SharedMemoryLimits {
+  size_t per_sm = 0;     // cudaDevAttrMaxSharedMemoryPerMultiprocessor
+  size_t per_block = 0;  // cudaDevAttrMaxSharedMemoryPerBlockOptin
+  bool capped = false;   // lowered by kSharedMemoryCapVariable
+};
+
+// Set to a number of bytes, this lowers the shared memory per SM that megacpp's kernels plan
+// with, and the opt-in per block with it (less the device's own reservation per block), so that
+// a GPU runs the plans of one with less: 167936 on an H100 gives an A100's (167936 per SM,
+// 166912 per block), the Ampere plans checked against the oracle where no A100 is lent.
+inline constexpr const char* kSharedMemoryCapVariable = "MEGACPP_CUDA_SHARED_MEMORY_PER_SM";
+
+// `device`'s figures lowered to the cap `value` (the variable's text; null or empty: no cap).
+// Refuses (megacpp::Error kInvalidArgument, naming the variable, the value and the range) anything
+// but a whole number of bytes from 49152 (what any kernel may take without opting in) to the
+// device's own figure per SM.
+SharedMemoryLimits cap_shared_memory(const SharedMemoryLimits& device, const char* value);
+
+// `device`'s figures, capped by kSharedMemoryCapVariable when it is set (throws like
+// cap_shared_memory).
+SharedMemoryLimits shared_memory_limits(int device);
 
 }  // namespace megacpp::cuda

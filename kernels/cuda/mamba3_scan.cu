@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/cuda/device_query.h"
 #include "kernels/cuda/mamba3_scan.h"
 #include "kernels/cuda/mamba3_scan_device.cuh"
 
@@ -44,20 +45,17 @@ Dims dims_of(const ops::ScanShape& s) {
   return d;
 }
 
-size_t device_shared_per_sm() {
-  int device = 0, bytes = 0;
+// The device's shared memory, as capped by kSharedMemoryCapVariable when that is set.
+SharedMemoryLimits device_shared_memory() {
+  int device = 0;
   MEGACPP_CUDA_CHECK(cudaGetDevice(&device));
-  MEGACPP_CUDA_CHECK(
-      cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
-  return static_cast<size_t>(bytes);
+  return shared_memory_limits(device);
 }
-
-int device_shared_limit() {
-  int device = 0, limit = 0;
-  MEGACPP_CUDA_CHECK(cudaGetDevice(&device));
-  MEGACPP_CUDA_CHECK(
-      cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  return limit;
+size_t device_shared_per_sm() {
+  return device_shared_memory().per_sm;
+}
+size_t device_shared_limit() {
+  return device_shared_memory().per_block;
 }
 
 // Refuses, naming the field and value, every shape the kernels do not compute.
@@ -108,12 +106,13 @@ void validate(const ops::ScanShape& s) {
            s.angles, kThreads);
   }
   const size_t need = plan_for(dims_of(s), kBackwardKernel).total;
-  const int limit = device_shared_limit();
-  if (need > static_cast<size_t>(limit)) {
+  const SharedMemoryLimits shared = device_shared_memory();
+  if (need > shared.per_block) {
     refuse(ErrorKind::kInvalidArgument,
            "Mamba3ScanCuda: shape (state={}, headdim={}, rank={}, chunk={}, angles={}) needs {} "
-           "bytes of shared memory per block; this device allows {}",
-           s.state, s.headdim, s.rank, s.chunk, s.angles, need, limit);
+           "bytes of shared memory per block; this device allows {}{}",
+           s.state, s.headdim, s.rank, s.chunk, s.angles, need, shared.per_block,
+           shared.capped ? std::string(" (capped by ") + kSharedMemoryCapVariable + ")" : "");
   }
 }
 

@@ -17,6 +17,7 @@
 
 #include "kernels/contracts/mamba3_scan.h"
 #include "kernels/cpu/mamba3_scan_chunked.h"
+#include "kernels/cuda/device_query.h"
 #include "kernels/cuda/mamba3_scan.h"
 
 namespace {
@@ -48,6 +49,14 @@ std::string shape_name(const ScanShape& s) {
   name << "N" << s.state << "_P" << s.headdim << "_R" << s.rank << "_C" << s.chunk << "_B"
        << s.batch << "_L" << s.seqlen << "_H" << s.heads << "_G" << s.groups;
   return name.str();
+}
+
+// What this GPU allows a block (as megacpp's kernels plan with it: kSharedMemoryCapVariable may
+// lower it).
+size_t device_shared_per_block() {
+  int device = 0;
+  MEGACPP_CUDA_CHECK(cudaGetDevice(&device));
+  return megacpp::cuda::shared_memory_limits(device).per_block;
 }
 
 struct Mamba3Scan {
@@ -157,6 +166,17 @@ struct Mamba3Scan {
     // the cache.
     add(sized(64, 64, 1, 64, 2, 1000), same_bits_as_tensor_cores(psiv_cache), "_PsivCache");
     return out;
+  }
+
+  // A shape whose chunk_backward needs more shared memory per block than this GPU allows (an
+  // A100's 166,912 bytes: the SISO shape and most at N or P = 128) is refused at construction;
+  // RefusesGridShapesBeyondTheDevicesSharedMemory checks that, and the case is skipped.
+  static std::string beyond_device(const Case& c) {
+    const size_t need = megacpp::cuda::scan_shared_bytes_needed(c.shape);
+    const size_t allows = device_shared_per_block();
+    if (need <= allows) return "";
+    return "chunk_backward needs " + std::to_string(need) +
+           " bytes of shared memory per block; this device allows " + std::to_string(allows);
   }
 
   // Plausible model values: unit-scale q, k, x, z, dy; DT log-uniform in [1e-3, 0.1]; ADT = A·DT
@@ -397,6 +417,27 @@ TEST(Mamba3ScanCudaShapes, RefusesShapesItDoesNotCover) {
   refused(s, "shared memory");
 }
 
+// The grid cases skipped as beyond this GPU are refused at construction, naming what the shape
+// needs and what the device allows; a Hopper GPU's 232,448 bytes a block hold every one of them.
+TEST(Mamba3ScanCudaShapes, RefusesGridShapesBeyondTheDevicesSharedMemory) {
+  MEGACPP_REQUIRE_GPU();
+  const size_t allows = device_shared_per_block();
+  int refused = 0;
+  for (const auto& c : Mamba3Scan::cases()) {
+    const size_t need = megacpp::cuda::scan_shared_bytes_needed(c.shape);
+    if (need <= allows) continue;
+    ++refused;
+    oracle::expect_error(
+        [&] { Mamba3ScanCuda scan(c.shape); }, megacpp::ErrorKind::kInvalidArgument,
+        "needs " + std::to_string(need) + " bytes of shared memory per block; this device allows " +
+            std::to_string(allows),
+        c.name);
+  }
+  if (allows >= 232448) {
+    EXPECT_EQ(refused, 0);
+  }
+}
+
 TEST(Mamba3ScanCudaShapes, RefusesAMisalignedSharedBackwardWorkspace) {
   MEGACPP_REQUIRE_GPU();
   const ScanShape s = grid_shape(64, 64, 4, 16);
@@ -541,13 +582,16 @@ TEST(Mamba3ScanCudaShapes, ReportsEveryKernelItLaunches) {
                                          "reduce_params"};
   const auto fused_backward = with({"chunk_dstate"}, tail);
   // Hopper's 228 KB of shared memory per SM holds two chunk_forward blocks at both fixed shapes;
-  // with less (an A100's 164 KB) a fixed shape may keep the three kernels.
-  int device = 0, shared_per_sm = 0;
+  // with less (an A100's 164 KB, or a cap: kSharedMemoryCapVariable) a fixed shape may keep the
+  // three kernels.
+  int device = 0;
   MEGACPP_CUDA_CHECK(cudaGetDevice(&device));
-  MEGACPP_CUDA_CHECK(
-      cudaDeviceGetAttribute(&shared_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+  const size_t shared_per_sm = megacpp::cuda::shared_memory_limits(device).per_sm;
   for (const int rank : {4, 1}) {
     const ScanShape fixed = grid_shape(64, 64, rank, rank == 4 ? 16 : 64);
+    // Refused where chunk_backward's plan does not fit (the SISO shape on an A100): checked by
+    // RefusesGridShapesBeyondTheDevicesSharedMemory (its _PsivCache case has this plan).
+    if (megacpp::cuda::scan_shared_bytes_needed(fixed) > device_shared_per_block()) continue;
     const std::vector<std::string> got = names(fixed, true);
     const bool fused = std::find(got.begin(), got.end(), "chunk_forward") != got.end();
     EXPECT_EQ(got, with(fused ? std::vector<std::string>{"angle_prefix", "chunk_forward"} : three,

@@ -40,7 +40,9 @@
 // others go unchecked). cpu() is the oracle: the CPU op in double on p.in(name) into p.out(name)
 // (zeroed). gpu() builds the CUDA op for one variant over t.bf16(name) / t.f32(name) (device
 // buffers, null for an empty tensor) and returns its passes (e.g. forward, backward) as closures
-// run in order. EXPECT_* may be used in all three, ASSERT_* in declare() and cpu(). Refusals and
+// run in order. EXPECT_* may be used in all three, ASSERT_* in declare() and cpu(). An entry may
+// also give beyond_device(case): empty, or why this GPU cannot run the case (too little shared
+// memory, say), which skips it with that reason. Refusals and
 // other checks that are not "same numbers as the oracle" stay plain TESTs in the entry's file
 // (under another suite name than kName), with MEGACPP_REQUIRE_GPU() and oracle::expect_error().
 //
@@ -700,7 +702,13 @@ class CaseTest : public ::testing::Test {
   void TestBody() override {
     std::string why;
     if (!gpu_present(why)) GTEST_SKIP() << "GPU test: no CUDA device (" << why << ")";
-    test_case<Entry>(cases_of<Entry>()[index_]);
+    const auto& c = cases_of<Entry>()[index_];
+    if constexpr (requires { Entry::beyond_device(c); }) {
+      // A case this GPU cannot hold (the entry's own plain test checks that the op refuses it).
+      const std::string beyond = Entry::beyond_device(c);
+      if (!beyond.empty()) GTEST_SKIP() << "beyond this GPU: " << beyond;
+    }
+    test_case<Entry>(c);
   }
 
  private:
