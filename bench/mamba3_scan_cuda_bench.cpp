@@ -20,6 +20,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <exception>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -337,7 +338,7 @@ ScanShape m3_ref(int rank, int chunk) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+static int run(int argc, char** argv) {
   int repeats = 30;
   bool profile_once = false;
   bool small = false, siso = false;
@@ -373,6 +374,8 @@ int main(int argc, char** argv) {
                  "R, C and N\n");
     return 2;
   }
+  // Read first: a bad kSharedMemoryCapVariable is refused before anything is measured.
+  const megacpp::cuda::SharedMemoryLimits shared = megacpp::cuda::current_shared_memory_limits();
   if (profile_once) {
     ScanShape shape = siso ? m3_ref(1, 64) : m3_ref(4, 16);
     if (small) {
@@ -399,11 +402,9 @@ int main(int argc, char** argv) {
   const Ceilings ceil = measure_ceilings(repeats);
   std::printf("device %s: copy %.2f TB/s, bf16 GEMM %.0f TFLOP/s, fp32 SGEMM %.1f TFLOP/s\n",
               ceil.device.c_str(), ceil.copy_tb_s, ceil.bf16_tflop_s, ceil.fp32_tflop_s);
-  int device = 0;
-  ok(cudaGetDevice(&device), "cudaGetDevice");
-  const megacpp::cuda::SharedMemoryLimits shared = megacpp::cuda::shared_memory_limits(device);
   if (shared.capped) {
-    // The plans (and so the timings) are those of a GPU with this much shared memory.
+    // The plans are those of a GPU with this much shared memory; residency, clocks and bandwidth
+    // are still this GPU's.
     std::printf("shared memory capped by %s: %zu bytes per SM, %zu per block\n",
                 megacpp::cuda::kSharedMemoryCapVariable, shared.per_sm, shared.per_block);
   }
@@ -535,6 +536,15 @@ int main(int argc, char** argv) {
     std::ofstream(std::string(dir) + "/mamba3_scan_cuda_bench.md") << table.str();
   }
   return 0;
+}
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "mamba3_scan_cuda_bench: %s\n", e.what());
+    return 1;
+  }
 }
 
 #else  // no CUDA in this build

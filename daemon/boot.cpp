@@ -104,8 +104,9 @@ receipts::BootReceipt describe_boot(const std::vector<DeviceSlot>& devices) {
   ::gethostname(host, sizeof(host) - 1);
   b.hostname = host;
   b.environment = json::object();
-  for (const char* name : {"OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "CUDA_VISIBLE_DEVICES",
-                           "NCCL_NVLS_ENABLE", "NCCL_DEBUG", "LD_LIBRARY_PATH"}) {
+  for (const char* name :
+       {"OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "NCCL_NVLS_ENABLE",
+        "NCCL_DEBUG", "LD_LIBRARY_PATH", "MEGACPP_CUDA_SHARED_MEMORY_PER_SM"}) {
     if (const char* v = std::getenv(name)) b.environment[name] = v;
   }
   b.environment["cores"] = ::sysconf(_SC_NPROCESSORS_ONLN);

@@ -723,8 +723,7 @@ CausalAttentionCuda::CausalAttentionCuda(const AttentionShape& shape, void* work
     refuse(ErrorKind::kFailedPrecondition,
            "CausalAttentionCuda: head_dim={} needs {} bytes of shared memory per block; device {} "
            "allows {}{}",
-           shape.head_dim, most, device_, shared.per_block,
-           shared.capped ? std::string(" (capped by ") + kSharedMemoryCapVariable + ")" : "");
+           shape.head_dim, most, device_, shared.per_block, cap_note(shared));
   }
   MEGACPP_CUDA_CHECK(cudaFuncSetAttribute(kernel_address(k.forward),
                                           cudaFuncAttributeMaxDynamicSharedMemorySize,

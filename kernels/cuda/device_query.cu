@@ -97,4 +97,14 @@ SharedMemoryLimits shared_memory_limits(int device) {
                            std::getenv(kSharedMemoryCapVariable));
 }
 
+SharedMemoryLimits current_shared_memory_limits() {
+  int device = 0;
+  MEGACPP_CUDA_CHECK(cudaGetDevice(&device));
+  return shared_memory_limits(device);
+}
+
+std::string cap_note(const SharedMemoryLimits& limits) {
+  return limits.capped ? std::string(" (capped by ") + kSharedMemoryCapVariable + ")" : "";
+}
+
 }  // namespace megacpp::cuda

@@ -46,9 +46,11 @@ struct SharedMemoryLimits {
 };
 
 // Set to a number of bytes, this lowers the shared memory per SM that megacpp's kernels plan
-// with, and the opt-in per block with it (less the device's own reservation per block), so that
-// a GPU runs the plans of one with less: 167936 on an H100 gives an A100's (167936 per SM,
-// 166912 per block), the Ampere plans checked against the oracle where no A100 is lent.
+// with (the scan's plans; our attention kernels' fixed needs are checked against it), and the
+// opt-in per block with it (less the device's own reservation per block), so that a GPU runs the
+// plans of one with less: 167936 on an H100 gives an A100's (167936 per SM, 166912 per block),
+// the Ampere plans checked against the oracle where no A100 is lent. Residency, clocks and
+// bandwidth stay the GPU's own.
 inline constexpr const char* kSharedMemoryCapVariable = "MEGACPP_CUDA_SHARED_MEMORY_PER_SM";
 
 // `device`'s figures lowered to the cap `value` (the variable's text; null or empty: no cap).
@@ -60,5 +62,11 @@ SharedMemoryLimits cap_shared_memory(const SharedMemoryLimits& device, const cha
 // `device`'s figures, capped by kSharedMemoryCapVariable when it is set (throws like
 // cap_shared_memory).
 SharedMemoryLimits shared_memory_limits(int device);
+// The same for the calling thread's current device (cudaGetDevice).
+SharedMemoryLimits current_shared_memory_limits();
+
+// " (capped by MEGACPP_CUDA_SHARED_MEMORY_PER_SM)" for capped limits, else "": the tail of a
+// refusal that names what the device allows.
+std::string cap_note(const SharedMemoryLimits& limits);
 
 }  // namespace megacpp::cuda

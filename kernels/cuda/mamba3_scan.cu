@@ -2,6 +2,7 @@
 // The kernels are in mamba3_scan_forward.cu and mamba3_scan_backward.cu; what the three files
 // share is in mamba3_scan_device.cuh.
 #include <cuda_runtime.h>
+#include <algorithm>
 #include <array>
 #include <cstdint>
 
@@ -43,19 +44,6 @@ Dims dims_of(const ops::ScanShape& s) {
   d.by_chunk = FastDiv(d.chunk);
   d.by_rows = FastDiv(d.rows);
   return d;
-}
-
-// The device's shared memory, as capped by kSharedMemoryCapVariable when that is set.
-SharedMemoryLimits device_shared_memory() {
-  int device = 0;
-  MEGACPP_CUDA_CHECK(cudaGetDevice(&device));
-  return shared_memory_limits(device);
-}
-size_t device_shared_per_sm() {
-  return device_shared_memory().per_sm;
-}
-size_t device_shared_limit() {
-  return device_shared_memory().per_block;
 }
 
 // Refuses, naming the field and value, every shape the kernels do not compute.
@@ -106,13 +94,12 @@ void validate(const ops::ScanShape& s) {
            s.angles, kThreads);
   }
   const size_t need = plan_for(dims_of(s), kBackwardKernel).total;
-  const SharedMemoryLimits shared = device_shared_memory();
+  const SharedMemoryLimits shared = current_shared_memory_limits();
   if (need > shared.per_block) {
     refuse(ErrorKind::kInvalidArgument,
            "Mamba3ScanCuda: shape (state={}, headdim={}, rank={}, chunk={}, angles={}) needs {} "
            "bytes of shared memory per block; this device allows {}{}",
-           s.state, s.headdim, s.rank, s.chunk, s.angles, need, shared.per_block,
-           shared.capped ? std::string(" (capped by ") + kSharedMemoryCapVariable + ")" : "");
+           s.state, s.headdim, s.rank, s.chunk, s.angles, need, shared.per_block, cap_note(shared));
   }
 }
 
@@ -162,10 +149,12 @@ DevGrads dev_grads(const ScanDeviceGrads& g, int angles) {
   return d;
 }
 
-// Every launch of one math variant, forward then backward, in launch order.
-std::vector<Launch> all_launches(const Dims& d, bool tensor_cores) {
-  const ForwardLaunches f = forward_launches(d, tensor_cores, device_shared_per_sm());
-  const BackwardLaunches b = backward_launches(d, tensor_cores, device_shared_limit());
+// Every launch of one math variant, forward then backward, in launch order, as planned for a
+// device with `shared` (current_shared_memory_limits()).
+std::vector<Launch> all_launches(const Dims& d, bool tensor_cores,
+                                 const SharedMemoryLimits& shared) {
+  const ForwardLaunches f = forward_launches(d, tensor_cores, shared.per_sm);
+  const BackwardLaunches b = backward_launches(d, tensor_cores, shared.per_block);
   std::vector<Launch> launches = {f.angle_prefix};
   if (f.fused) {
     launches.push_back(f.chunk_forward);
@@ -180,9 +169,9 @@ std::vector<Launch> all_launches(const Dims& d, bool tensor_cores) {
 }
 
 // Kernels above 48 KiB of dynamic shared memory must opt in, per kernel and per device.
-void raise_shared_limits(const Dims& d) {
+void raise_shared_limits(const Dims& d, const SharedMemoryLimits& shared) {
   for (bool tensor_cores : {false, true}) {
-    for (const Launch& l : all_launches(d, tensor_cores)) {
+    for (const Launch& l : all_launches(d, tensor_cores, shared)) {
       if (l.smem.total > 48 * 1024) {
         MEGACPP_CUDA_CHECK(cudaFuncSetAttribute(l.function,
                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -298,7 +287,8 @@ Mamba3ScanCuda::Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache, boo
   scan_detail::validate(shape);
   MEGACPP_CUDA_CHECK(cudaGetDevice(&device_));
   const Dims d = scan_detail::dims_of(shape);
-  scan_detail::raise_shared_limits(d);
+  const SharedMemoryLimits shared = shared_memory_limits(device_);
+  scan_detail::raise_shared_limits(d, shared);
   const std::array<size_t, kParts> sizes = part_sizes(d);
   const size_t backward_needed = bytes_of_parts(sizes, kForwardParts, kParts);
   if (backward_workspace != nullptr && backward_bytes < backward_needed) {
@@ -320,10 +310,8 @@ Mamba3ScanCuda::Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache, boo
   MEGACPP_CUDA_CHECK(cudaMalloc(&arena_, workspace_bytes_));
   buffers_ = new Buffers{};
   buffers_->dims = d;
-  buffers_->forward =
-      scan_detail::forward_launches(d, tensor_cores, scan_detail::device_shared_per_sm());
-  buffers_->backward =
-      scan_detail::backward_launches(d, tensor_cores, scan_detail::device_shared_limit());
+  buffers_->forward = scan_detail::forward_launches(d, tensor_cores, shared.per_sm);
+  buffers_->backward = scan_detail::backward_launches(d, tensor_cores, shared.per_block);
   unsigned char* cursor = static_cast<unsigned char*>(arena_);
   float* parts[kParts];
   for (int i = 0; i < kParts; ++i) {
@@ -449,19 +437,26 @@ void Mamba3ScanCuda::backward(const ScanDeviceInputs& in, const uint16_t* dy,
 std::vector<KernelAttributes> kernel_attributes(const ops::ScanShape& shape, bool tensor_cores) {
   scan_detail::validate(shape);
   const Dims d = scan_detail::dims_of(shape);
-  scan_detail::raise_shared_limits(d);
   int device = 0, max_threads_per_sm = 0;
   MEGACPP_CUDA_CHECK(cudaGetDevice(&device));
+  const SharedMemoryLimits shared = shared_memory_limits(device);
+  scan_detail::raise_shared_limits(d, shared);
   MEGACPP_CUDA_CHECK(
       cudaDeviceGetAttribute(&max_threads_per_sm, cudaDevAttrMaxThreadsPerMultiProcessor, device));
   std::vector<KernelAttributes> out;
-  for (const scan_detail::Launch& l : scan_detail::all_launches(d, tensor_cores)) {
+  for (const scan_detail::Launch& l : scan_detail::all_launches(d, tensor_cores, shared)) {
     cudaFuncAttributes attr{};
     MEGACPP_CUDA_CHECK(cudaFuncGetAttributes(&attr, l.function));
     const int threads = static_cast<int>(l.block.x * l.block.y * l.block.z);
     int blocks = 0;
     MEGACPP_CUDA_CHECK(
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, l.function, threads, l.smem.total));
+    if (shared.capped) {
+      // The occupancy API reads the GPU's own shared memory: the blocks a capped SM would hold.
+      const size_t per_block =
+          l.smem.total + attr.sharedSizeBytes + scan_detail::kSharedReservedPerBlock;
+      blocks = std::min(blocks, static_cast<int>(shared.per_sm / per_block));
+    }
     KernelAttributes k;
     k.name = l.name;
     k.registers_per_thread = attr.numRegs;

@@ -146,8 +146,10 @@ std::vector<KernelAttributes> kernel_attributes(const ops::ScanShape& shape,
 
 // Dynamic shared memory (bytes) per block that the largest kernel for `shape` cannot do without
 // (no device needed). The constructor refuses a shape when this exceeds the device's opt-in limit
-// per block (232448 bytes on Hopper); where the device has room beyond it, chunk_backward takes
-// more (split state operands, the group's dQ/dK sums), which changes speed, not results.
+// per block (232448 bytes on Hopper, 166912 on an A100, lower where
+// MEGACPP_CUDA_SHARED_MEMORY_PER_SM caps it: kernels/cuda/device_query.h); where the device has
+// room beyond it, chunk_backward takes more (split state operands, the group's dQ/dK sums), which
+// changes speed, not results.
 size_t scan_shared_bytes_needed(const ops::ScanShape& shape);
 
 }  // namespace megacpp::cuda

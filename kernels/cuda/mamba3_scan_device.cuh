@@ -394,7 +394,8 @@ struct ForwardLaunches {
   bool fused = false;
   Launch chunk_forward;
 };
-// shared_per_sm: the device's shared memory per SM (chunk_forward only where two blocks fit).
+// shared_per_sm: the device's shared memory per SM, as capped (current_shared_memory_limits;
+// chunk_forward only where two blocks fit).
 ForwardLaunches forward_launches(const Dims& d, bool tensor_cores, size_t shared_per_sm);
 // Writes y; keeps the chunk-entry states (and PsiV when psiv_cache) in w for run_backward.
 void run_forward(const ForwardLaunches& launches, bool tensor_cores, bool psiv_cache, const Dims& d,
@@ -408,8 +409,8 @@ struct BackwardLaunches {
   // not launched).
   bool reverse_pass_fused = false;
 };
-// shared_limit: the device's shared memory per block (chunk_backward keeps the group's dQ and dK
-// sums there when they fit; see plan_backward).
+// shared_limit: the device's shared memory per block, as capped (chunk_backward keeps the group's
+// dQ and dK sums there when they fit; see plan_backward).
 BackwardLaunches backward_launches(const Dims& d, bool tensor_cores, size_t shared_limit);
 void run_backward(const BackwardLaunches& launches, bool tensor_cores, bool psiv_cache,
                   const Dims& d, const DevInputs& in, const Work& w, const bf16* dy,

@@ -301,6 +301,28 @@ void append_cuda_checks(std::vector<CheckResult>& results) {
       }
     }
   }
+  // A cap on the shared memory megacpp's kernels plan with is a deliberate slowdown (a smaller
+  // GPU's plans): checked here, so a bad value stops the daemon rather than every job, and named
+  // in the report.
+  if (const char* cap = std::getenv(cuda::kSharedMemoryCapVariable); cap != nullptr && *cap) {
+    for (const cuda::DeviceInfo& device : info.devices) {
+      const std::string name = fmt::format("cuda_shared_memory[{}]", device.index);
+      try {
+        const cuda::SharedMemoryLimits limits = cuda::shared_memory_limits(device.index);
+        results.push_back(pass(
+            name, fmt::format("GPU {}: megacpp's kernels plan with {} bytes per SM, {} per block "
+                              "({}={})",
+                              device.index, limits.per_sm, limits.per_block,
+                              cuda::kSharedMemoryCapVariable, cap)));
+      } catch (const Error& e) {
+        results.push_back(failure(
+            name, e.what(),
+            fmt::format("unset {} (it is for checking a smaller GPU's plans) or set it within the "
+                        "range named",
+                        cuda::kSharedMemoryCapVariable)));
+      }
+    }
+  }
   results.push_back(check_nccl_library());
 }
 #endif

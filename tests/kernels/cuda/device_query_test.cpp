@@ -44,7 +44,7 @@ TEST(SharedMemoryCap, UnsetOrEmptyLeavesTheDeviceAsItIs) {
 TEST(SharedMemoryCap, AnA100sFiguresOnAnH100KeepTheReservationPerBlock) {
   const SharedMemoryLimits got = cap_shared_memory(kHopper, "167936");
   EXPECT_EQ(got.per_sm, 167936u);
-  EXPECT_EQ(got.per_block, 166912u);  // what an A100 reports for both
+  EXPECT_EQ(got.per_block, 166912u);  // an A100's opt-in per block
   EXPECT_TRUE(got.capped);
   // The device's own figure is allowed and changes nothing but the flag.
   const SharedMemoryLimits same = cap_shared_memory(kHopper, "233472");

@@ -8,7 +8,9 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdlib>
 #include <memory>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <string>
@@ -54,9 +56,7 @@ std::string shape_name(const ScanShape& s) {
 // What this GPU allows a block (as megacpp's kernels plan with it: kSharedMemoryCapVariable may
 // lower it).
 size_t device_shared_per_block() {
-  int device = 0;
-  MEGACPP_CUDA_CHECK(cudaGetDevice(&device));
-  return megacpp::cuda::shared_memory_limits(device).per_block;
+  return megacpp::cuda::current_shared_memory_limits().per_block;
 }
 
 struct Mamba3Scan {
@@ -168,9 +168,10 @@ struct Mamba3Scan {
     return out;
   }
 
-  // A shape whose chunk_backward needs more shared memory per block than this GPU allows (an
-  // A100's 166,912 bytes: the SISO shape and most at N or P = 128) is refused at construction;
-  // RefusesGridShapesBeyondTheDevicesSharedMemory checks that, and the case is skipped.
+  // A shape whose chunk_backward needs more shared memory per block than this GPU allows is
+  // refused at construction (an A100's 166,912 bytes refuse 13 cases: see
+  // RefusesGridShapesBeyondTheDevicesSharedMemory, which checks the refusals); the case is
+  // skipped.
   static std::string beyond_device(const Case& c) {
     const size_t need = megacpp::cuda::scan_shared_bytes_needed(c.shape);
     const size_t allows = device_shared_per_block();
@@ -417,25 +418,66 @@ TEST(Mamba3ScanCudaShapes, RefusesShapesItDoesNotCover) {
   refused(s, "shared memory");
 }
 
-// The grid cases skipped as beyond this GPU are refused at construction, naming what the shape
-// needs and what the device allows; a Hopper GPU's 232,448 bytes a block hold every one of them.
+// Sets an environment variable for one scope and puts back what was there.
+class ScopedVariable {
+ public:
+  ScopedVariable(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    setenv(name, value, 1);
+  }
+  ~ScopedVariable() {
+    if (old_) {
+      setenv(name_, old_->c_str(), 1);
+    } else {
+      unsetenv(name_);
+    }
+  }
+  ScopedVariable(const ScopedVariable&) = delete;
+  ScopedVariable& operator=(const ScopedVariable&) = delete;
+
+ private:
+  const char* name_;
+  std::optional<std::string> old_;
+};
+
+// The grid cases skipped as beyond a GPU are refused at construction, naming what the shape needs
+// and what the device allows: none on a Hopper GPU (232,448 bytes a block), and at an A100's
+// figures (kSharedMemoryCapVariable, where the GPU has that much) these 13, whose chunk_backward
+// plan alone is larger: the SISO shape N = P = 64, R = 1, chunk 64 (174,144 bytes; ragged, one
+// chunk, and with the PsiV cache), N = 128 at R = 4 chunk 16 (185,408), R = 8 (184,256), R = 2
+// chunk 32 (193,856, twice), R = 1 chunk 64 (219,200, twice), P = 128 at N = 64 (227,648) and
+// N = 128 (182,464), N = 256 (185,792), N = P = 32 at R = 1 chunk 80 (196,032). Any other case
+// runs there.
 TEST(Mamba3ScanCudaShapes, RefusesGridShapesBeyondTheDevicesSharedMemory) {
   MEGACPP_REQUIRE_GPU();
-  const size_t allows = device_shared_per_block();
-  int refused = 0;
-  for (const auto& c : Mamba3Scan::cases()) {
-    const size_t need = megacpp::cuda::scan_shared_bytes_needed(c.shape);
-    if (need <= allows) continue;
-    ++refused;
-    oracle::expect_error(
-        [&] { Mamba3ScanCuda scan(c.shape); }, megacpp::ErrorKind::kInvalidArgument,
-        "needs " + std::to_string(need) + " bytes of shared memory per block; this device allows " +
-            std::to_string(allows),
-        c.name);
-  }
-  if (allows >= 232448) {
+  const auto refusals = [] {
+    const size_t allows = device_shared_per_block();
+    int refused = 0;
+    for (const auto& c : Mamba3Scan::cases()) {
+      const size_t need = megacpp::cuda::scan_shared_bytes_needed(c.shape);
+      if (need <= allows) continue;
+      ++refused;
+      oracle::expect_error(
+          [&] { Mamba3ScanCuda scan(c.shape); }, megacpp::ErrorKind::kInvalidArgument,
+          "needs " + std::to_string(need) +
+              " bytes of shared memory per block; this device allows " + std::to_string(allows),
+          c.name);
+    }
+    return refused;
+  };
+  const megacpp::cuda::SharedMemoryLimits native = megacpp::cuda::current_shared_memory_limits();
+  const int refused = refusals();
+  if (native.per_block >= 232448) {
     EXPECT_EQ(refused, 0);
   }
+  constexpr size_t kA100PerSm = 167936;
+  if (native.capped || native.per_sm < kA100PerSm) return;
+  const ScopedVariable cap(megacpp::cuda::kSharedMemoryCapVariable,
+                           std::to_string(kA100PerSm).c_str());
+  EXPECT_EQ(device_shared_per_block(), 166912u);
+  EXPECT_EQ(refusals(), 13);
+  // M3-ref's MIMO shape fits there, with a slimmer plan.
+  Mamba3ScanCuda mimo(grid_shape(64, 64, 4, 16));
 }
 
 TEST(Mamba3ScanCudaShapes, RefusesAMisalignedSharedBackwardWorkspace) {
@@ -584,9 +626,7 @@ TEST(Mamba3ScanCudaShapes, ReportsEveryKernelItLaunches) {
   // Hopper's 228 KB of shared memory per SM holds two chunk_forward blocks at both fixed shapes;
   // with less (an A100's 164 KB, or a cap: kSharedMemoryCapVariable) a fixed shape may keep the
   // three kernels.
-  int device = 0;
-  MEGACPP_CUDA_CHECK(cudaGetDevice(&device));
-  const size_t shared_per_sm = megacpp::cuda::shared_memory_limits(device).per_sm;
+  const size_t shared_per_sm = megacpp::cuda::current_shared_memory_limits().per_sm;
   for (const int rank : {4, 1}) {
     const ScanShape fixed = grid_shape(64, 64, rank, rank == 4 ? 16 : 64);
     // Refused where chunk_backward's plan does not fit (the SISO shape on an A100): checked by

@@ -42,9 +42,9 @@
 // buffers, null for an empty tensor) and returns its passes (e.g. forward, backward) as closures
 // run in order. EXPECT_* may be used in all three, ASSERT_* in declare() and cpu(). An entry may
 // also give beyond_device(case): empty, or why this GPU cannot run the case (too little shared
-// memory, say), which skips it with that reason. Refusals and
-// other checks that are not "same numbers as the oracle" stay plain TESTs in the entry's file
-// (under another suite name than kName), with MEGACPP_REQUIRE_GPU() and oracle::expect_error().
+// memory, say), which skips it with that reason. Refusals and other checks that are not "same
+// numbers as the oracle" stay plain TESTs in the entry's file (under another suite name than
+// kName), with MEGACPP_REQUIRE_GPU() and oracle::expect_error().
 //
 // TEST MODE (the default), per case: inputs drawn, the oracle run once, then for every variant
 // the GPU passes run twice with every output poisoned to NaN first (0xff bytes; an entry the op
