@@ -417,20 +417,23 @@ static int run(int argc, char** argv) {
   std::vector<Measured> results;
   std::vector<Work> works;
   for (const Config& c : configs) {
-    // A shape this device cannot hold (the SISO shape in an A100's shared memory) is named and
-    // left out of the tables.
-    if (megacpp::cuda::scan_shared_bytes_needed(c.shape) > shared.per_block) {
+    // A shape whose plan this device cannot hold at its own chunk (the SISO shape in an A100's
+    // shared memory) runs at a smaller one: named here and in the tables.
+    const int chunk = megacpp::cuda::planned_scan_chunk(c.shape, shared.per_block);
+    std::string name = c.name;
+    if (chunk != c.shape.chunk) {
       std::printf(
-          "%s: not run: chunk_backward needs %zu bytes of shared memory per block, this "
-          "device allows %zu\n",
-          c.name.c_str(), megacpp::cuda::scan_shared_bytes_needed(c.shape), shared.per_block);
-      continue;
+          "%s: runs at chunk %d: chunk_backward needs %zu bytes of shared memory per block at "
+          "chunk %d, this device allows %zu\n",
+          c.name.c_str(), chunk, megacpp::cuda::scan_shared_bytes_needed(c.shape), c.shape.chunk,
+          shared.per_block);
+      name += " (run at chunk " + std::to_string(chunk) + ")";
     }
     Problem pr = make_problem(c.shape);
     // Tensor cores with and without the PsiV cache, then the CUDA-core variant.
     const bool variants[3][2] = {{true, false}, {true, true}, {false, false}};
     for (const auto& v : variants) {
-      results.push_back(measure(c.name, pr, v[1], v[0], repeats));
+      results.push_back(measure(name, pr, v[1], v[0], repeats));
       works.push_back(work_of(c.shape));
     }
     free_problem(pr);

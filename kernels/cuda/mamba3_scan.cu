@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include <initializer_list>
+#include <numeric>
 #include <string>
 #include <utility>
 #include <vector>
@@ -93,14 +94,39 @@ void validate(const ops::ScanShape& s) {
            "Mamba3ScanCuda: ScanShape.chunk={} and angles={} must each be at most {}", s.chunk,
            s.angles, kThreads);
   }
-  const size_t need = plan_for(dims_of(s), kBackwardKernel).total;
+}
+
+// The largest chunk, from s.chunk down in steps that keep the rows a multiple of 16, whose
+// chunk_backward plan (the largest kernel's) fits `per_block` bytes; 0 where none does.
+int largest_fitting_chunk(const ops::ScanShape& s, size_t per_block) {
+  const int step = 16 / std::gcd(s.rank, 16);
+  ops::ScanShape at = s;
+  for (at.chunk = s.chunk; at.chunk >= step; at.chunk -= step) {
+    if (least_backward_bytes(dims_of(at)) <= per_block) return at.chunk;
+  }
+  return 0;
+}
+
+// `s` validated (validate) at the chunk the kernels run it at on the current device: its own
+// chunk where chunk_backward's plan fits the device's shared memory, else the largest smaller
+// one that fits (planned_scan_chunk). Refuses, naming both figures, a shape that fits at no chunk.
+ops::ScanShape planned_shape(const ops::ScanShape& s) {
+  validate(s);
   const SharedMemoryLimits shared = current_shared_memory_limits();
-  if (need > shared.per_block) {
+  ops::ScanShape planned = s;
+  planned.chunk = largest_fitting_chunk(s, shared.per_block);
+  if (planned.chunk == 0) {
+    ops::ScanShape smallest = s;
+    smallest.chunk = 16 / std::gcd(s.rank, 16);
     refuse(ErrorKind::kInvalidArgument,
            "Mamba3ScanCuda: shape (state={}, headdim={}, rank={}, chunk={}, angles={}) needs {} "
-           "bytes of shared memory per block; this device allows {}{}",
-           s.state, s.headdim, s.rank, s.chunk, s.angles, need, shared.per_block, cap_note(shared));
+           "bytes of shared memory per block ({} at the smallest chunk, {}); this device allows "
+           "{}{}",
+           s.state, s.headdim, s.rank, s.chunk, s.angles, least_backward_bytes(dims_of(s)),
+           least_backward_bytes(dims_of(smallest)), smallest.chunk, shared.per_block,
+           cap_note(shared));
   }
+  return planned;
 }
 
 DevInputs dev_inputs(const ScanDeviceInputs& in, int angles) {
@@ -198,8 +224,13 @@ struct Mamba3ScanCuda::Buffers {
   scan_detail::BackwardLaunches backward;
 };
 
+int planned_scan_chunk(const ops::ScanShape& shape, size_t per_block) {
+  scan_detail::validate(shape);
+  return scan_detail::largest_fitting_chunk(shape, per_block);
+}
+
 size_t scan_shared_bytes_needed(const ops::ScanShape& shape) {
-  return scan_detail::plan_for(scan_detail::dims_of(shape), scan_detail::kBackwardKernel).total;
+  return scan_detail::least_backward_bytes(scan_detail::dims_of(shape));
 }
 
 namespace {
@@ -248,8 +279,8 @@ size_t bytes_of_parts(const std::array<size_t, kParts>& sizes, int first, int la
 }  // namespace
 
 size_t Mamba3ScanCuda::backward_workspace_bytes(const ops::ScanShape& shape) {
-  scan_detail::validate(shape);
-  return bytes_of_parts(part_sizes(scan_detail::dims_of(shape)), kForwardParts, kParts);
+  return bytes_of_parts(part_sizes(scan_detail::dims_of(scan_detail::planned_shape(shape))),
+                        kForwardParts, kParts);
 }
 
 namespace {
@@ -275,8 +306,7 @@ size_t psiv_cache_bytes(const Dims& d, bool psiv_cache) {
 
 size_t Mamba3ScanCuda::own_workspace_bytes(const ops::ScanShape& shape, bool psiv_cache,
                                            bool shared_backward) {
-  scan_detail::validate(shape);
-  const Dims d = scan_detail::dims_of(shape);
+  const Dims d = scan_detail::dims_of(scan_detail::planned_shape(shape));
   const size_t own = bytes_of_parts(part_sizes(d), 0, shared_backward ? kForwardParts : kParts);
   return own + psiv_cache_bytes(d, psiv_cache) + parameter_stage_bytes(d);
 }
@@ -284,9 +314,10 @@ size_t Mamba3ScanCuda::own_workspace_bytes(const ops::ScanShape& shape, bool psi
 Mamba3ScanCuda::Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache, bool tensor_cores,
                                void* backward_workspace, size_t backward_bytes)
     : shape_(shape), psiv_cache_(psiv_cache), tensor_cores_(tensor_cores) {
-  scan_detail::validate(shape);
+  const ops::ScanShape planned = scan_detail::planned_shape(shape);
+  planned_chunk_ = planned.chunk;
   MEGACPP_CUDA_CHECK(cudaGetDevice(&device_));
-  const Dims d = scan_detail::dims_of(shape);
+  const Dims d = scan_detail::dims_of(planned);
   const SharedMemoryLimits shared = shared_memory_limits(device_);
   scan_detail::raise_shared_limits(d, shared);
   const std::array<size_t, kParts> sizes = part_sizes(d);
@@ -435,8 +466,7 @@ void Mamba3ScanCuda::backward(const ScanDeviceInputs& in, const uint16_t* dy,
 }
 
 std::vector<KernelAttributes> kernel_attributes(const ops::ScanShape& shape, bool tensor_cores) {
-  scan_detail::validate(shape);
-  const Dims d = scan_detail::dims_of(shape);
+  const Dims d = scan_detail::dims_of(scan_detail::planned_shape(shape));
   int device = 0, max_threads_per_sm = 0;
   MEGACPP_CUDA_CHECK(cudaGetDevice(&device));
   const SharedMemoryLimits shared = shared_memory_limits(device);
@@ -459,6 +489,7 @@ std::vector<KernelAttributes> kernel_attributes(const ops::ScanShape& shape, boo
     }
     KernelAttributes k;
     k.name = l.name;
+    k.chunk = d.chunk;
     k.registers_per_thread = attr.numRegs;
     k.static_shared_bytes = attr.sharedSizeBytes;
     k.dynamic_shared_bytes = l.smem.total;

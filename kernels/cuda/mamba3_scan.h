@@ -73,6 +73,7 @@ struct ScanDeviceGrads {
 // What the CUDA runtime says about one kernel at the launch configuration it gets.
 struct KernelAttributes {
   std::string name;
+  int chunk = 0;  // the chunk the scan runs at (planned_scan_chunk): the shape's, or less
   int registers_per_thread = 0;
   size_t static_shared_bytes = 0;
   size_t dynamic_shared_bytes = 0;
@@ -87,7 +88,8 @@ struct KernelAttributes {
 class Mamba3ScanCuda {
  public:
   // Validates the shape against what the kernels cover (throws megacpp::Error
-  // kInvalidArgument naming the field and value otherwise), then allocates all device
+  // kInvalidArgument naming the field and value otherwise), plans it at the chunk this device's
+  // shared memory allows (planned_scan_chunk; planned_chunk()), then allocates all device
   // workspace once. psiv_cache: forward stores PsiV = v ⊙ mimo_x ([B, L, H, R, P], bf16)
   // and backward reads it instead of recomputing it. tensor_cores: the chunk products run
   // on the tensor cores (bf16 operands, fp32 accumulation; the products with the fp32 state
@@ -119,6 +121,8 @@ class Mamba3ScanCuda {
                 void* stream = nullptr);
 
   const ops::ScanShape& shape() const { return shape_; }
+  // The chunk the kernels run at: shape().chunk, or less on a device with less shared memory.
+  int planned_chunk() const { return planned_chunk_; }
   bool psiv_cache() const { return psiv_cache_; }
   bool tensor_cores() const { return tensor_cores_; }
   size_t workspace_bytes() const { return workspace_bytes_; }
@@ -130,6 +134,7 @@ class Mamba3ScanCuda {
   bool psiv_cache_;
   bool tensor_cores_;
   bool has_forward_ = false;
+  int planned_chunk_ = 0;
   int device_ = 0;
   void* arena_ = nullptr;
   size_t workspace_bytes_ = 0;
@@ -145,11 +150,20 @@ std::vector<KernelAttributes> kernel_attributes(const ops::ScanShape& shape,
                                                 bool tensor_cores = true);
 
 // Dynamic shared memory (bytes) per block that the largest kernel for `shape` cannot do without
-// (no device needed). The constructor refuses a shape when this exceeds the device's opt-in limit
-// per block (232448 bytes on Hopper, 166912 on an A100, lower where
-// MEGACPP_CUDA_SHARED_MEMORY_PER_SM caps it: kernels/cuda/device_query.h); where the device has
-// room beyond it, chunk_backward takes more (split state operands, the group's dQ/dK sums), which
-// changes speed, not results.
+// at shape.chunk (no device needed): chunk_backward's plan with its C² token weights made again
+// where they are read, nothing added. Where the device's opt-in limit per block (232448 bytes on
+// Hopper, 166912 on an A100, lower where MEGACPP_CUDA_SHARED_MEMORY_PER_SM caps it:
+// kernels/cuda/device_query.h) is below it, the scan runs at a smaller chunk (planned_scan_chunk);
+// where the device has room beyond it, chunk_backward takes more (the weights' space, split state
+// operands, the group's dQ/dK sums). Either changes speed, not the function computed.
 size_t scan_shared_bytes_needed(const ops::ScanShape& shape);
+
+// The chunk the scan runs `shape` at where a block may have `per_block` bytes of shared memory:
+// shape.chunk where scan_shared_bytes_needed fits, else the largest smaller chunk (keeping
+// chunk × rank a multiple of 16) that fits, 0 where none does (the constructor then refuses the
+// shape, naming both figures). The chunked form computes the recurrence at any chunk
+// (../shared/spec/model.md), so a smaller chunk costs speed, not the model: a chunk is a tiling.
+// Throws like the constructor for a shape whose fields are not covered.
+int planned_scan_chunk(const ops::ScanShape& shape, size_t per_block);
 
 }  // namespace megacpp::cuda

@@ -400,6 +400,11 @@ __global__ void __launch_bounds__(kBackwardThreads)
   float* scores = reinterpret_cast<float*>(smem + plan.scores);
   float* d_scores = reinterpret_cast<float*>(smem + plan.d_scores);
   float* weights = reinterpret_cast<float*>(smem + plan.token_weights);
+  // W[i][j] by token, read where the plan gives W a space, else made again (token_weight).
+  const bool weights_recomputed = plan.weights_recomputed;
+  const auto weight_of = [&](int i, int j) {
+    return weights_recomputed ? token_weight(d, sc, i, j) : weights[i * d.chunk + j];
+  };
   float* o = reinterpret_cast<float*>(smem + plan.out);
   float* d_o = reinterpret_cast<float*>(smem + plan.d_out);
   float* d_psiv = reinterpret_cast<float*>(smem + plan.d_psiv);
@@ -589,7 +594,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
       }
     }
     if (!entry_split) for_each_state_element(d, w.states + bhc * matrix, set_state);
-    fill_weights(d, sc, weights);
+    if (!weights_recomputed) fill_weights(d, sc, weights);
     for (int idx = threadIdx.x; idx < C * A; idx += blockDim.x) d_theta[idx] = 0.f;
     for (int i = threadIdx.x; i < C; i += blockDim.x) {
       sc[kDLog * C + i] = 0.f;
@@ -659,7 +664,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
           M, M, N, q_rot, ld_qk, k_rot, ld_qk, [&](int i, int j, float value) {
             scores[i * ld_mm + j] = value;
             weighted[i * ld_sw + j] =
-                __float2bfloat16(value * weights[d.by_rank.div(i) * C + d.by_rank.div(j)]);
+                __float2bfloat16(value * weight_of(d.by_rank.div(i), d.by_rank.div(j)));
           });
     }
     if (split) {
@@ -990,9 +995,9 @@ __global__ void __launch_bounds__(kBackwardThreads)
       const auto [i, j] = rows_item<W>(d, idx);
       float d_sc[W];
       load_floats<W>(d_scores + i * ld_mm + j, d_sc);
-      const float* weight_row = weights + d.by_rank.div(i) * C;
+      const int ti = d.by_rank.div(i);
 #pragma unroll
-      for (int w = 0; w < W; ++w) d_sc[w] *= weight_row[d.by_rank.div(j + w)];
+      for (int w = 0; w < W; ++w) d_sc[w] *= weight_of(ti, d.by_rank.div(j + w));
       store_row(weighted + i * ld_sw + j, round_row<W>(d_sc));
     }
     // A warp per token i, its lanes over the other tokens j.
@@ -1000,11 +1005,11 @@ __global__ void __launch_bounds__(kBackwardThreads)
       float d_log = 0.f, d_kappa = 0.f;
       for (int j = lane; j < C; j += 32) {
         if (j < i) {
-          d_log += d_weights[i * C + j] * weights[i * C + j];
+          d_log += d_weights[i * C + j] * weight_of(i, j);
         } else if (j > i) {
           const float weight_term = d_weights[j * C + i];
           d_kappa += weight_term * __expf(sc[kLog * C + j] - sc[kLog * C + i]);
-          d_log -= weight_term * weights[j * C + i];
+          d_log -= weight_term * weight_of(j, i);
         }
       }
       d_log = warp_sum(d_log);

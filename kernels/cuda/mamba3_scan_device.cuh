@@ -108,7 +108,7 @@ struct SmemPlan {
   size_t d_scores = 0;       // fp32 [rows][rows]: dL/d(Q Kᵀ ⊙ W). With fused_weights: dSc ⊙ W
                              //   (bf16 [rows][ld_sw]) until the dK phase, then the next head's
                              //   entry state [P][N] copied ahead
-  size_t token_weights = 0;  // fp32 [C][C]: W
+  size_t token_weights = 0;  // fp32 [C][C]: W (chunk_backward: none where weights_recomputed)
   size_t d_token_weights = 0;  // fp32 [C][C]: dL/dW without fused_weights; shares `out` when it
                                //   fits
   size_t out = 0;              // fp32 [rows][P]: o (not chunk_forward's); in the backward then
@@ -150,6 +150,9 @@ struct SmemPlan {
                                //   split_hi); chunk_output and chunk_forward the entry state
                                //   [P][N] (ld_split, in `state`)
   size_t total = 0;
+  // chunk_backward only, where its plan would not fit the device otherwise (plan_backward): W has
+  // no space, each weight is made again from the token scalars where it is read (token_weight).
+  bool weights_recomputed = false;
   // Row strides (elements) of the matrices above. Rows are padded so that the access patterns
   // of the products (mma fragments: eight rows × four column pairs per warp; the fp32 tiles:
   // sixteen rows of one column) fall on distinct banks; unpadded rows of 64 elements put every
@@ -183,8 +186,10 @@ enum Scalar {
   kScalarCount
 };
 
-inline SmemPlan plan_for(const Dims& d, ScanKernel kernel) {
+// weights_recomputed: chunk_backward's plan without W's space (plan_backward).
+inline SmemPlan plan_for(const Dims& d, ScanKernel kernel, bool weights_recomputed = false) {
   SmemPlan p;
+  p.weights_recomputed = weights_recomputed && kernel == kBackwardKernel;
   size_t cursor = 0;
   const auto take = [&cursor](size_t bytes) {
     const size_t at = cursor;
@@ -229,7 +234,7 @@ inline SmemPlan plan_for(const Dims& d, ScanKernel kernel) {
       // d_scores right after scores: d_qk takes both once they are dead.
       p.d_scores = take(m * ld_mm * sizeof(float));
     }
-    p.token_weights = take(c * c * sizeof(float));
+    if (!p.weights_recomputed) p.token_weights = take(c * c * sizeof(float));
     if (!fused) p.out = take(m * ld_mp * sizeof(float));  // chunk_forward keeps o in registers
     p.weighted_scores = take(m * ld_sw * sizeof(bf16));
   }
@@ -292,6 +297,11 @@ inline SmemPlan plan_for(const Dims& d, ScanKernel kernel) {
 //     current head (their loads were the largest wait of the head's start, measured).
 inline SmemPlan plan_backward(const Dims& d, bool tensor_cores, size_t limit) {
   SmemPlan p = plan_for(d, kBackwardKernel);
+  // Where even that does not fit (the SISO shape on an A100), W gets no space: its C² weights are
+  // made again where they are read, and the plan takes no split (fused_weights, which the split
+  // enables, reads W from shared memory).
+  const bool recompute = p.total > limit;
+  if (recompute) p = plan_for(d, kBackwardKernel, true);
   const auto round16 = [](size_t bytes) {
     return (bytes + 15) / 16 * 16;
   };
@@ -301,7 +311,7 @@ inline SmemPlan plan_backward(const Dims& d, bool tensor_cores, size_t limit) {
   const size_t d_out_half = round16(rows * static_cast<size_t>(p.ld_pv) * sizeof(bf16));
   const bool d_out_bf16_shared = p.d_out_bf16 == p.state;
   const size_t split = 2 * state_half + d_out_half + (d_out_bf16_shared ? d_out_half : 0);
-  if (tensor_cores && p.total + split <= limit) {
+  if (tensor_cores && !recompute && p.total + split <= limit) {
     p.ld_split = static_cast<int>(split_ld);
     p.state_hi = p.total;
     p.state_lo = p.state_hi + state_half;
@@ -327,6 +337,12 @@ inline SmemPlan plan_backward(const Dims& d, bool tensor_cores, size_t limit) {
     p.total += staged;
   }
   return p;
+}
+
+// The bytes of shared memory per block chunk_backward cannot do without (the largest of the scan's
+// kernels' needs): its plan with W recomputed, nothing added.
+inline size_t least_backward_bytes(const Dims& d) {
+  return plan_for(d, kBackwardKernel, true).total;
 }
 
 struct DevInputs {
@@ -1137,19 +1153,21 @@ static __device__ void load_psiv(const D& d, const DevInputs& in, const ChunkPos
              PsivLoader<D>{d, in, pos, cache, read_cache, write_cache, dst, ld});
 }
 
-// Token-level weights W[i][j] of the chunk (zero above the diagonal).
+// Token-level weights W[i][j] of the chunk (zero above the diagonal): token_weight makes one,
+// fill_weights all C² in shared memory. chunk_backward makes each again where its plan leaves W no
+// space (SmemPlan::weights_recomputed): the same expression, so the same bits.
+template <class D>
+static __device__ __forceinline__ float token_weight(const D& d, const float* sc, int i, int j) {
+  const int C = d.chunk;
+  if (j < i) return expf(sc[kLog * C + i] - sc[kLog * C + j]) * sc[kKappa * C + j];
+  return j == i ? sc[kGamma * C + i] : 0.f;
+}
+
 template <class D>
 static __device__ void fill_weights(const D& d, const float* sc, float* weights) {
   const int C = d.chunk;
   for (int idx = threadIdx.x; idx < C * C; idx += blockDim.x) {
-    const int i = d.by_chunk.div(idx), j = d.by_chunk.mod(idx);
-    float weight = 0.f;
-    if (j < i) {
-      weight = expf(sc[kLog * C + i] - sc[kLog * C + j]) * sc[kKappa * C + j];
-    } else if (j == i) {
-      weight = sc[kGamma * C + i];
-    }
-    weights[idx] = weight;
+    weights[idx] = token_weight(d, sc, d.by_chunk.div(idx), d.by_chunk.mod(idx));
   }
 }
 

@@ -1,6 +1,7 @@
 #include "runtime/model/cuda_model.h"
 
 #include <cuda_runtime.h>
+#include <spdlog/spdlog.h>
 
 #include <algorithm>
 #include <cstring>
@@ -753,6 +754,7 @@ void CudaModel::Impl::allocate_and_build(cuda::GemmPlanCache* plan_cache) {
   m.norm_op = std::make_unique<cuda::ResidualRmsNormCuda>(m.norm_shape(), ws, wsb);
   m.lm_head_op = std::make_unique<cuda::LmHeadLossCuda>(m.lm_head_shape(), ws, wsb, plan_cache);
   std::shared_ptr<cuda::CausalAttentionCudnn> shared_attention;
+  bool chunk_noted = false;
   for (Impl::Block& b : m.blocks) {
     if (b.attention) {
       Impl::AttentionLayer& l = *b.attention;
@@ -793,6 +795,14 @@ void CudaModel::Impl::allocate_and_build(cuda::GemmPlanCache* plan_cache) {
       l.scan = std::make_unique<cuda::Mamba3ScanCuda>(
           l.shape.scan_shape(m.batch, m.seqlen, c.ssm.chunk_size), false, true,
           m.scan_backward_workspace, m.scan_backward_bytes);
+      if (l.scan->planned_chunk() != c.ssm.chunk_size && !chunk_noted) {
+        // The same function at a finer tiling: said once, and in every receipt's kernel records.
+        spdlog::info(
+            "mamba scan runs at chunk {} (config chunk_size {}): its backward's shared memory at "
+            "chunk {} exceeds what device {} allows a block",
+            l.scan->planned_chunk(), c.ssm.chunk_size, c.ssm.chunk_size, m.device);
+        chunk_noted = true;
+      }
     }
     if (b.mlp) {
       b.mlp->mlp = std::make_unique<cuda::GatedMlpCuda>(

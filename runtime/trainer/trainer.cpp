@@ -663,6 +663,7 @@ class CudaBackend final : public StepBackend {
       r.device = device_;
       r.launch = {{"kind", "kernel"},
                   {"op", "mamba scan"},
+                  {"chunk", k.chunk},
                   {"grid_blocks", k.grid_blocks},
                   {"block_threads", k.block_threads},
                   {"blocks_per_sm", k.blocks_per_sm},

@@ -9,7 +9,9 @@
 #include <array>
 #include <cmath>
 #include <cstdlib>
+#include <map>
 #include <memory>
+#include <numeric>
 #include <optional>
 #include <random>
 #include <sstream>
@@ -126,8 +128,8 @@ struct Mamba3Scan {
     // lanes past the chunk in its second group of 32 tokens) with every pair rotated (A = N/2); a
     // chunk of 12 (16-lane segments, two pairs a warp, lanes past the chunk in each); a chunk of
     // 80 (a third group of 32 tokens a pair, and token loads past the two groups issued ahead);
-    // and no rotation (A = 0) at the fixed MIMO shape. (A chunk of 96 at N = P = 32 needs more
-    // shared memory than a block may have.)
+    // and no rotation (A = 0) at the fixed MIMO shape. (At a chunk of 96, N = P = 32 would run at
+    // a smaller chunk: chunk_backward's plan at 96 needs more shared memory than a block may have.)
     s = sized(64, 64, 1, 48, 2, 1001);
     s.angles = 32;
     add(s, both, "_AllPairs");
@@ -168,16 +170,15 @@ struct Mamba3Scan {
     return out;
   }
 
-  // A shape whose chunk_backward needs more shared memory per block than this GPU allows is
-  // refused at construction (an A100's 166,912 bytes refuse 13 cases: see
-  // RefusesGridShapesBeyondTheDevicesSharedMemory, which checks the refusals); the case is
-  // skipped.
+  // A shape whose chunk_backward fits this GPU's shared memory at no chunk is refused at
+  // construction, and the case is skipped (no grid case is: an A100's 166,912 bytes run 10 of
+  // them at a smaller chunk, checked against the oracle like any other run: see
+  // PlansTheLargestChunkThatFitsTheDevice).
   static std::string beyond_device(const Case& c) {
-    const size_t need = megacpp::cuda::scan_shared_bytes_needed(c.shape);
     const size_t allows = device_shared_per_block();
-    if (need <= allows) return "";
-    return "chunk_backward needs " + std::to_string(need) +
-           " bytes of shared memory per block; this device allows " + std::to_string(allows);
+    if (megacpp::cuda::planned_scan_chunk(c.shape, allows) > 0) return "";
+    return "chunk_backward needs more than the " + std::to_string(allows) +
+           " bytes of shared memory per block this device allows, at every chunk";
   }
 
   // Plausible model values: unit-scale q, k, x, z, dy; DT log-uniform in [1e-3, 0.1]; ADT = A·DT
@@ -414,8 +415,47 @@ TEST(Mamba3ScanCudaShapes, RefusesShapesItDoesNotCover) {
   s = grid_shape(64, 64, 4, 16);
   s.groups = 3;
   refused(s, "groups=3");
+  // Its state alone (256 × 512 fp32) is more than any GPU's shared memory, at every chunk.
   s = grid_shape(512, 256, 8, 64);
-  refused(s, "shared memory");
+  refused(s, "bytes of shared memory per block (682144 at the smallest chunk, 2)");
+}
+
+// The chunk each grid case runs at where a block may have an A100's 166,912 bytes of shared
+// memory: 10 cases' chunk_backward plans need more at their own chunk (even with the token weights
+// made again where they are read), and each runs at the largest smaller chunk that fits (keeping
+// chunk × rank a multiple of 16); on a Hopper GPU (232,448 bytes) every case runs at its own. No
+// device needed: the plans are the host's arithmetic.
+TEST(Mamba3ScanCudaShapes, PlansTheLargestChunkThatFitsTheDevice) {
+  constexpr size_t kHopperPerBlock = 232448, kA100PerBlock = 166912;
+  std::map<std::string, int> smaller;
+  for (const auto& c : Mamba3Scan::cases()) {
+    EXPECT_EQ(megacpp::cuda::planned_scan_chunk(c.shape, kHopperPerBlock), c.shape.chunk) << c.name;
+    const int chunk = megacpp::cuda::planned_scan_chunk(c.shape, kA100PerBlock);
+    ScanShape at = c.shape;
+    at.chunk = chunk;
+    EXPECT_LE(megacpp::cuda::scan_shared_bytes_needed(at), kA100PerBlock) << c.name;
+    if (chunk == c.shape.chunk) continue;
+    smaller[c.name] = chunk;
+    // Each chunk between the planned one and the shape's needs more than the device allows.
+    const int step = 16 / std::gcd(c.shape.rank, 16);
+    for (at.chunk = chunk + step; at.chunk < c.shape.chunk; at.chunk += step) {
+      EXPECT_GT(megacpp::cuda::scan_shared_bytes_needed(at), kA100PerBlock) << c.name;
+    }
+  }
+  const std::map<std::string, int> expected = {
+      {"N128_P64_R4_C16_B4_L2048_H16_G1", 12}, {"N256_P64_R4_C8_B4_L2048_H16_G1", 4},
+      {"N64_P128_R4_C16_B4_L2048_H16_G1", 8},  {"N128_P128_R4_C8_B4_L2048_H16_G1", 4},
+      {"N128_P64_R8_C8_B4_L2048_H16_G1", 6},   {"N128_P64_R2_C32_B4_L2048_H16_G1", 16},
+      {"N128_P64_R1_C64_B4_L2048_H16_G1", 32}, {"N128_P64_R1_C64_B2_L1000_H16_G1", 32},
+      {"N128_P64_R2_C32_B1_L2048_H16_G1", 16}, {"N32_P32_R1_C80_B2_L1001_H16_G1", 64}};
+  EXPECT_EQ(smaller, expected);
+  // M3-ref's MIMO and SISO shapes run at their own chunks on an A100; the SISO shape only because
+  // its C² token weights (16 KB) get no space (174,144 bytes with them).
+  EXPECT_EQ(megacpp::cuda::planned_scan_chunk(grid_shape(64, 64, 4, 16), kA100PerBlock), 16);
+  EXPECT_EQ(megacpp::cuda::planned_scan_chunk(grid_shape(64, 64, 1, 64), kA100PerBlock), 64);
+  EXPECT_EQ(megacpp::cuda::scan_shared_bytes_needed(grid_shape(64, 64, 1, 64)), 157760u);
+  // A shape that fits no chunk: none is planned.
+  EXPECT_EQ(megacpp::cuda::planned_scan_chunk(grid_shape(512, 256, 8, 64), kHopperPerBlock), 0);
 }
 
 // Sets an environment variable for one scope and puts back what was there.
@@ -440,44 +480,42 @@ class ScopedVariable {
   std::optional<std::string> old_;
 };
 
-// The grid cases skipped as beyond a GPU are refused at construction, naming what the shape needs
-// and what the device allows: none on a Hopper GPU (232,448 bytes a block), and at an A100's
-// figures (kSharedMemoryCapVariable, where the GPU has that much) these 13, whose chunk_backward
-// plan alone is larger: the SISO shape N = P = 64, R = 1, chunk 64 (174,144 bytes; ragged, one
-// chunk, and with the PsiV cache), N = 128 at R = 4 chunk 16 (185,408), R = 8 (184,256), R = 2
-// chunk 32 (193,856, twice), R = 1 chunk 64 (219,200, twice), P = 128 at N = 64 (227,648) and
-// N = 128 (182,464), N = 256 (185,792), N = P = 32 at R = 1 chunk 80 (196,032). Any other case
-// runs there.
-TEST(Mamba3ScanCudaShapes, RefusesGridShapesBeyondTheDevicesSharedMemory) {
+// On the GPU, the scan runs each grid case at the chunk planned for the device's shared memory
+// (its own on a Hopper GPU; at an A100's figures, kSharedMemoryCapVariable, where the GPU has that
+// much, the 10 of PlansTheLargestChunkThatFitsTheDevice at a smaller one), and says so: the scan's
+// planned_chunk() and every kernel's attributes. The oracle grid checks those runs' results. At
+// those figures the SISO shape's chunk_backward plans 165,952 bytes: no space for W, v's space.
+TEST(Mamba3ScanCudaShapes, RunsAtThePlannedChunk) {
   MEGACPP_REQUIRE_GPU();
-  const auto refusals = [] {
+  const auto smaller_chunks = [] {
     const size_t allows = device_shared_per_block();
-    int refused = 0;
+    int smaller = 0;
     for (const auto& c : Mamba3Scan::cases()) {
-      const size_t need = megacpp::cuda::scan_shared_bytes_needed(c.shape);
-      if (need <= allows) continue;
-      ++refused;
-      oracle::expect_error(
-          [&] { Mamba3ScanCuda scan(c.shape); }, megacpp::ErrorKind::kInvalidArgument,
-          "needs " + std::to_string(need) +
-              " bytes of shared memory per block; this device allows " + std::to_string(allows),
-          c.name);
+      const int chunk = megacpp::cuda::planned_scan_chunk(c.shape, allows);
+      Mamba3ScanCuda scan(c.shape);
+      EXPECT_EQ(scan.planned_chunk(), chunk) << c.name;
+      EXPECT_EQ(scan.shape().chunk, c.shape.chunk) << c.name;
+      for (const auto& k : scan.kernel_attributes()) EXPECT_EQ(k.chunk, chunk) << c.name << k.name;
+      if (chunk < c.shape.chunk) ++smaller;
     }
-    return refused;
+    return smaller;
   };
   const megacpp::cuda::SharedMemoryLimits native = megacpp::cuda::current_shared_memory_limits();
-  const int refused = refusals();
+  const int smaller = smaller_chunks();
   if (native.per_block >= 232448) {
-    EXPECT_EQ(refused, 0);
+    EXPECT_EQ(smaller, 0);
   }
   constexpr size_t kA100PerSm = 167936;
   if (native.capped || native.per_sm < kA100PerSm) return;
   const ScopedVariable cap(megacpp::cuda::kSharedMemoryCapVariable,
                            std::to_string(kA100PerSm).c_str());
   EXPECT_EQ(device_shared_per_block(), 166912u);
-  EXPECT_EQ(refusals(), 13);
-  // M3-ref's MIMO shape fits there, with a slimmer plan.
-  Mamba3ScanCuda mimo(grid_shape(64, 64, 4, 16));
+  EXPECT_EQ(smaller_chunks(), 10);
+  for (const auto& k : megacpp::cuda::kernel_attributes(grid_shape(64, 64, 1, 64))) {
+    if (k.name == std::string("chunk_backward")) {
+      EXPECT_EQ(k.dynamic_shared_bytes, 165952u);
+    }
+  }
 }
 
 TEST(Mamba3ScanCudaShapes, RefusesAMisalignedSharedBackwardWorkspace) {
@@ -629,10 +667,14 @@ TEST(Mamba3ScanCudaShapes, ReportsEveryKernelItLaunches) {
   const size_t shared_per_sm = megacpp::cuda::current_shared_memory_limits().per_sm;
   for (const int rank : {4, 1}) {
     const ScanShape fixed = grid_shape(64, 64, rank, rank == 4 ? 16 : 64);
-    // Refused where chunk_backward's plan does not fit (the SISO shape on an A100): checked by
-    // RefusesGridShapesBeyondTheDevicesSharedMemory (its _PsivCache case has this plan).
-    if (megacpp::cuda::scan_shared_bytes_needed(fixed) > device_shared_per_block()) continue;
     const std::vector<std::string> got = names(fixed, true);
+    if (megacpp::cuda::planned_scan_chunk(fixed, device_shared_per_block()) != fixed.chunk) {
+      // Run at a smaller chunk (a device with less shared memory than an A100), the shape is no
+      // longer a fixed one.
+      EXPECT_EQ(got, with(three, with({"chunk_dstate", "state_pass_backward"}, tail)))
+          << "rank " << rank;
+      continue;
+    }
     const bool fused = std::find(got.begin(), got.end(), "chunk_forward") != got.end();
     EXPECT_EQ(got, with(fused ? std::vector<std::string>{"angle_prefix", "chunk_forward"} : three,
                         fused_backward))
