@@ -1,8 +1,10 @@
-// Several-GPU jobs through a real megacppd (needs 2 GPUs; skipped elsewhere): a TP = 2 job and a
-// DP = 2 job run as one executor per GPU rank and succeed, with kernel receipts from both ranks
-// and a checkpoint the CPU runtime loads; kill -9 of one rank fails the job within a bounded time
-// naming the rank, a hung (stopped) rank fails it through the progress watchdog, and after both
-// the GPUs are free for the next job and the daemon healthy.
+// Several-GPU jobs through a real megacppd over every GPU (n: the largest power of two up to 8 the
+// machine has; needs 2, skipped elsewhere): a TP = n job, a DP = n job and, from 4 GPUs, a
+// DP = 2 × TP = n/2 job run as one executor per GPU rank and succeed, with kernel receipts from
+// every rank and a checkpoint the CPU runtime loads; kill -9 of one rank fails the job within a
+// bounded time naming the rank, a hung (stopped) rank fails it through the collective watchdog of
+// a rank waiting for it, and after both the GPUs are free for the next job and the daemon
+// healthy.
 #include <gtest/gtest.h>
 
 #ifdef MEGACPP_HAVE_CUDA
@@ -14,6 +16,9 @@
 #include <fstream>
 #include <string>
 #include <thread>
+#include <vector>
+
+#include <fmt/format.h>
 
 #include "runtime/checkpoint/checkpoint.h"
 #include "runtime/trainer/trainer.h"
@@ -55,14 +60,15 @@ pid_t rank_pid(const Daemon& d, int rank) {
   return 0;
 }
 
-v1::JobSpec gpu_job(const Daemon& d, int64_t steps, int tensor_parallel) {
+// A tiny job over `world` GPUs.
+v1::JobSpec gpu_job(const Daemon& d, int64_t steps, int world, int tensor_parallel) {
   v1::JobSpec spec = d.small_job(steps);
   spec.clear_config_json();
   spec.set_preset("tiny");
   spec.set_device_kind("cuda");
-  spec.set_device_count(2);
+  spec.set_device_count(world);
   spec.set_tensor_parallel(tensor_parallel);
-  spec.set_batch(2);
+  spec.set_batch(2 * (world / tensor_parallel));  // two rows a replica
   spec.set_seqlen(64);
   spec.set_checkpoint_interval(0);
   return spec;
@@ -85,24 +91,28 @@ TEST(CudaParallelJobs, TensorAndDataParallelJobsRunAndAFailedOrHungRankFailsTheJ
   });
   ASSERT_EQ(d.start(), -1) << d.log();
 
-  for (const int tp : {2, 1}) {
-    const v1::Job submitted = submit_ok(d, gpu_job(d, 6, tp));
+  const int world = testing::gpu_world();
+  const int last = world - 1;
+  std::vector<int> tensor_parallel = {world, 1};
+  if (world >= 4) tensor_parallel.push_back(world / 2);
+  for (const int tp : tensor_parallel) {
+    const v1::Job submitted = submit_ok(d, gpu_job(d, 6, world, tp));
     const v1::Job done = wait_for(d, submitted.id(), ended, kJobSeconds);
-    ASSERT_EQ(done.state(), v1::JOB_STATE_SUCCEEDED) << done.error();
-    EXPECT_EQ(done.devices_size(), 2);
+    ASSERT_EQ(done.state(), v1::JOB_STATE_SUCCEEDED) << "TP=" << tp << ": " << done.error();
+    EXPECT_EQ(done.devices_size(), world);
     EXPECT_EQ(done.step(), 6);
-    // Kernel receipts from both ranks, each naming its device and rank.
+    // Kernel receipts from every rank, each naming its device and rank.
     grpc::ClientContext context;
     v1::JobReceiptsRequest request;
     request.set_job_id(done.id());
     v1::ListKernelReceiptsResponse kernels;
     ASSERT_TRUE(d.receipts()->ListKernelReceipts(&context, request, &kernels).ok());
-    bool rank0 = false, rank1 = false;
-    for (const auto& k : kernels.kernels()) {
-      rank0 |= k.device().find("rank 0/2") != std::string::npos;
-      rank1 |= k.device().find("rank 1/2") != std::string::npos;
+    for (int rank = 0; rank < world; ++rank) {
+      const std::string name = fmt::format("rank {}/{}", rank, world);
+      bool found = false;
+      for (const auto& k : kernels.kernels()) found |= k.device().find(name) != std::string::npos;
+      EXPECT_TRUE(found) << "TP=" << tp << ": no kernel receipt from " << name;
     }
-    EXPECT_TRUE(rank0 && rank1) << "TP=" << tp << ": kernel receipts from both ranks";
     // The checkpoint is global: the CPU runtime loads and evaluates it.
     const auto latest = latest_checkpoint(done.checkpoint_dir());
     ASSERT_TRUE(latest.has_value()) << done.checkpoint_dir();
@@ -111,51 +121,60 @@ TEST(CudaParallelJobs, TensorAndDataParallelJobsRunAndAFailedOrHungRankFailsTheJ
     EXPECT_LT(eval.loss, std::log(257.0) + 1.0);
   }
 
-  // kill -9 of rank 1 mid-run: rank 0 would wait in its next collective for ever; the daemon
-  // kills it and fails the job, naming the rank.
-  const v1::Job long_job = submit_ok(d, gpu_job(d, 100000, 2));
+  // kill -9 of the last rank mid-run: the others would wait in their next collective for ever;
+  // the daemon kills them and fails the job, naming the rank.
+  const v1::Job long_job = submit_ok(d, gpu_job(d, 100000, world, world));
   wait_for(d, long_job.id(), stepping, kJobSeconds);
-  const pid_t victim = rank_pid(d, 1);
-  ASSERT_GT(victim, 0) << "no executor with --rank 1";
+  const pid_t victim = rank_pid(d, last);
+  ASSERT_GT(victim, 0) << "no executor with --rank " << last;
   const auto killed_at = std::chrono::steady_clock::now();
   ASSERT_EQ(::kill(victim, SIGKILL), 0);
   const v1::Job failed = wait_for(d, long_job.id(), ended, 60);
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - killed_at).count();
   EXPECT_EQ(failed.state(), v1::JOB_STATE_FAILED) << failed.error();
-  EXPECT_NE(failed.error().find("rank 1 of 2"), std::string::npos) << failed.error();
+  EXPECT_NE(failed.error().find(fmt::format("rank {} of {}", last, world)), std::string::npos)
+      << failed.error();
   EXPECT_NE(failed.error().find("signal 9"), std::string::npos) << failed.error();
   EXPECT_LT(seconds, 30.0) << "the job took " << seconds << " s to fail";
-  std::printf("killed rank 1: the job failed %.2f s later: %s\n", seconds,
+  std::printf("killed rank %d of %d: the job failed %.2f s later: %s\n", last, world, seconds,
               failed.error().substr(0, 160).c_str());
   EXPECT_TRUE(testing::executor_pids(d.pid()).empty()) << "an executor outlived its job";
 
-  // A rank that hangs (SIGSTOP: alive, silent) holds rank 0 in its next collective: rank 0's
-  // collective watchdog finds that collective waiting, aborts rank 0's communicators and fails
-  // it naming the collective and its group; the daemon then kills the stopped rank. Within the
-  // collective timeout and a few seconds, well before the progress watchdog would act.
-  const v1::Job hung_job = submit_ok(d, gpu_job(d, 100000, 2));
+  // A rank that hangs (SIGSTOP: alive, silent) holds the others in their next collective: the
+  // collective watchdog of a rank waiting for it (rank 0 on two GPUs; on more, whichever fires
+  // first) finds that collective waiting, aborts that rank's communicators and fails it naming
+  // the collective and its group; the daemon then kills the other ranks. Within the collective
+  // timeout and a few seconds, well before the progress watchdog would act.
+  const v1::Job hung_job = submit_ok(d, gpu_job(d, 100000, world, world));
   wait_for(d, hung_job.id(), stepping, kJobSeconds);
-  const pid_t sleeper = rank_pid(d, 1);
-  ASSERT_GT(sleeper, 0) << "no executor with --rank 1";
+  const pid_t sleeper = rank_pid(d, last);
+  ASSERT_GT(sleeper, 0) << "no executor with --rank " << last;
   const auto stopped_at = std::chrono::steady_clock::now();
   ASSERT_EQ(::kill(sleeper, SIGSTOP), 0);
   const v1::Job hung = wait_for(d, hung_job.id(), ended, 90);
   const double hang_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - stopped_at).count();
   EXPECT_EQ(hung.state(), v1::JOB_STATE_FAILED) << hung.error();
-  EXPECT_NE(hung.error().find("rank 0 of 2"), std::string::npos) << hung.error();
+  bool waiting_rank_named = false;
+  for (int rank = 0; rank < last; ++rank) {
+    waiting_rank_named |=
+        hung.error().find(fmt::format("rank {} of {}", rank, world)) != std::string::npos;
+  }
+  EXPECT_TRUE(waiting_rank_named) << hung.error();
   EXPECT_NE(hung.error().find("collective watchdog"), std::string::npos) << hung.error();
-  EXPECT_NE(hung.error().find("world ranks 0-1"), std::string::npos) << hung.error();
+  EXPECT_NE(hung.error().find(fmt::format("world ranks 0-{}", last)), std::string::npos)
+      << hung.error();
   EXPECT_NE(hung.error().find("collective timeout is 8 s"), std::string::npos) << hung.error();
   EXPECT_GE(hang_seconds, kCollectiveTimeout);
   EXPECT_LT(hang_seconds, kCollectiveTimeout + 15.0);
-  std::printf("stopped rank 1: the job failed %.1f s later: %s\n", hang_seconds,
+  std::printf("stopped rank %d of %d: the job failed %.1f s later: %s\n", last, world, hang_seconds,
               hung.error().substr(0, 400).c_str());
   EXPECT_TRUE(testing::executor_pids(d.pid()).empty()) << "an executor outlived its job";
 
-  // Both GPUs are free: the next two-GPU job runs; the daemon is healthy.
-  const v1::Job next = wait_for(d, submit_ok(d, gpu_job(d, 2, 2)).id(), ended, kJobSeconds);
+  // Every GPU is free: the next job over all of them runs; the daemon is healthy.
+  const v1::Job next =
+      wait_for(d, submit_ok(d, gpu_job(d, 2, world, world)).id(), ended, kJobSeconds);
   EXPECT_EQ(next.state(), v1::JOB_STATE_SUCCEEDED) << next.error();
   grpc::ClientContext context;
   v1::Status status;

@@ -4,6 +4,7 @@
 // under MEGACPP_HAVE_CUDA.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 
 #include "kernels/cuda/device_query.h"
@@ -18,6 +19,15 @@ inline bool gpu_present(std::string& why, size_t count = 1) {
         std::to_string(info.devices.size()) + " device(s), the test needs " + std::to_string(count);
   }
   return info.devices.size() >= count;
+}
+
+// The GPUs a several-GPU test runs over: the largest power of two up to 8 the machine has (so
+// that every rank count divides the test models' heads).
+inline int gpu_world() {
+  const auto devices = static_cast<int>(cuda::query_devices().devices.size());
+  int world = 1;
+  while (world * 2 <= std::min(devices, 8)) world *= 2;
+  return world;
 }
 
 }  // namespace megacpp::testing

@@ -66,12 +66,7 @@ struct ParallelCase {
 };
 
 // The largest power of two up to 8 GPUs this machine has (0 or 1: no multi-GPU run).
-int gpu_world() {
-  const auto devices = static_cast<int>(cuda::query_devices().devices.size());
-  int world = 1;
-  while (world * 2 <= std::min(devices, 8)) world *= 2;
-  return world;
-}
+using testing::gpu_world;
 
 std::vector<ParallelCase> parallel_cases() {
   return {
