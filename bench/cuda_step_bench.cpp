@@ -165,6 +165,7 @@ struct RankResult {
   double to_first_step = 0;
   // Where the time to the first step goes: (phase, seconds), in order.
   std::vector<std::pair<std::string, double>> phases;
+  int scan_chunk = 0;  // 0 without Mamba layers
   std::vector<double> ms;
   size_t in_use = 0;
   size_t planned = 0;
@@ -213,6 +214,8 @@ RankResult run_rank(const Options& o, const megacpp::Model<float>& host,
   }
   r.in_use = model.device_bytes_in_use();
   r.planned = model.memory_plan().total();
+  // The chunk the scan runs at: the config's, or less on a GPU with less shared memory.
+  for (const auto& k : model.scan_kernel_attributes()) r.scan_chunk = k.chunk;
   // The op breakdown comes from separate, profiled steps: the events are not in the timed ones.
   model.set_profiling(true);
   for (int i = 0; i < 3; ++i) step();
@@ -291,11 +294,15 @@ int run(const Options& o) {
   double op_total = 0;
   for (const auto& op : ops) op_total += op.total_ms;
 
+  const std::string run_at = r.scan_chunk > 0 && r.scan_chunk != config.ssm.chunk_size
+                                 ? fmt::format(" (run at chunk {})", r.scan_chunk)
+                                 : "";
   nlohmann::json out{
       {"device", info.devices.empty() ? "" : info.devices[0].name},
       {"preset", o.preset},
       {"rank", o.rank},
       {"chunk", config.ssm.chunk_size},
+      {"scan_chunk_run", r.scan_chunk},
       {"batch", o.batch},
       {"seqlen", o.seqlen},
       {"cuda_graphs", o.cuda_graphs},
@@ -319,12 +326,12 @@ int run(const Options& o) {
       {"device_bytes_in_use", in_use},
       {"planned_bytes", r.planned}};  // the arena and the layers' workspaces
   std::printf(
-      "%s R=%d chunk %d, batch %d x seqlen %d%s%s, %s attention%s, TP=%d DP=%d%s: step "
+      "%s R=%d chunk %d%s, batch %d x seqlen %d%s%s, %s attention%s, TP=%d DP=%d%s: step "
       "min/median/max "
       "%.1f/%.1f/%.1f ms, "
       "%.0f tokens/s, %.1f model TFLOP/s, MFU %.1f%% of the %.0f TFLOP/s GEMM ceiling, "
       "%.1f GiB in use (%.1f planned), first step after %.1f s\n",
-      o.preset.c_str(), o.rank, config.ssm.chunk_size, o.batch, o.seqlen,
+      o.preset.c_str(), o.rank, config.ssm.chunk_size, run_at.c_str(), o.batch, o.seqlen,
       o.cuda_graphs ? " (step graph)" : "", o.recompute_in_proj ? " (in_proj recomputed)" : "",
       megacpp::to_string(o.attention), o.deterministic ? "" : " (nondeterministic)",
       o.tensor_parallel, o.data_parallel,

@@ -420,6 +420,11 @@ static int run(int argc, char** argv) {
     // A shape whose plan this device cannot hold at its own chunk (the SISO shape in an A100's
     // shared memory) runs at a smaller one: named here and in the tables.
     const int chunk = megacpp::cuda::planned_scan_chunk(c.shape, shared.per_block);
+    if (chunk == 0) {
+      std::printf("%s: not run: chunk_backward fits this device's shared memory at no chunk\n",
+                  c.name.c_str());
+      continue;
+    }
     std::string name = c.name;
     if (chunk != c.shape.chunk) {
       std::printf(
@@ -429,12 +434,15 @@ static int run(int argc, char** argv) {
           shared.per_block);
       name += " (run at chunk " + std::to_string(chunk) + ")";
     }
+    // The work (FLOPs, state traffic, floors) of what runs.
+    ScanShape run_shape = c.shape;
+    run_shape.chunk = chunk;
     Problem pr = make_problem(c.shape);
     // Tensor cores with and without the PsiV cache, then the CUDA-core variant.
     const bool variants[3][2] = {{true, false}, {true, true}, {false, false}};
     for (const auto& v : variants) {
       results.push_back(measure(name, pr, v[1], v[0], repeats));
-      works.push_back(work_of(c.shape));
+      works.push_back(work_of(run_shape));
     }
     free_problem(pr);
   }

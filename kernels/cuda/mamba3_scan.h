@@ -155,14 +155,17 @@ std::vector<KernelAttributes> kernel_attributes(const ops::ScanShape& shape,
 // Hopper, 166912 on an A100, lower where MEGACPP_CUDA_SHARED_MEMORY_PER_SM caps it:
 // kernels/cuda/device_query.h) is below it, the scan runs at a smaller chunk (planned_scan_chunk);
 // where the device has room beyond it, chunk_backward takes more (the weights' space, split state
-// operands, the group's dQ/dK sums). Either changes speed, not the function computed.
+// operands, the group's dQ/dK sums). A smaller chunk computes the same recurrence with other
+// rounding (so a deterministic run does not repeat its bits on such a device); the space taken or
+// not changes speed alone.
 size_t scan_shared_bytes_needed(const ops::ScanShape& shape);
 
 // The chunk the scan runs `shape` at where a block may have `per_block` bytes of shared memory:
 // shape.chunk where scan_shared_bytes_needed fits, else the largest smaller chunk (keeping
 // chunk × rank a multiple of 16) that fits, 0 where none does (the constructor then refuses the
 // shape, naming both figures). The chunked form computes the recurrence at any chunk
-// (../shared/spec/model.md), so a smaller chunk costs speed, not the model: a chunk is a tiling.
+// (../shared/spec/model.md), so a smaller chunk costs speed and changes rounding, not the model: a
+// chunk is a tiling.
 // Throws like the constructor for a shape whose fields are not covered.
 int planned_scan_chunk(const ops::ScanShape& shape, size_t per_block);
 

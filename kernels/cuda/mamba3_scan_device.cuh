@@ -283,7 +283,9 @@ inline SmemPlan plan_for(const Dims& d, ScanKernel kernel, bool weights_recomput
   return p;
 }
 
-// chunk_backward's plan: plan_for's, plus what fits within `limit` bytes per block, in this order:
+// chunk_backward's plan: plan_for's (without W's space where even that exceeds `limit`: the
+// weights are then made again where read, and the split state below is not taken), plus what fits
+// within `limit` bytes per block, in this order:
 //   split state (tensor cores only): the state (E, later dS) and dO held as hi + lo bf16 pairs
 //     once, so that their products fetch operands by ldmatrix (smem_mma_split) rather than
 //     element by element with a split per fetch (the fp32 state reads were about a tenth of the

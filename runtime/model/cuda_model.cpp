@@ -796,7 +796,8 @@ void CudaModel::Impl::allocate_and_build(cuda::GemmPlanCache* plan_cache) {
           l.shape.scan_shape(m.batch, m.seqlen, c.ssm.chunk_size), false, true,
           m.scan_backward_workspace, m.scan_backward_bytes);
       if (l.scan->planned_chunk() != c.ssm.chunk_size && !chunk_noted) {
-        // The same function at a finer tiling: said once, and in every receipt's kernel records.
+        // The same recurrence at a finer tiling, with other rounding: said once here, and in every
+        // receipt's kernel records.
         spdlog::info(
             "mamba scan runs at chunk {} (config chunk_size {}): its backward's shared memory at "
             "chunk {} exceeds what device {} allows a block",

@@ -431,6 +431,7 @@ TEST(Mamba3ScanCudaShapes, PlansTheLargestChunkThatFitsTheDevice) {
   for (const auto& c : Mamba3Scan::cases()) {
     EXPECT_EQ(megacpp::cuda::planned_scan_chunk(c.shape, kHopperPerBlock), c.shape.chunk) << c.name;
     const int chunk = megacpp::cuda::planned_scan_chunk(c.shape, kA100PerBlock);
+    ASSERT_GT(chunk, 0) << c.name;
     ScanShape at = c.shape;
     at.chunk = chunk;
     EXPECT_LE(megacpp::cuda::scan_shared_bytes_needed(at), kA100PerBlock) << c.name;
