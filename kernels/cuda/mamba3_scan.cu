@@ -107,12 +107,11 @@ int largest_fitting_chunk(const ops::ScanShape& s, size_t per_block) {
   return 0;
 }
 
-// `s` validated (validate) at the chunk the kernels run it at on the current device: its own
-// chunk where chunk_backward's plan fits the device's shared memory, else the largest smaller
-// one that fits (planned_scan_chunk). Refuses, naming both figures, a shape that fits at no chunk.
-ops::ScanShape planned_shape(const ops::ScanShape& s) {
+// `s` validated (validate) at the chunk the kernels run it at on a device with `shared`: its own
+// chunk where chunk_backward's plan fits, else the largest smaller one that fits
+// (planned_scan_chunk). Refuses, naming both figures, a shape that fits at no chunk.
+ops::ScanShape planned_shape(const ops::ScanShape& s, const SharedMemoryLimits& shared) {
   validate(s);
-  const SharedMemoryLimits shared = current_shared_memory_limits();
   ops::ScanShape planned = s;
   planned.chunk = largest_fitting_chunk(s, shared.per_block);
   if (planned.chunk == 0) {
@@ -279,8 +278,8 @@ size_t bytes_of_parts(const std::array<size_t, kParts>& sizes, int first, int la
 }  // namespace
 
 size_t Mamba3ScanCuda::backward_workspace_bytes(const ops::ScanShape& shape) {
-  return bytes_of_parts(part_sizes(scan_detail::dims_of(scan_detail::planned_shape(shape))),
-                        kForwardParts, kParts);
+  const ops::ScanShape planned = scan_detail::planned_shape(shape, current_shared_memory_limits());
+  return bytes_of_parts(part_sizes(scan_detail::dims_of(planned)), kForwardParts, kParts);
 }
 
 namespace {
@@ -302,23 +301,28 @@ size_t psiv_cache_bytes(const Dims& d, bool psiv_cache) {
   return psiv_cache ? tokens * d.rank * d.headdim * sizeof(bf16) : 0;
 }
 
+// What the constructor allocates for itself at dims `d` (own_workspace_bytes).
+size_t own_bytes(const Dims& d, bool psiv_cache, bool shared_backward) {
+  const size_t own = bytes_of_parts(part_sizes(d), 0, shared_backward ? kForwardParts : kParts);
+  return own + psiv_cache_bytes(d, psiv_cache) + parameter_stage_bytes(d);
+}
+
 }  // namespace
 
 size_t Mamba3ScanCuda::own_workspace_bytes(const ops::ScanShape& shape, bool psiv_cache,
                                            bool shared_backward) {
-  const Dims d = scan_detail::dims_of(scan_detail::planned_shape(shape));
-  const size_t own = bytes_of_parts(part_sizes(d), 0, shared_backward ? kForwardParts : kParts);
-  return own + psiv_cache_bytes(d, psiv_cache) + parameter_stage_bytes(d);
+  const ops::ScanShape planned = scan_detail::planned_shape(shape, current_shared_memory_limits());
+  return own_bytes(scan_detail::dims_of(planned), psiv_cache, shared_backward);
 }
 
 Mamba3ScanCuda::Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache, bool tensor_cores,
                                void* backward_workspace, size_t backward_bytes)
     : shape_(shape), psiv_cache_(psiv_cache), tensor_cores_(tensor_cores) {
-  const ops::ScanShape planned = scan_detail::planned_shape(shape);
-  planned_chunk_ = planned.chunk;
   MEGACPP_CUDA_CHECK(cudaGetDevice(&device_));
-  const Dims d = scan_detail::dims_of(planned);
   const SharedMemoryLimits shared = shared_memory_limits(device_);
+  const ops::ScanShape planned = scan_detail::planned_shape(shape, shared);
+  planned_chunk_ = planned.chunk;
+  const Dims d = scan_detail::dims_of(planned);
   scan_detail::raise_shared_limits(d, shared);
   const std::array<size_t, kParts> sizes = part_sizes(d);
   const size_t backward_needed = bytes_of_parts(sizes, kForwardParts, kParts);
@@ -336,7 +340,7 @@ Mamba3ScanCuda::Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache, boo
   }
   const bool own_backward = backward_workspace == nullptr;
   const size_t own = bytes_of_parts(sizes, 0, own_backward ? kParts : kForwardParts);
-  workspace_bytes_ = own_workspace_bytes(shape, psiv_cache, !own_backward);
+  workspace_bytes_ = own_bytes(d, psiv_cache, !own_backward);
   psiv_bytes_ = psiv_cache_bytes(d, psiv_cache);
   MEGACPP_CUDA_CHECK(cudaMalloc(&arena_, workspace_bytes_));
   buffers_ = new Buffers{};
@@ -466,10 +470,10 @@ void Mamba3ScanCuda::backward(const ScanDeviceInputs& in, const uint16_t* dy,
 }
 
 std::vector<KernelAttributes> kernel_attributes(const ops::ScanShape& shape, bool tensor_cores) {
-  const Dims d = scan_detail::dims_of(scan_detail::planned_shape(shape));
   int device = 0, max_threads_per_sm = 0;
   MEGACPP_CUDA_CHECK(cudaGetDevice(&device));
   const SharedMemoryLimits shared = shared_memory_limits(device);
+  const Dims d = scan_detail::dims_of(scan_detail::planned_shape(shape, shared));
   scan_detail::raise_shared_limits(d, shared);
   MEGACPP_CUDA_CHECK(
       cudaDeviceGetAttribute(&max_threads_per_sm, cudaDevAttrMaxThreadsPerMultiProcessor, device));

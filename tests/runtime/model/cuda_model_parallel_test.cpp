@@ -144,32 +144,19 @@ struct StepResult {
   std::vector<float> params;
 };
 
-StepResult run_step(CudaModel& gpu, Model<float>& host, const int32_t* tokens) {
+// One step from the host's parameters: `micro_batches` micro-batches of `rows` tokens each (the
+// replicas' batches, in rank order: the step a DP group computes, with the same GEMM shapes), each
+// gradient scaled 1/micro_batches; the whole of `tokens` in one when 1.
+StepResult run_step(CudaModel& gpu, Model<float>& host, const int32_t* tokens,
+                    int micro_batches = 1, size_t rows = 0) {
   StepResult r;
   AdamW<float> fresh(host.parameters(), OptimizerConfig{});
   gpu.upload(host.parameters(), &fresh);
   gpu.zero_grad();
-  r.loss = gpu.forward_backward(tokens, 1.0);
-  r.grads = gpu.download_gradients();
-  r.norm = gpu.optimizer_step(kLearningRate);
-  ParameterSet<float> after = host.parameters();
-  gpu.download(after, nullptr);
-  r.params.assign(after.values().begin(), after.values().end());
-  return r;
-}
-
-// The same step as `count` micro-batches of `rows` tokens each (the replicas' batches, in rank
-// order), each gradient scaled 1/count: the step a DP group computes, with the same GEMM shapes.
-StepResult run_micro_batches(CudaModel& gpu, Model<float>& host, const int32_t* tokens, int count,
-                             size_t rows) {
-  StepResult r;
-  AdamW<float> fresh(host.parameters(), OptimizerConfig{});
-  gpu.upload(host.parameters(), &fresh);
-  gpu.zero_grad();
-  const double scale = 1.0 / count;
-  for (int i = 0; i < count; ++i) {
-    r.loss +=
-        scale * gpu.forward_backward(tokens + static_cast<size_t>(i) * rows, scale, i + 1 == count);
+  const double scale = 1.0 / micro_batches;
+  for (int i = 0; i < micro_batches; ++i) {
+    r.loss += scale * gpu.forward_backward(tokens + static_cast<size_t>(i) * rows, scale,
+                                           i + 1 == micro_batches);
   }
   r.grads = gpu.download_gradients();
   r.norm = gpu.optimizer_step(kLearningRate);
@@ -366,7 +353,7 @@ void expect_mesh_equals_one_gpu(const ParallelCase& c, int world, int tp, double
   }
   {
     CudaModel gpu(host, c.batch, c.seqlen, OptimizerConfig{}, 0);
-    one_in_parts = run_micro_batches(gpu, host, tokens.data(), dp, rows_per_replica);
+    one_in_parts = run_step(gpu, host, tokens.data(), dp, rows_per_replica);
   }
   std::vector<StepResult> ranks(static_cast<size_t>(world));
   run_ranks(world, tp, [&](int rank, const CudaModelParallel& p) {
