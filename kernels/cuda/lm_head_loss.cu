@@ -185,6 +185,15 @@ void validate(const LmHeadLossShape& s) {
            "LmHeadLossCuda: LmHeadLossShape.vocab_padded={} must be >= vocab_size={}",
            s.vocab_padded, s.vocab_size);
   }
+  if (s.first_row < 0 || s.total_rows < 0 ||
+      (s.total_rows > 0 && s.first_row > s.total_rows - s.rows) ||
+      (s.total_rows == 0 && s.first_row != 0)) {
+    refuse(
+        ErrorKind::kInvalidArgument,
+        "LmHeadLossCuda: LmHeadLossShape rows [first_row={}, +rows={}) must lie inside the batch "
+        "of total_rows={} (0: rows, with first_row 0)",
+        s.first_row, s.rows, s.total_rows);
+  }
   if (s.chunk_rows < 0) {
     refuse(ErrorKind::kInvalidArgument,
            "LmHeadLossCuda: LmHeadLossShape.chunk_rows={} must be >= 0 (0: picked)", s.chunk_rows);
@@ -323,7 +332,8 @@ void LmHeadLossCuda::run(const uint16_t* h, const uint16_t* weight, const int32_
   const bool grad = dh != nullptr;
   const bool vec = shape.vocab_padded % 4 == 0;
 
-  count_kernel<<<1, kThreads, 0, s>>>(shape.rows, shape.vocab_size, targets, count);
+  count_kernel<<<1, kThreads, 0, s>>>(shape.batch_rows(), shape.vocab_size, targets, count);
+  targets += shape.first_row;
   MEGACPP_CUDA_CHECK_LAUNCH("count_kernel");
   for (int begin = 0; begin < shape.rows; begin += chunk) {
     const int rows = std::min(chunk, shape.rows - begin);

@@ -46,6 +46,15 @@ struct LmHeadLossShape {
   // Rows per chunk; 0 picks the largest multiple of 128 (or all rows, or at least 1) whose fp32
   // logits take at most kChunkLogitsBytes. Larger than rows: all rows in one chunk.
   int chunk_rows = 0;
+  // A share of a larger batch (sequence parallelism: each tensor-parallel rank takes its rows):
+  // the op's rows are rows [first_row, first_row + rows) of a batch of total_rows. targets holds
+  // the whole batch's total_rows entries, h and dh the op's rows only; the mean's denominator is
+  // the whole batch's count, so loss is the op's share of the batch's mean (the shares of all the
+  // batch's rows sum to it) and valid_rows the batch's count. total_rows 0: the op's rows are the
+  // whole batch.
+  int first_row = 0;
+  int total_rows = 0;
+  int batch_rows() const { return total_rows == 0 ? rows : total_rows; }
 };
 
 class LmHeadLossCuda {
@@ -70,7 +79,7 @@ class LmHeadLossCuda {
   LmHeadLossCuda& operator=(const LmHeadLossCuda&) = delete;
 
   // The mean loss alone (evaluation). h bf16 [rows, dim], weight bf16 [vocab_padded, dim],
-  // targets int32 [rows]. loss fp32 [1]: the mean over the counted rows (0 when none).
+  // targets int32 [batch_rows()]. loss fp32 [1]: the mean over the counted rows (0 when none).
   // valid_rows int32 [1] (may be null): how many rows were counted, so that a caller can weight
   // means of several calls. stream: a cudaStream_t, or null. Asynchronous.
   void forward(const uint16_t* h, const uint16_t* weight, const int32_t* targets, float* loss,

@@ -1,5 +1,6 @@
 // CUDA RMSNorm fused with the residual add: see rmsnorm.h for the structure. The formulas and
 // their float evaluation order are those of kernels/cpu/rmsnorm.h.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -71,15 +72,15 @@ __global__ void __launch_bounds__(kThreads)
 // c mod blockDim. dx and residual_grad may be the same buffer: not __restrict__.
 template <int kDy>
 __global__ void __launch_bounds__(kThreads)
-    backward_kernel(int rows, int dim, const float* __restrict__ x,
+    backward_kernel(int rows, int tile_rows, int dim, const float* __restrict__ x,
                     const float* __restrict__ weight, const float* __restrict__ rstd,
                     const bf16* dy_bf16, const float* dy_f32, const float* residual_grad, float* dx,
                     float* __restrict__ partials) {
   extern __shared__ float acc[];
   __shared__ float warp_sums[kWarps];
   for (int c = threadIdx.x; c < dim; c += blockDim.x) acc[c] = 0.f;
-  const int row_begin = blockIdx.x * ResidualRmsNormCuda::kRowsPerTile;
-  const int row_end = min(rows, row_begin + ResidualRmsNormCuda::kRowsPerTile);
+  const int row_begin = blockIdx.x * tile_rows;
+  const int row_end = min(rows, row_begin + tile_rows);
   const float inv_dim = 1.f / static_cast<float>(dim);
   for (int row = row_begin; row < row_end; ++row) {
     const int64_t base = static_cast<int64_t>(row) * dim;
@@ -101,19 +102,40 @@ __global__ void __launch_bounds__(kThreads)
   for (int c = threadIdx.x; c < dim; c += blockDim.x) out[c] = acc[c];
 }
 
-// One thread per column: the tiles' partials in tile order.
+// A block per kReduceColumns columns, a warp-wide row of them per group: group g sums tiles g,
+// g + kReduceGroups, ... in order, then the first group adds the groups' sums in group order.
+constexpr int kReduceColumns = 32;
+static_assert(kThreads == kReduceColumns * ResidualRmsNormCuda::kReduceGroups);
 __global__ void __launch_bounds__(kThreads)
     reduce_kernel(int dim, int tiles, const float* __restrict__ partials,
                   float* __restrict__ dweight, bool accumulate) {
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= dim) return;
-  float sum = accumulate ? dweight[c] : 0.f;
-  for (int t = 0; t < tiles; ++t) sum += partials[static_cast<int64_t>(t) * dim + c];
-  dweight[c] = sum;
+  constexpr int kGroups = ResidualRmsNormCuda::kReduceGroups;
+  __shared__ float group_sums[kGroups][kReduceColumns];
+  const int lane = static_cast<int>(threadIdx.x) % kReduceColumns;
+  const int group = static_cast<int>(threadIdx.x) / kReduceColumns;
+  const int c = static_cast<int>(blockIdx.x) * kReduceColumns + lane;
+  float sum = 0.f;
+  if (c < dim) {
+#pragma unroll 4
+    for (int t = group; t < tiles; t += kGroups) sum += partials[static_cast<int64_t>(t) * dim + c];
+  }
+  group_sums[group][lane] = sum;
+  __syncthreads();
+  if (group != 0 || c >= dim) return;
+  float total = accumulate ? dweight[c] : 0.f;
+  for (int g = 0; g < kGroups; ++g) total += group_sums[g][lane];
+  dweight[c] = total;
+}
+
+int tile_rows_of(const RmsNormShape& s) {
+  const int spread =
+      (s.rows + ResidualRmsNormCuda::kTargetTiles - 1) / ResidualRmsNormCuda::kTargetTiles;
+  return std::clamp(spread, 1, ResidualRmsNormCuda::kMaxRowsPerTile);
 }
 
 int tiles_of(const RmsNormShape& s) {
-  return (s.rows + ResidualRmsNormCuda::kRowsPerTile - 1) / ResidualRmsNormCuda::kRowsPerTile;
+  const int tile_rows = tile_rows_of(s);
+  return (s.rows + tile_rows - 1) / tile_rows;
 }
 
 void validate(const RmsNormShape& s) {
@@ -209,18 +231,20 @@ void ResidualRmsNormCuda::backward(const float* x, const float* weight, const fl
   }
   MEGACPP_CUDA_CHECK(cudaSetDevice(device_));
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const int tile_rows = tile_rows_of(shape_);
   const int tiles = tiles_of(shape_);
   const size_t shared = static_cast<size_t>(shape_.dim) * sizeof(float);
   if (dy.bf16 != nullptr) {
-    backward_kernel<kBf16><<<tiles, kThreads, shared, s>>>(shape_.rows, shape_.dim, x, weight, rstd,
-                                                           as_bf16(dy.bf16), nullptr, residual_grad,
-                                                           dx, partials_);
+    backward_kernel<kBf16><<<tiles, kThreads, shared, s>>>(shape_.rows, tile_rows, shape_.dim, x,
+                                                           weight, rstd, as_bf16(dy.bf16), nullptr,
+                                                           residual_grad, dx, partials_);
   } else {
-    backward_kernel<kF32><<<tiles, kThreads, shared, s>>>(
-        shape_.rows, shape_.dim, x, weight, rstd, nullptr, dy.f32, residual_grad, dx, partials_);
+    backward_kernel<kF32><<<tiles, kThreads, shared, s>>>(shape_.rows, tile_rows, shape_.dim, x,
+                                                          weight, rstd, nullptr, dy.f32,
+                                                          residual_grad, dx, partials_);
   }
   MEGACPP_CUDA_CHECK_LAUNCH("backward_kernel");
-  reduce_kernel<<<(shape_.dim + kThreads - 1) / kThreads, kThreads, 0, s>>>(
+  reduce_kernel<<<(shape_.dim + kReduceColumns - 1) / kReduceColumns, kThreads, 0, s>>>(
       shape_.dim, tiles, partials_, dweight, accumulate);
   MEGACPP_CUDA_CHECK_LAUNCH("reduce_kernel");
 }

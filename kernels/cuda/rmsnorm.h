@@ -10,10 +10,14 @@
 //
 //   forward   one block per row: residual_out = residual_in + delta, the sum of squares by a
 //             fixed-order block reduction, rstd = 1/sqrt(mean + eps), y = x·rstd·weight.
-//   backward  one block per tile of kRowsPerTile rows: dx row by row (each row's Σ dy·w·x by a
-//             fixed-order block reduction), while each thread adds its columns' dy·x·rstd over
-//             the tile's rows in order into the tile's dweight partial; a second kernel sums
-//             the partials in tile order into dweight. No atomics: bitwise reproducible.
+//   backward  one block per tile of rows: dx row by row (each row's Σ dy·w·x by a fixed-order
+//             block reduction), while each thread adds its columns' dy·x·rstd over the tile's
+//             rows in order into the tile's dweight partial; a second kernel sums the partials
+//             in a fixed order into dweight (kReduceGroups interleaved groups of tiles, then the
+//             groups). A tile is up to kMaxRowsPerTile rows, fewer where the rows are few, so
+//             that about kTargetTiles blocks keep every SM busy: a block's rows run one after
+//             another, so a block's time is its rows' latency, whatever the grid. No atomics:
+//             bitwise reproducible.
 #include <cstddef>
 #include <cstdint>
 
@@ -34,11 +38,13 @@ struct RowsRef {
 
 class ResidualRmsNormCuda {
  public:
-  static constexpr int kRowsPerTile = 32;
+  static constexpr int kMaxRowsPerTile = 32;
+  static constexpr int kTargetTiles = 1024;
+  static constexpr int kReduceGroups = 8;
   // The widest row: backward keeps a tile's dweight partial [dim] in shared memory.
   static constexpr int kMaxDim = 8192;
 
-  // Device memory backward() needs: the tiles' dweight partials, fp32 [ceil(rows / 32), dim].
+  // Device memory backward() needs: the tiles' dweight partials, fp32 [tiles, dim].
   static size_t workspace_bytes(const RmsNormShape& shape);
 
   // Validates the shape (kInvalidArgument naming the field otherwise) and takes `workspace`,

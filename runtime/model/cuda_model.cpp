@@ -89,6 +89,20 @@ struct CudaModel::Impl {
   OptimizerConfig optimizer;
   int device = 0;
   int batch = 0, seqlen = 0, rows = 0;
+  // Sequence parallelism (shard_plan.h's sequence_split): the rows of the residual stream this
+  // rank holds, rows [row_offset, row_offset + local_rows) of the micro-batch's, at the start of
+  // its slot of slot_rows; all of them on one GPU. The buffers the collectives fill hold
+  // padded_rows = slot_rows · tp rows: the last rank's slot ends in rows no op reads, kept zero.
+  int local_rows = 0;
+  int64_t row_offset = 0;
+  int slot_rows = 0;
+  int64_t padded_rows = 0;
+  template <class T>
+  T* my_rows(T* whole) const {
+    return whole + row_offset * config.d_model;
+  }
+  int64_t local_elements() const { return static_cast<int64_t>(local_rows) * config.d_model; }
+  int64_t slot_elements() const { return static_cast<int64_t>(slot_rows) * config.d_model; }
   // The device holds the rank's shards (the plan's local layout); the host mirror is global.
   CudaModelParallel par;
   std::unique_ptr<parallel::ShardPlan> plan;
@@ -140,14 +154,15 @@ struct CudaModel::Impl {
   int32_t* inputs = nullptr;   // [rows]
   int32_t* targets = nullptr;  // [rows]
   std::vector<int32_t> host_inputs, host_targets;
-  std::vector<float*> residual;   // per site [rows, d_model]
-  std::vector<uint16_t*> normed;  // per site [rows, d_model]
-  std::vector<float*> rstd;       // per site [rows]
-  uint16_t* delta = nullptr;      // a sublayer's output [rows, d_model]
-  uint16_t* ddelta = nullptr;     // its gradient, bf16 [rows, d_model]
-  float* dresidual = nullptr;     // [rows, d_model]
-  // The gradient of a norm site's output, fp32 [rows, d_model]: written by the sublayer's input
-  // GEMM in fp32 rather than bf16, because the norm weight's gradient sums it over every row.
+  std::vector<float*> residual;   // per site [local_rows, d_model]
+  std::vector<uint16_t*> normed;  // per site [rows, d_model]: the rank's rows, then gathered
+  std::vector<float*> rstd;       // per site [local_rows]
+  uint16_t* delta = nullptr;      // a sublayer's output [rows, d_model], reduced into my_rows
+  uint16_t* ddelta = nullptr;     // its gradient, bf16 [rows, d_model], gathered from my_rows
+  float* dresidual = nullptr;     // [local_rows, d_model]
+  // The gradient of a norm site's output, fp32 [rows, d_model] (reduced into my_rows): written by
+  // the sublayer's input GEMM in fp32 rather than bf16, because the norm weight's gradient sums it
+  // over every row.
   float* dnormed = nullptr;
   uint16_t* scratch_a = nullptr;    // the largest per-token backward scratch of any sublayer
   uint16_t* scratch_b = nullptr;    // a second one
@@ -248,17 +263,32 @@ struct CudaModel::Impl {
   // Allocates the planned arena, points the buffers into it and makes the ops.
   void allocate_and_build(cuda::GemmPlanCache* plan_cache);
   cuda::EmbeddingShape embedding_shape() const {
-    return {rows, config.d_model, config.padded_vocab()};
+    return {local_rows, config.d_model, config.padded_vocab()};
   }
-  cuda::RmsNormShape norm_shape() const { return {rows, config.d_model, config.norm_epsilon}; }
+  cuda::RmsNormShape norm_shape() const {
+    return {local_rows, config.d_model, config.norm_epsilon};
+  }
+  // The loss of the rank's rows, as its share of the micro-batch's mean.
   cuda::LmHeadLossShape lm_head_shape() const {
-    return {rows, config.d_model, config.padded_vocab(), config.vocab_size, 0};
+    return {local_rows,
+            config.d_model,
+            config.padded_vocab(),
+            config.vocab_size,
+            0,
+            static_cast<int>(row_offset),
+            sharded() ? rows : 0};
   }
-  void tp_all_reduce_output();
+  // Tensor parallel: a sublayer's output (delta, a partial sum on each rank) summed over the group
+  // into the rank's rows; a norm site's output (or the residual gradient) gathered from every
+  // rank's rows; the rows' shares of the loss summed.
+  void tp_reduce_scatter_output();
+  void tp_all_gather(uint16_t* whole, const char* label);
+  void tp_sum_loss();
   // Tensor parallel: each sublayer's input gradient (dnormed, partial on each rank) is summed over
-  // the group on tp_stream, started as soon as the sublayer has enqueued it and hidden behind its
-  // weight-gradient GEMMs, which need only the sublayer's own inputs (Megatron's overlap of the
-  // input-gradient all-reduce); the add+rmsnorm backward then waits for the sum.
+  // the group into the rank's rows on tp_stream, started as soon as the sublayer has enqueued it
+  // and hidden behind its weight-gradient GEMMs, which need only the sublayer's own inputs
+  // (Megatron's overlap of the input-gradient reduction); the add+rmsnorm backward then waits for
+  // the sum.
   cudaStream_t tp_stream = nullptr;
   cudaEvent_t input_gradient_ready = nullptr;
   cudaEvent_t input_gradient_summed = nullptr;
@@ -328,6 +358,11 @@ void CudaModel::Impl::plan_parallel(const CudaModelParallel& parallel, bool plan
          parallel.tp_rank, parallel.tensor_group->rank());
   }
   par = parallel;
+  const parallel::SequenceSplit split = parallel::sequence_split(rows, tp, parallel.tp_rank);
+  local_rows = split.rows;
+  row_offset = split.first;
+  slot_rows = split.slot;
+  padded_rows = split.padded_rows();
   // Validates the geometry against the model, naming the rule a split breaks.
   plan = std::make_unique<parallel::ShardPlan>(config, parallel::ParallelConfig{tp, tp * dp});
   const parallel::RankGeometry& geo = plan->geometry(parallel.tp_rank);
@@ -415,11 +450,26 @@ void CudaModel::Impl::reduce_bucket(size_t bucket) {
   together.end();
 }
 
-void CudaModel::Impl::tp_all_reduce_output() {
+void CudaModel::Impl::tp_reduce_scatter_output() {
   if (!sharded()) return;
-  par.tensor_group->all_reduce(delta, static_cast<int64_t>(rows) * config.d_model,
-                               parallel::CollectiveType::kBf16, parallel::ReduceOp::kSum, stream);
-  lap("tensor-parallel all-reduce forward");
+  par.tensor_group->reduce_scatter(delta, my_rows(delta), slot_elements(),
+                                   parallel::CollectiveType::kBf16, parallel::ReduceOp::kSum,
+                                   stream);
+  lap("tensor-parallel reduce-scatter forward");
+}
+
+void CudaModel::Impl::tp_all_gather(uint16_t* whole, const char* label) {
+  if (!sharded()) return;
+  par.tensor_group->all_gather(my_rows(whole), whole, slot_elements(),
+                               parallel::CollectiveType::kBf16, stream);
+  lap(label);
+}
+
+void CudaModel::Impl::tp_sum_loss() {
+  if (!sharded()) return;
+  par.tensor_group->all_reduce(loss, 1, parallel::CollectiveType::kFloat, parallel::ReduceOp::kSum,
+                               stream);
+  lap("tensor-parallel loss sum");
 }
 
 void CudaModel::Impl::make_tp_stream() {
@@ -436,30 +486,30 @@ void CudaModel::Impl::start_input_gradient_sum() {
   if (!sharded()) return;
   if (input_gradient_sum_pending) {
     fail(ErrorKind::kInternal,
-         "a sublayer backward started a second input-gradient all-reduce before the first was "
+         "a sublayer backward started a second input-gradient reduction before the first was "
          "finished");
   }
   input_gradient_sum_pending = true;
   MEGACPP_CUDA_CHECK(cudaEventRecord(input_gradient_ready, stream));
   MEGACPP_CUDA_CHECK(cudaStreamWaitEvent(tp_stream, input_gradient_ready, 0));
-  par.tensor_group->all_reduce(dnormed, static_cast<int64_t>(rows) * config.d_model,
-                               parallel::CollectiveType::kFloat, parallel::ReduceOp::kSum,
-                               tp_stream);
+  par.tensor_group->reduce_scatter(dnormed, my_rows(dnormed), slot_elements(),
+                                   parallel::CollectiveType::kFloat, parallel::ReduceOp::kSum,
+                                   tp_stream);
   MEGACPP_CUDA_CHECK(cudaEventRecord(input_gradient_summed, tp_stream));
 }
 
 void CudaModel::Impl::finish_input_gradient_sum() {
   if (!sharded()) return;
-  // Waiting on an event no all-reduce recorded would let the norm backward read dnormed before
+  // Waiting on an event no reduction recorded would let the norm backward read dnormed before
   // the other ranks' parts are in it: wrong gradients, silently.
   if (!input_gradient_sum_pending) {
     fail(ErrorKind::kInternal,
-         "a sublayer backward returned without starting its input-gradient all-reduce "
+         "a sublayer backward returned without starting its input-gradient reduction "
          "(start_input_gradient_sum)");
   }
   input_gradient_sum_pending = false;
   MEGACPP_CUDA_CHECK(cudaStreamWaitEvent(stream, input_gradient_summed, 0));
-  lap("tensor-parallel all-reduce backward (not hidden)");
+  lap("tensor-parallel reduce-scatter backward (not hidden)");
 }
 
 void CudaModel::Impl::dp_average_loss() {
@@ -552,6 +602,8 @@ void CudaModel::Impl::plan_buffers(const CudaModelOptions& options) {
   const ModelConfig& c = m.config;
   const parallel::RankGeometry& geo = m.plan->geometry(m.par.tp_rank);
   const size_t row_count = static_cast<size_t>(m.rows), dm = static_cast<size_t>(c.d_model);
+  const size_t local_count = static_cast<size_t>(m.local_rows);
+  const size_t padded_count = static_cast<size_t>(m.padded_rows);
   DeviceArena& a = m.arena;
 
   const size_t n = static_cast<size_t>(m.total);
@@ -677,16 +729,16 @@ void CudaModel::Impl::plan_buffers(const CudaModelOptions& options) {
   m.normed.assign(sites, nullptr);
   m.rstd.assign(sites, nullptr);
   for (size_t k = 0; k < sites; ++k) {
-    a.reserve(&m.residual[k], row_count * dm, "residual " + std::to_string(k));
-    a.reserve(&m.normed[k], row_count * dm, "normed " + std::to_string(k));
-    a.reserve(&m.rstd[k], row_count, "rstd " + std::to_string(k));
+    a.reserve(&m.residual[k], local_count * dm, "residual " + std::to_string(k));
+    a.reserve(&m.normed[k], padded_count * dm, "normed " + std::to_string(k));
+    a.reserve(&m.rstd[k], local_count, "rstd " + std::to_string(k));
   }
   a.reserve(&m.inputs, row_count, "input tokens");
   a.reserve(&m.targets, row_count, "target tokens");
-  a.reserve(&m.delta, row_count * dm, "sublayer output");
-  a.reserve(&m.ddelta, row_count * dm, "sublayer output gradient");
-  a.reserve(&m.dresidual, row_count * dm, "residual gradient");
-  a.reserve(&m.dnormed, row_count * dm, "normed gradient");
+  a.reserve(&m.delta, padded_count * dm, "sublayer output");
+  a.reserve(&m.ddelta, padded_count * dm, "sublayer output gradient");
+  a.reserve(&m.dresidual, local_count * dm, "residual gradient");
+  a.reserve(&m.dnormed, padded_count * dm, "normed gradient");
   a.reserve(&m.scratch_a, scratch_a_size, "backward scratch a");
   a.reserve(&m.scratch_b, scratch_b_size, "backward scratch b");
   a.reserve(&m.scratch_c, std::max<size_t>(scratch_c_size, 1), "scan input gradients");
@@ -822,6 +874,19 @@ void CudaModel::Impl::allocate_and_build(cuda::GemmPlanCache* plan_cache) {
   }
   m.adamw_op =
       std::make_unique<cuda::AdamWCuda>(adamw_refs, m.adamw_workspace, m.adamw_workspace_bytes);
+  if (m.padded_rows > m.rows) {
+    // The last rank's slot ends past the micro-batch. No op writes those rows: the collectives
+    // only sum and copy them among themselves, so zeroed once they stay zero (and no collective
+    // reads memory nothing wrote).
+    const size_t first = static_cast<size_t>(m.rows) * c.d_model;
+    const size_t pad = static_cast<size_t>(m.padded_rows - m.rows) * c.d_model;
+    MEGACPP_CUDA_CHECK(cudaMemsetAsync(m.delta + first, 0, pad * sizeof(uint16_t), m.stream));
+    MEGACPP_CUDA_CHECK(cudaMemsetAsync(m.ddelta + first, 0, pad * sizeof(uint16_t), m.stream));
+    MEGACPP_CUDA_CHECK(cudaMemsetAsync(m.dnormed + first, 0, pad * sizeof(float), m.stream));
+    for (uint16_t* site : m.normed) {
+      MEGACPP_CUDA_CHECK(cudaMemsetAsync(site + first, 0, pad * sizeof(uint16_t), m.stream));
+    }
+  }
   MEGACPP_CUDA_CHECK(cudaMemsetAsync(m.grads, 0, n * sizeof(float), m.stream));
   MEGACPP_CUDA_CHECK(cudaMemsetAsync(m.exp_avg, 0, n * sizeof(float), m.stream));
   MEGACPP_CUDA_CHECK(cudaMemsetAsync(m.exp_avg_sq, 0, n * sizeof(float), m.stream));
@@ -1049,8 +1114,10 @@ double CudaModel::forward(const int32_t* tokens) {
   m.upload_tokens(tokens);
   m.lap(nullptr);
   m.run_forward();
-  m.lm_head_op->forward(m.normed.back(), m.bf16(m.lm_head), m.targets, m.loss, nullptr, m.s());
+  m.lm_head_op->forward(m.my_rows(m.normed.back()), m.bf16(m.lm_head), m.targets, m.loss, nullptr,
+                        m.s());
   m.lap("lm_head+loss forward");
+  m.tp_sum_loss();
   m.dp_average_loss();
   return m.read_loss();
 }
@@ -1069,7 +1136,7 @@ void CudaModel::Impl::mamba_forward(MambaLayer& l, const uint16_t* x) {
   m.lap("mamba scan forward");
   l.out_linear->forward(l.y, m.bf16(l.out_proj), nullptr, cuda::RowsOut{m.delta, nullptr}, m.s());
   m.lap("mamba out_proj forward");
-  m.tp_all_reduce_output();
+  m.tp_reduce_scatter_output();
 }
 
 void CudaModel::Impl::attention_forward(AttentionLayer& l, const uint16_t* x) {
@@ -1099,21 +1166,25 @@ void CudaModel::Impl::attention_forward(AttentionLayer& l, const uint16_t* x) {
                         m.par.tp_rank == 0 ? m.value(l.out_bias) : nullptr,
                         cuda::RowsOut{m.delta, nullptr}, m.s());
   m.lap("attention out_proj forward");
-  m.tp_all_reduce_output();
+  m.tp_reduce_scatter_output();
 }
 
-// The forward of every sublayer and norm site; the last site's output is left in normed.back().
+// The forward of every sublayer and norm site; the last site's output is left in the rank's rows of
+// normed.back().
 void CudaModel::Impl::run_forward() {
   Impl& m = *this;
-  m.embedding_op->forward(m.inputs, m.value(m.embedding), m.residual[0], m.s());
+  m.embedding_op->forward(m.inputs + m.row_offset, m.value(m.embedding), m.residual[0], m.s());
   m.lap("embedding forward");
   size_t site = 0;
+  const size_t last_site = m.site_weight.size() - 1;
   const auto norm_site = [&](bool with_delta) {
     const float* in = site == 0 ? m.residual[0] : m.residual[site - 1];
-    m.norm_op->forward(in, cuda::RowsRef{with_delta ? m.delta : nullptr, nullptr},
-                       m.value(m.site_weight[site]), m.residual[site], m.normed[site], m.rstd[site],
-                       m.s());
+    m.norm_op->forward(in, cuda::RowsRef{with_delta ? m.my_rows(m.delta) : nullptr, nullptr},
+                       m.value(m.site_weight[site]), m.residual[site], m.my_rows(m.normed[site]),
+                       m.rstd[site], m.s());
     m.lap("add+rmsnorm forward");
+    // The last site feeds only the lm_head, which takes the rank's rows.
+    if (site != last_site) m.tp_all_gather(m.normed[site], "tensor-parallel all-gather forward");
   };
   norm_site(false);
   for (Block& b : m.blocks) {
@@ -1125,7 +1196,7 @@ void CudaModel::Impl::run_forward() {
       b.mlp->mlp->forward(m.normed[site], m.bf16(b.mlp->fc1), m.bf16(b.mlp->fc2), b.mlp->fc1_out,
                           b.mlp->act, cuda::RowsOut{m.delta, nullptr}, m.s());
       m.lap("mlp forward");
-      m.tp_all_reduce_output();
+      m.tp_reduce_scatter_output();
       ++site;
       norm_site(true);
     }
@@ -1305,24 +1376,26 @@ void CudaModel::Impl::forward_backward_body(float grad_scale) {
   Impl& m = *this;
   m.run_forward();
   size_t site = m.site_weight.size() - 1;
-  m.lm_head_op->forward_backward(m.normed[site], m.bf16(m.lm_head), m.targets, grad_scale, m.loss,
-                                 nullptr, m.ddelta, m.grad(m.lm_head), m.s());
+  m.lm_head_op->forward_backward(m.my_rows(m.normed[site]), m.bf16(m.lm_head), m.targets,
+                                 grad_scale, m.loss, nullptr, m.my_rows(m.ddelta),
+                                 m.grad(m.lm_head), m.s());
   m.lap("lm_head+loss forward+backward");
+  m.tp_sum_loss();
   m.norm_op->backward(m.residual[site], m.value(m.site_weight[site]), m.rstd[site],
-                      cuda::RowsRef{m.ddelta, nullptr}, nullptr, m.dresidual,
+                      cuda::RowsRef{m.my_rows(m.ddelta), nullptr}, nullptr, m.dresidual,
                       m.grad(m.site_weight[site]), true, m.s());
   m.lap("add+rmsnorm backward");
-  const size_t elements = static_cast<size_t>(m.rows) * m.config.d_model;
   // Site k's residual is site k-1's plus the sublayer's output, so the sublayer's output gradient
   // is the gradient of site k's residual, which also flows on into site k-1.
   const auto back_through_site = [&](auto&& sublayer_backward) {
-    cuda::cast_f32_to_bf16(m.dresidual, m.ddelta, static_cast<int64_t>(elements), m.s());
+    cuda::cast_f32_to_bf16(m.dresidual, m.my_rows(m.ddelta), m.local_elements(), m.s());
     m.lap("residual gradient to bf16");
+    m.tp_all_gather(m.ddelta, "tensor-parallel all-gather backward");
     --site;
     sublayer_backward(m.normed[site]);  // calls start_input_gradient_sum once
     m.finish_input_gradient_sum();
     m.norm_op->backward(m.residual[site], m.value(m.site_weight[site]), m.rstd[site],
-                        cuda::RowsRef{nullptr, m.dnormed}, m.dresidual, m.dresidual,
+                        cuda::RowsRef{nullptr, m.my_rows(m.dnormed)}, m.dresidual, m.dresidual,
                         m.grad(m.site_weight[site]), true, m.s());
     m.lap("add+rmsnorm backward");
   };
@@ -1343,7 +1416,7 @@ void CudaModel::Impl::forward_backward_body(float grad_scale) {
     }
     if (m.overlap_now) m.reduce_bucket(index);  // the block's gradients are final
   }
-  m.embedding_op->backward(m.inputs, m.dresidual, m.grad(m.embedding), true, m.s());
+  m.embedding_op->backward(m.inputs + m.row_offset, m.dresidual, m.grad(m.embedding), true, m.s());
   m.lap("embedding backward");
   if (m.overlap_now) {
     m.reduce_bucket(m.blocks.size());

@@ -42,10 +42,14 @@ class GemmPlanCache;
 // rank in its TP group and the groups' communicators. The default is one GPU alone.
 //
 // Tensor parallel: the model holds only its rank's shard of every parameter (the shard plan's
-// local layout) and computes its heads and MLP units; the row-parallel outputs are all-reduced
-// (bf16) in the forward, the column-parallel inputs' gradients (fp32) in the backward, the pieces
-// every rank holds but computes part of (B/C norm weights, the angle rows, replicated B/C rows)
-// once before the optimizer. Data parallel: gradients are averaged over the DP group, block by
+// local layout) and computes its heads and MLP units. Sequence parallel beside it: between the
+// sublayers each rank holds 1/tp of the rows (shard_plan.h's sequence_split) and runs
+// the embedding, residual adds, norms and lm_head + loss on them alone; a sublayer's input is
+// all-gathered (bf16) and its row-parallel output reduce-scattered (bf16) in the forward, the
+// output gradient all-gathered (bf16) and the input gradient reduce-scattered (fp32) in the
+// backward. The pieces every rank holds but computes part of (the embedding, norm and lm_head
+// weights, B/C norm weights, the angle rows, replicated B/C rows) are summed once before the
+// optimizer. Data parallel: gradients are averaged over the DP group, block by
 // block on a stream of their own while the backward goes on with the blocks below (the last
 // micro-batch of a step; set_overlapped_gradient_reduction; with tensor parallelism beside it,
 // after the backward), and the loss a step returns is the group's mean. The model's host mirror,

@@ -309,6 +309,15 @@ void CudaCommunicator::all_gather(const void* send, void* receive, int64_t count
   });
 }
 
+void CudaCommunicator::reduce_scatter(const void* send, void* receive, int64_t count,
+                                      CollectiveType type, ReduceOp op, void* stream) {
+  Impl& m = *impl_;
+  m.enqueue("reduce-scatter", "ncclReduceScatter", count, type, stream, [&](cudaStream_t s) {
+    return ncclReduceScatter(send, receive, static_cast<size_t>(count), nccl_type(type),
+                             nccl_op(op), m.comm, s);
+  });
+}
+
 int64_t CudaCommunicator::sum_over_ranks(int64_t value) {
   Impl& m = *impl_;
   {

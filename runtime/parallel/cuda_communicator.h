@@ -52,6 +52,11 @@ class CudaCommunicator final : public WatchedGroup {
   // `send` holds count elements; `receive` gets size() · count, rank r's at r · count.
   void all_gather(const void* send, void* receive, int64_t count, CollectiveType type,
                   void* stream);
+  // `send` holds size() · count elements; `receive` gets count: the reduction over the ranks of
+  // their elements [rank() · count, (rank() + 1) · count). In place where receive is send +
+  // rank() · count (so is all_gather where send is receive + rank() · count).
+  void reduce_scatter(const void* send, void* receive, int64_t count, CollectiveType type,
+                      ReduceOp op, void* stream);
   // The sum of `value` over the ranks, on the host: for decisions every rank must take alike
   // (stop after this step). Synchronous, on the communicator's own stream.
   int64_t sum_over_ranks(int64_t value);

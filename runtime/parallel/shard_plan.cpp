@@ -181,10 +181,11 @@ ShardPlan::ShardPlan(const ModelConfig& m, const ParallelConfig& parallel) : par
 
   Builder b(tp, parameters_);
   const int64_t dm = m.d_model;
-  b.replicated("backbone.embedding.weight", {m.padded_vocab(), dm}, Split::kReplicated);
+  // Sequence parallelism: the embedding, every norm and the lm_head see only the rank's rows.
+  b.replicated("backbone.embedding.weight", {m.padded_vocab(), dm}, Split::kReplicatedSummed);
   for (int i = 0; i < m.n_layer; ++i) {
     const std::string p = "backbone.layers." + std::to_string(i) + ".";
-    b.replicated(p + "norm.weight", {dm}, Split::kReplicated);
+    b.replicated(p + "norm.weight", {dm}, Split::kReplicatedSummed);
     const std::string mixer = p + "mixer.";
     if (m.is_attention_layer(i)) {
       const int64_t hq = m.attn.num_heads, hkv = m.attn_kv_heads(), hd = m.attn_head_dim();
@@ -257,7 +258,7 @@ ShardPlan::ShardPlan(const ModelConfig& m, const ParallelConfig& parallel) : par
     }
     if (m.d_intermediate > 0) {
       const int64_t hidden = m.mlp_hidden();
-      b.replicated(p + "norm2.weight", {dm}, Split::kReplicated);
+      b.replicated(p + "norm2.weight", {dm}, Split::kReplicatedSummed);
       // y = a ⊙ silu(g) pairs unit j of a with unit j of g: a rank takes the same units of both.
       b.split(p + "mlp.fc1.weight", {2 * hidden, dm}, Split::kColumn, [&](int r) {
         const Range u = geo(r).mlp_hidden;
@@ -269,10 +270,34 @@ ShardPlan::ShardPlan(const ModelConfig& m, const ParallelConfig& parallel) : par
       });
     }
   }
-  b.replicated("backbone.norm_f.weight", {dm}, Split::kReplicated);
+  b.replicated("backbone.norm_f.weight", {dm}, Split::kReplicatedSummed);
   if (!m.tie_embeddings) {
-    b.replicated("lm_head.weight", {m.padded_vocab(), dm}, Split::kReplicated);
+    b.replicated("lm_head.weight", {m.padded_vocab(), dm}, Split::kReplicatedSummed);
   }
+}
+
+SequenceSplit sequence_split(int64_t rows, int tensor_parallel, int tp_rank) {
+  if (tensor_parallel < 1 || tp_rank < 0 || tp_rank >= tensor_parallel || rows < 1) {
+    fail(ErrorKind::kInvalidArgument,
+         "sequence_split: rows={}, tensor_parallel={}, tp_rank={}: rows and the degree must be "
+         ">= 1 and the rank in [0, tensor_parallel)",
+         rows, tensor_parallel, tp_rank);
+  }
+  const int64_t slot = (rows + tensor_parallel - 1) / tensor_parallel;
+  const int64_t last = rows - slot * (tensor_parallel - 1);
+  if (last < 1) {
+    fail(ErrorKind::kInvalidArgument,
+         "tensor_parallel={} leaves its last rank none of the micro-batch's {} rows (batch · "
+         "seqlen): sequence parallelism gives every other rank ceil(rows / tensor_parallel) = {}; "
+         "use more rows or fewer tensor-parallel ranks",
+         tensor_parallel, rows, slot);
+  }
+  SequenceSplit s;
+  s.tensor_parallel = tensor_parallel;
+  s.slot = static_cast<int>(slot);
+  s.first = slot * tp_rank;
+  s.rows = static_cast<int>(tp_rank + 1 == tensor_parallel ? last : slot);
+  return s;
 }
 
 const ParameterPlan* ShardPlan::find(const std::string& name) const {

@@ -9,6 +9,12 @@
 // w % tp of data-parallel replica w / tp, so a TP group is tp consecutive devices: TP reduces
 // activations in every layer and wants the fastest links, DP reduces gradients once per step.
 //
+// Sequence parallelism (Megatron's, beside TP): between the sublayers the residual stream is
+// split by rows. Each TP rank holds its share of the micro-batch's batch · seqlen rows
+// (sequence_split) and runs the embedding, the residual adds, the norms and the lm_head with the
+// loss on those rows alone; a sublayer's input is all-gathered before its column-parallel GEMM
+// and its row-parallel output reduce-scattered back to the rows.
+//
 // Gradients: every gradient is averaged over the data-parallel group. Over the TP group only the
 // pieces marked TpGradient::kSumOverTp are summed; every other piece's gradient is already whole
 // on each rank that holds it.
@@ -30,11 +36,12 @@ struct ParallelConfig {
 };
 
 enum class Split {
-  // Whole on every rank and fed only replicated activations (norms, embedding, lm_head, the
-  // attention out_proj bias added after the all-reduce): every rank computes the same gradient.
+  // Whole on every rank and fed only whole activations (the attention out_proj bias, whose
+  // gradient sums the gathered output gradient): every rank computes the same gradient.
   kReplicated,
-  // Whole on every rank, but each rank uses it only for its own heads (B_norm/C_norm weights):
-  // each rank's gradient is a partial sum.
+  // Whole on every rank, but each rank uses it only for its own heads (B_norm/C_norm weights) or
+  // its own rows (the embedding, the norms and the lm_head under sequence parallelism): each
+  // rank's gradient is a partial sum.
   kReplicatedSummed,
   // Split along dim 0: the output rows of a column-parallel weight (or its bias), or the head
   // axis of a per-head tensor. A column-parallel weight may also hold rows every rank keeps
@@ -98,6 +105,20 @@ struct RankGeometry {
   Range attn_kv_heads;
   Range mlp_hidden;  // of round_up(d_intermediate, 128), in each of fc1's a and g halves
 };
+
+// Sequence parallelism's split of a micro-batch's batch · seqlen rows over the TP ranks: every
+// rank a slot of ceil(rows / tp) rows (the collectives move whole slots, so all are the same
+// size), rank r's rows the first of rows [r · slot, (r + 1) · slot): all of them but on the last
+// rank, which takes what is left, and whose slot the runtime pads.
+struct SequenceSplit {
+  int tensor_parallel = 1;
+  int slot = 0;       // rows a rank's slot holds
+  int rows = 0;       // of them, this rank's
+  int64_t first = 0;  // its first row
+  int64_t padded_rows() const { return static_cast<int64_t>(slot) * tensor_parallel; }
+};
+// Refuses (kInvalidArgument, naming the rule) rows that leave the last rank none.
+SequenceSplit sequence_split(int64_t rows, int tensor_parallel, int tp_rank);
 
 // Refuses (Error kInvalidArgument, naming the field and the rule) a tensor-parallel degree
 // that cannot split this model over these devices. Expects a validated model config.

@@ -405,6 +405,13 @@ TrainJob parse_train_job(const json& j, const std::string& source) {
            "tensor_parallel = {}: every replica takes an equal share of each batch",
            source, job.batch, job.data_parallel());
     }
+    try {
+      // Names the rule where sequence parallelism would leave the last TP rank no rows.
+      parallel::sequence_split(static_cast<int64_t>(job.batch / job.data_parallel()) * job.seqlen,
+                               job.tensor_parallel, job.tensor_parallel - 1);
+    } catch (const Error& e) {
+      fail(ErrorKind::kInvalidArgument, "{}: {}", source, e.what());
+    }
   }
   return job;
 }

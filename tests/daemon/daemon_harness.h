@@ -26,7 +26,13 @@
 
 namespace megacpp::testing {
 
-inline const std::string kBinDir = std::string(MEGACPP_BINARY_DIR) + "/bin";
+// Where megacppd and megacpp-executor are: the build's bin/, or MEGACPP_BIN_DIR where the tests
+// run away from their build tree (a bundle on a GPU machine).
+inline const std::string kBinDir = [] {
+  const char* dir = std::getenv("MEGACPP_BIN_DIR");
+  return dir != nullptr && *dir != '\0' ? std::string(dir)
+                                        : std::string(MEGACPP_BINARY_DIR) + "/bin";
+}();
 
 // The live (not zombie) megacpp-executor children of `daemon`.
 inline std::vector<pid_t> executor_pids(pid_t daemon) {

@@ -180,6 +180,9 @@ TEST(LmHeadLossCudaShapes, RefusesBadShapes) {
   refused({4, 8, 16, -5, 0}, "vocab_size=-5");
   refused({4, 8, 12, 16, 0}, "vocab_padded=12");
   refused({4, 8, 16, 16, -1}, "chunk_rows=-1");
+  refused({4, 8, 16, 16, 0, 2, 5}, "total_rows=5");  // rows 2..6 of 5
+  refused({4, 8, 16, 16, 0, -1, 8}, "first_row=-1");
+  refused({4, 8, 16, 16, 0, 1, 0}, "first_row=1");  // a share needs its batch's size
 }
 
 TEST(LmHeadLossCudaShapes, RefusesShortWorkspaceAndNullPointers) {
@@ -272,6 +275,77 @@ TEST(LmHeadLossCudaTargets, OutOfVocabularyTargetsAreIgnored) {
   EXPECT_FLOAT_EQ(a.loss, a.eval_loss);  // another kernel instantiation: close, maybe not equal
   EXPECT_TRUE(a.dh == b.dh);
   EXPECT_TRUE(a.dweight == b.dweight);
+}
+
+// Sequence parallelism's split: two ops, each with half of a batch's rows and the whole batch's
+// targets, give shares that sum to the whole op's mean, the whole op's dh in halves (the same
+// scale: the batch's count) and dweights that sum to its dweight.
+TEST(LmHeadLossCudaTargets, SharesOfABatchSumToItsMean) {
+  MEGACPP_REQUIRE_GPU();
+  const LmHeadLossShape whole{8, 16, 24, 20, 4};  // a chunk per half: the same GEMMs
+  std::mt19937_64 rng(11);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  std::vector<uint16_t> h(static_cast<size_t>(whole.rows) * whole.dim),
+      weight(static_cast<size_t>(whole.vocab_padded) * whole.dim);
+  for (uint16_t& v : h) v = megacpp::testing::to_bf16(normal(rng));
+  for (uint16_t& v : weight) v = megacpp::testing::to_bf16(0.5 * normal(rng));
+  // Ignored rows fall unevenly: 1 in the first half, 2 in the second.
+  const std::vector<int32_t> targets{3, -1, 0, 7, 9, -1, 19, 25};
+  oracle::DeviceBuffer d_h(h.size() * 2), d_weight(weight.size() * 2), d_targets(8 * 4), d_loss(4),
+      d_count(4), d_dh(h.size() * 2), d_dweight(weight.size() * 4);
+  d_h.upload(h.data());
+  d_weight.upload(weight.data());
+  d_targets.upload(targets.data());
+  struct Result {
+    float loss = 0;
+    int32_t count = 0;
+    std::vector<float> dweight;
+    std::vector<uint8_t> dh;
+  };
+  const size_t half_bytes = h.size();  // half of the rows, bf16
+  const auto run = [&](LmHeadLossShape s) {
+    oracle::DeviceBuffer work(LmHeadLossCuda::workspace_bytes(s));
+    LmHeadLossCuda op(s, work.get(), work.bytes());
+    MEGACPP_CUDA_CHECK(cudaMemset(d_dweight.get(), 0, d_dweight.bytes()));
+    const size_t offset = static_cast<size_t>(s.first_row) * s.dim;
+    op.forward_backward(
+        static_cast<uint16_t*>(d_h.get()) + offset, static_cast<uint16_t*>(d_weight.get()),
+        static_cast<const int32_t*>(d_targets.get()), 1.f, static_cast<float*>(d_loss.get()),
+        static_cast<int32_t*>(d_count.get()), static_cast<uint16_t*>(d_dh.get()) + offset,
+        static_cast<float*>(d_dweight.get()));
+    Result r;
+    MEGACPP_CUDA_CHECK(cudaMemcpy(&r.loss, d_loss.get(), 4, cudaMemcpyDeviceToHost));
+    MEGACPP_CUDA_CHECK(cudaMemcpy(&r.count, d_count.get(), 4, cudaMemcpyDeviceToHost));
+    r.dweight.resize(weight.size());
+    MEGACPP_CUDA_CHECK(
+        cudaMemcpy(r.dweight.data(), d_dweight.get(), d_dweight.bytes(), cudaMemcpyDeviceToHost));
+    const std::vector<uint8_t> all = d_dh.download();
+    r.dh.assign(all.begin() + static_cast<std::ptrdiff_t>(offset * 2),
+                all.begin() + static_cast<std::ptrdiff_t>(offset * 2 + s.rows * s.dim * 2));
+    return r;
+  };
+  const Result all = run(whole);
+  LmHeadLossShape first = whole, second = whole;
+  first.rows = second.rows = 4;
+  first.total_rows = second.total_rows = 8;
+  second.first_row = 4;
+  const Result a = run(first), b = run(second);
+  EXPECT_EQ(all.count, 5);
+  EXPECT_EQ(a.count, 5);
+  EXPECT_EQ(b.count, 5);
+  EXPECT_NEAR(a.loss + b.loss, all.loss, 1e-6 * std::abs(all.loss));
+  EXPECT_GT(a.loss, 0.f);
+  EXPECT_GT(b.loss, 0.f);
+  std::vector<uint8_t> halves = a.dh;
+  halves.insert(halves.end(), b.dh.begin(), b.dh.end());
+  ASSERT_EQ(halves.size(), half_bytes * 2);
+  EXPECT_TRUE(halves == all.dh) << "dh of the shares differs from the whole op's";
+  double worst = 0;
+  for (size_t i = 0; i < weight.size(); ++i) {
+    worst = std::max(worst,
+                     static_cast<double>(std::abs(a.dweight[i] + b.dweight[i] - all.dweight[i])));
+  }
+  EXPECT_LT(worst, 1e-5);
 }
 
 }  // namespace

@@ -69,6 +69,8 @@ struct RmsNorm {
     add(77, 70, true, true, true);
     add(33, 5, true, true, false);
     add(300, 2500, true, false, true);
+    // Tiles of 3 rows (the rows spread over about kTargetTiles blocks), the last one of 1.
+    add(2050, 70, true, true, true);
     return out;
   }
 

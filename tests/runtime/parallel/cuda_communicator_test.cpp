@@ -99,6 +99,39 @@ TEST(CudaCommunicator, FinishedCollectivesLeaveNothingPendingAndNeverFireTheWatc
   });
 }
 
+// Sequence parallelism's pair, in place: each rank gets its half of the sum, then every rank's
+// half is gathered back into the whole buffer.
+TEST(CudaCommunicator, ReduceScatterAndAllGatherInPlace) {
+  MEGACPP_REQUIRE_GPUS(2);
+  run_two([](int rank, CudaCommunicator& world) {
+    DeviceBuffer buffer(rank);
+    std::vector<float> host(kCount);
+    for (int64_t i = 0; i < kCount; ++i)
+      host[static_cast<size_t>(i)] = static_cast<float>(i % 97 + rank);
+    ASSERT_EQ(cudaMemcpy(buffer.data, host.data(), kCount * sizeof(float), cudaMemcpyHostToDevice),
+              cudaSuccess);
+    const int64_t half = kCount / 2;
+    float* mine = buffer.data + rank * half;
+    world.reduce_scatter(buffer.data, mine, half, CollectiveType::kFloat, ReduceOp::kSum,
+                         buffer.stream);
+    ASSERT_EQ(cudaStreamSynchronize(buffer.stream), cudaSuccess);
+    std::vector<float> got(static_cast<size_t>(half));
+    ASSERT_EQ(cudaMemcpy(got.data(), mine, half * sizeof(float), cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    for (int64_t i = 0; i < half; i += 1001) {
+      const int64_t global = rank * half + i;
+      EXPECT_EQ(got[static_cast<size_t>(i)], static_cast<float>(2 * (global % 97) + 1)) << i;
+    }
+    world.all_gather(mine, buffer.data, half, CollectiveType::kFloat, buffer.stream);
+    ASSERT_EQ(cudaStreamSynchronize(buffer.stream), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(host.data(), buffer.data, kCount * sizeof(float), cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    for (int64_t i = 0; i < kCount; i += 1001) {
+      EXPECT_EQ(host[static_cast<size_t>(i)], static_cast<float>(2 * (i % 97) + 1)) << i;
+    }
+  });
+}
+
 TEST(CudaCommunicator, TheWatchdogFreesARankWhosePeerNeverJoinsItsCollective) {
   MEGACPP_REQUIRE_GPUS(2);
   std::atomic<bool> rank0_done{false};

@@ -307,10 +307,42 @@ TEST(ShardPlan, AttentionAndMlpSplitsAsTheSpecSays) {
             (std::vector<int64_t>{m.d_model, 64}));
   EXPECT_EQ(plan.geometry(1).mlp_hidden.begin, 64);
 
+  // Sequence parallelism feeds these each rank's rows only: partial gradients, summed over TP.
   for (const char* name : {"backbone.embedding.weight", "lm_head.weight", "backbone.norm_f.weight",
                            "backbone.layers.0.norm.weight", "backbone.layers.2.norm2.weight"}) {
-    EXPECT_EQ(plan.at(name).split, Split::kReplicated) << name;
+    EXPECT_EQ(plan.at(name).split, Split::kReplicatedSummed) << name;
+    EXPECT_EQ(plan.at(name).shard(1).pieces.at(0).gradient, TpGradient::kSumOverTp) << name;
   }
+}
+
+TEST(SequenceSplit, EqualSlotsTheLastRankTakesWhatIsLeft) {
+  // 74 rows (2 x 37) over 4 ranks: slots of 19, the last rank 17 rows of its slot.
+  for (int r = 0; r < 4; ++r) {
+    const SequenceSplit s = sequence_split(74, 4, r);
+    EXPECT_EQ(s.slot, 19);
+    EXPECT_EQ(s.first, 19 * r);
+    EXPECT_EQ(s.rows, r == 3 ? 17 : 19);
+    EXPECT_EQ(s.padded_rows(), 76);
+  }
+  // An even split pads nothing.
+  const SequenceSplit even = sequence_split(16384, 4, 3);
+  EXPECT_EQ(even.rows, 4096);
+  EXPECT_EQ(even.first, 3 * 4096);
+  EXPECT_EQ(even.padded_rows(), 16384);
+  EXPECT_EQ(sequence_split(5, 1, 0).rows, 5);
+  // 6 rows over 4 ranks: slots of 2 leave the last rank none.
+  try {
+    sequence_split(6, 4, 0);
+    ADD_FAILURE() << "6 rows over 4 ranks were split";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("tensor_parallel=4 leaves its last rank none of the "
+                                         "micro-batch's 6 rows"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(sequence_split(8, 2, 2), Error);
+  EXPECT_THROW(sequence_split(0, 2, 0), Error);
 }
 
 TEST(ShardPlan, IllegalGeometriesAreRefusedNamingTheRule) {

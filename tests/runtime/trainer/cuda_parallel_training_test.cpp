@@ -1,9 +1,10 @@
-// Training jobs over two GPUs (TrainJob.device_count = 2), each rank a thread of this process
-// running train() as the executor's rank processes do: tensor parallel (TP = 2) and data
-// parallel (DP = 2) jobs of the tiny preset track the one-GPU job's validation losses, rank 0's
-// checkpoint evaluates on the CPU and resumes at another geometry, every rank reports kernel
-// receipts naming its device and the collectives, and a stop asked of one rank stops both at the
-// same step.
+// Training jobs over the machine's GPUs (TrainJob.device_count = n, testing::gpu_world(): 2, 4 or
+// 8), each rank a thread of this process running train() as the executor's rank processes do:
+// tensor parallel (TP = 2, the tiny preset's two kv heads splitting no further, with DP = n / 2
+// beside it) and data parallel (DP = n) jobs of the tiny preset track the one-GPU job's validation
+// losses, rank 0's checkpoint evaluates on the CPU and resumes at another geometry, every rank
+// reports kernel receipts naming its device and the collectives, and a stop asked of one rank
+// stops all at the same step.
 #include <gtest/gtest.h>
 
 #ifdef MEGACPP_HAVE_CUDA
@@ -34,6 +35,7 @@ class CudaParallelTraining : public ::testing::Test {
  protected:
   void SetUp() override {
     MEGACPP_REQUIRE_GPUS(2);
+    world_ = testing::gpu_world();
     for (int i = 0; i < 24; ++i) {
       testing::write_text(dir_ / ("corpus/file" + std::to_string(i) + ".txt"),
                           testing::pseudo_text(static_cast<uint64_t>(i), 2000));
@@ -89,6 +91,7 @@ class CudaParallelTraining : public ::testing::Test {
   }
 
   testing::TempDir dir_;
+  int world_ = 2;
 };
 
 void expect_tracks(const RecordingObserver& got, const RecordingObserver& want, double bound,
@@ -97,7 +100,7 @@ void expect_tracks(const RecordingObserver& got, const RecordingObserver& want, 
   ASSERT_GE(got.evals.size(), 4u) << what;
   for (size_t i = 0; i < got.evals.size(); ++i) {
     const double rel = std::abs(got.evals[i].loss - want.evals[i].loss) / want.evals[i].loss;
-    std::printf("%s step %3lld  val loss one GPU %.5f, two GPUs %.5f (rel %.2e)\n", what,
+    std::printf("%s step %3lld  val loss one GPU %.5f, several %.5f (rel %.2e)\n", what,
                 static_cast<long long>(got.evals[i].step), want.evals[i].loss, got.evals[i].loss,
                 rel);
     EXPECT_LE(rel, bound) << what << " validation at step " << got.evals[i].step;
@@ -114,28 +117,32 @@ TEST_F(CudaParallelTraining, TensorAndDataParallelJobsTrackTheOneGpuJob) {
   // validation losses differ by up to 2.4e-3, as TP = 2's (3.1e-3; two H200s, 2026-11-23). Both
   // are held to 1%, half the GPU-against-CPU bound of cuda_training_test.cpp; a wrong reduction
   // or shard moves the curve by far more.
-  const std::vector<RecordingObserver> tp = run_ranks(job("tp", 2, 2), "tp");
-  ASSERT_EQ(tp[0].summary.last_step, kSteps);
-  ASSERT_EQ(tp[1].summary.last_step, kSteps);
-  expect_tracks(tp[0], one, 0.01, "TP=2");
-  // Both ranks saw the same losses (the TP group computes one replica).
-  for (size_t i = 0; i < tp[0].steps.size(); ++i) {
-    EXPECT_EQ(tp[0].steps[i].loss, tp[1].steps[i].loss) << "step " << i + 1;
+  const std::string tp_name = fmt::format("TP=2 DP={}", world_ / 2);
+  const std::string dp_name = fmt::format("DP={}", world_);
+  const std::vector<RecordingObserver> tp = run_ranks(job("tp", world_, 2), "tp");
+  for (const RecordingObserver& rank : tp) ASSERT_EQ(rank.summary.last_step, kSteps);
+  expect_tracks(tp[0], one, 0.01, tp_name.c_str());
+  // Every rank saw the same losses (the step's loss is the DP group's mean; TP ranks compute one
+  // replica).
+  for (size_t r = 1; r < tp.size(); ++r) {
+    for (size_t i = 0; i < tp[0].steps.size(); ++i) {
+      EXPECT_EQ(tp[0].steps[i].loss, tp[r].steps[i].loss) << "rank " << r << " step " << i + 1;
+    }
   }
-  const std::vector<RecordingObserver> dp = run_ranks(job("dp", 2, 1), "dp");
+  const std::vector<RecordingObserver> dp = run_ranks(job("dp", world_, 1), "dp");
   ASSERT_EQ(dp[0].summary.last_step, kSteps);
-  expect_tracks(dp[0], one, 0.01, "DP=2");
+  expect_tracks(dp[0], one, 0.01, dp_name.c_str());
 
   // Rank 0 alone writes the checkpoint; the CPU runtime evaluates it as the GPUs did.
   EXPECT_EQ(tp[0].checkpoints, 1);
-  EXPECT_EQ(tp[1].checkpoints, 0);
+  for (size_t r = 1; r < tp.size(); ++r) EXPECT_EQ(tp[r].checkpoints, 0) << "rank " << r;
   const auto latest = dir_ / "tp" / fmt::format("step-{:08d}", kSteps);
   const EvalResult on_cpu = evaluate_checkpoint(latest, dir_ / "data/toy_valid", 128, 8, 4 * 8);
   EXPECT_NEAR(on_cpu.loss, tp[0].summary.final_val_loss, 2e-3)
-      << "the TP=2 checkpoint evaluated on the CPU";
+      << "the " << tp_name << " checkpoint evaluated on the CPU";
 
-  // Checkpoints are global: the TP = 2 run's resumes on one GPU (and the DP = 2 run's on a
-  // TP = 2 pair), continuing at the next step.
+  // Checkpoints are global: the TP run's resumes on one GPU (and the DP run's on a TP = 2 pair),
+  // continuing at the next step.
   RecordingObserver resumed_one;
   train(job("tp", 1, 1, kSteps + 5), resumed_one);
   ASSERT_FALSE(resumed_one.steps.empty());
@@ -148,29 +155,37 @@ TEST_F(CudaParallelTraining, TensorAndDataParallelJobsTrackTheOneGpuJob) {
       << "the resumed run starts where the DP run ended";
 
   // Kernel receipts from every rank, naming it; the collectives are timed as ops.
-  for (int rank = 0; rank < 2; ++rank) {
-    bool all_reduce = false;
+  for (int rank = 0; rank < world_; ++rank) {
+    bool reduce_scatter = false;
     for (const KernelRecord& k : tp[static_cast<size_t>(rank)].kernels) {
-      EXPECT_NE(k.device.find(fmt::format("rank {}/2", rank)), std::string::npos) << k.device;
-      all_reduce |= k.kernel == "tensor-parallel all-reduce forward";
+      EXPECT_NE(k.device.find(fmt::format("rank {}/{}", rank, world_)), std::string::npos)
+          << k.device;
+      reduce_scatter |= k.kernel == "tensor-parallel reduce-scatter forward";
     }
-    EXPECT_TRUE(all_reduce) << "rank " << rank << " timed no tensor-parallel all-reduce";
+    EXPECT_TRUE(reduce_scatter) << "rank " << rank << " timed no tensor-parallel reduce-scatter";
   }
-  std::printf("median step: one GPU %.1f ms, TP=2 %.1f ms, DP=2 %.1f ms\n",
-              one.summary.median_step_ms, tp[0].summary.median_step_ms,
+  std::printf("median step: one GPU %.1f ms, %s %.1f ms, %s %.1f ms\n", one.summary.median_step_ms,
+              tp_name.c_str(), tp[0].summary.median_step_ms, dp_name.c_str(),
               dp[0].summary.median_step_ms);
 }
 
 // A stop asked of one rank only (its SIGTERM came first) stops every rank after the same step,
 // with a checkpoint: a rank stopping alone would leave the other waiting in a collective.
 TEST_F(CudaParallelTraining, AStopAskedOfOneRankStopsAllAtTheSameStep) {
-  std::atomic<bool> stop_rank0{false}, stop_rank1{true};
+  // The last rank's SIGTERM came first; the others' flags stay down.
+  std::vector<std::atomic<bool>> flags(static_cast<size_t>(world_));
+  std::vector<std::atomic<bool>*> stops;
+  for (std::atomic<bool>& flag : flags) {
+    flag = false;
+    stops.push_back(&flag);
+  }
+  flags.back() = true;
   const std::vector<RecordingObserver> ranks =
-      run_ranks(job("stop", 2, 2, 1000), "stop", {&stop_rank0, &stop_rank1});
-  EXPECT_EQ(ranks[0].summary.stop_reason, "stopped");
-  EXPECT_EQ(ranks[1].summary.stop_reason, "stopped");
-  EXPECT_EQ(ranks[0].summary.last_step, 1);
-  EXPECT_EQ(ranks[1].summary.last_step, 1);
+      run_ranks(job("stop", world_, 2, 1000), "stop", stops);
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    EXPECT_EQ(ranks[r].summary.stop_reason, "stopped") << "rank " << r;
+    EXPECT_EQ(ranks[r].summary.last_step, 1) << "rank " << r;
+  }
   EXPECT_EQ(ranks[0].checkpoints, 1);
 }
 
