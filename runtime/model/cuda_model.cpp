@@ -7,6 +7,7 @@
 #include <cstring>
 #include <map>
 #include <string>
+#include <utility>
 
 #include "kernels/cuda/adamw.h"
 #include "kernels/cuda/attention.h"
@@ -159,7 +160,10 @@ struct CudaModel::Impl {
   std::vector<float*> rstd;       // per site [local_rows]
   uint16_t* delta = nullptr;      // a sublayer's output [rows, d_model], reduced into my_rows
   uint16_t* ddelta = nullptr;     // its gradient, bf16 [rows, d_model], gathered from my_rows
-  float* dresidual = nullptr;     // [local_rows, d_model]
+  // Tensor parallel: the next sublayer's output gradient, made while the sublayer whose gradient
+  // is in ddelta still reads it (start_input_gradient_sum); the two swap between sublayers.
+  uint16_t* ddelta_next = nullptr;
+  float* dresidual = nullptr;  // [local_rows, d_model]
   // The gradient of a norm site's output, fp32 [rows, d_model] (reduced into my_rows): written by
   // the sublayer's input GEMM in fp32 rather than bf16, because the norm weight's gradient sums it
   // over every row.
@@ -177,6 +181,8 @@ struct CudaModel::Impl {
   size_t op_workspace_bytes = 0;
   void* scan_backward_workspace = nullptr;  // every Mamba layer's scan backward temporaries
   size_t scan_backward_bytes = 0;
+  void* norm_op_workspace = nullptr;  // the rmsnorm backward's partials
+  size_t norm_op_workspace_bytes = 0;
   void* norm_workspace = nullptr;  // the global norm's tables (kept)
   size_t norm_workspace_bytes = 0;
   void* adamw_workspace = nullptr;  // AdamW's tables (kept)
@@ -282,13 +288,23 @@ struct CudaModel::Impl {
   // into the rank's rows; a norm site's output (or the residual gradient) gathered from every
   // rank's rows; the rows' shares of the loss summed.
   void tp_reduce_scatter_output();
-  void tp_all_gather(uint16_t* whole, const char* label);
+  void tp_all_gather(uint16_t* whole, void* on);
   void tp_sum_loss();
-  // Tensor parallel: each sublayer's input gradient (dnormed, partial on each rank) is summed over
-  // the group into the rank's rows on tp_stream, started as soon as the sublayer has enqueued it
-  // and hidden behind its weight-gradient GEMMs, which need only the sublayer's own inputs
-  // (Megatron's overlap of the input-gradient reduction); the add+rmsnorm backward then waits for
-  // the sum.
+  // The backward at a norm site, once the sublayer above it has made its input gradient
+  // (dnormed): the norm's backward into dresidual and, above site 0, the gradient of the
+  // sublayer below, dresidual in bf16 (all rows gathered under tensor parallelism) into
+  // `output_gradient`. On `on`.
+  size_t backward_site = 0;
+  void norm_site_backward(uint16_t* output_gradient, void* on);
+  // A sublayer's backward calls start_input_gradient_sum once it has enqueued its input gradient
+  // (dnormed), before its weight-gradient GEMMs, which need only the sublayer's own inputs;
+  // finish_input_gradient_sum follows the sublayer. On one GPU the site's backward runs there,
+  // on the compute stream. Tensor parallel: tp_stream sums dnormed over the group into the rank's
+  // rows and runs the site's backward into ddelta_next beside the weight gradients (Megatron's
+  // overlap of the input-gradient reduction, with the norm and the next all-gather after it);
+  // finish makes the compute stream wait for it and swaps ddelta_next in for the sublayer below.
+  // (Measured against running the norm and the cast on the compute stream between the two
+  // weight-gradient GEMMs: that was slower, 324.5 against 319 ms at TP = 2; bench/RESULTS.md.)
   cudaStream_t tp_stream = nullptr;
   cudaEvent_t input_gradient_ready = nullptr;
   cudaEvent_t input_gradient_summed = nullptr;
@@ -458,11 +474,10 @@ void CudaModel::Impl::tp_reduce_scatter_output() {
   lap("tensor-parallel reduce-scatter forward");
 }
 
-void CudaModel::Impl::tp_all_gather(uint16_t* whole, const char* label) {
+void CudaModel::Impl::tp_all_gather(uint16_t* whole, void* on) {
   if (!sharded()) return;
   par.tensor_group->all_gather(my_rows(whole), whole, slot_elements(),
-                               parallel::CollectiveType::kBf16, stream);
-  lap(label);
+                               parallel::CollectiveType::kBf16, on);
 }
 
 void CudaModel::Impl::tp_sum_loss() {
@@ -470,6 +485,16 @@ void CudaModel::Impl::tp_sum_loss() {
   par.tensor_group->all_reduce(loss, 1, parallel::CollectiveType::kFloat, parallel::ReduceOp::kSum,
                                stream);
   lap("tensor-parallel loss sum");
+}
+
+void CudaModel::Impl::norm_site_backward(uint16_t* output_gradient, void* on) {
+  const size_t site = backward_site;
+  norm_op->backward(residual[site], value(site_weight[site]), rstd[site],
+                    cuda::RowsRef{nullptr, my_rows(dnormed)}, dresidual, dresidual,
+                    grad(site_weight[site]), true, on);
+  if (site == 0) return;  // the embedding's backward takes dresidual as it is
+  cuda::cast_f32_to_bf16(dresidual, my_rows(output_gradient), local_elements(), on);
+  tp_all_gather(output_gradient, on);
 }
 
 void CudaModel::Impl::make_tp_stream() {
@@ -495,13 +520,20 @@ void CudaModel::Impl::start_input_gradient_sum() {
   par.tensor_group->reduce_scatter(dnormed, my_rows(dnormed), slot_elements(),
                                    parallel::CollectiveType::kFloat, parallel::ReduceOp::kSum,
                                    tp_stream);
+  norm_site_backward(ddelta_next, tp_stream);
   MEGACPP_CUDA_CHECK(cudaEventRecord(input_gradient_summed, tp_stream));
 }
 
 void CudaModel::Impl::finish_input_gradient_sum() {
-  if (!sharded()) return;
-  // Waiting on an event no reduction recorded would let the norm backward read dnormed before
-  // the other ranks' parts are in it: wrong gradients, silently.
+  if (!sharded()) {
+    // One GPU: the site's backward in order on the compute stream, after the weight gradients
+    // have read the sublayer's output gradient.
+    norm_site_backward(ddelta, stream);
+    lap("add+rmsnorm backward, residual gradient to bf16");
+    return;
+  }
+  // Waiting on an event no reduction recorded would let the compute stream go on before the
+  // other ranks' parts are in dnormed: wrong gradients, silently.
   if (!input_gradient_sum_pending) {
     fail(ErrorKind::kInternal,
          "a sublayer backward returned without starting its input-gradient reduction "
@@ -509,7 +541,8 @@ void CudaModel::Impl::finish_input_gradient_sum() {
   }
   input_gradient_sum_pending = false;
   MEGACPP_CUDA_CHECK(cudaStreamWaitEvent(stream, input_gradient_summed, 0));
-  lap("tensor-parallel reduce-scatter backward (not hidden)");
+  std::swap(ddelta, ddelta_next);
+  lap("tensor-parallel reduce-scatter, norm backward, all-gather (not hidden)");
 }
 
 void CudaModel::Impl::dp_average_loss() {
@@ -737,6 +770,9 @@ void CudaModel::Impl::plan_buffers(const CudaModelOptions& options) {
   a.reserve(&m.targets, row_count, "target tokens");
   a.reserve(&m.delta, padded_count * dm, "sublayer output");
   a.reserve(&m.ddelta, padded_count * dm, "sublayer output gradient");
+  if (m.sharded()) {
+    a.reserve(&m.ddelta_next, padded_count * dm, "next sublayer output gradient");
+  }
   a.reserve(&m.dresidual, local_count * dm, "residual gradient");
   a.reserve(&m.dnormed, padded_count * dm, "normed gradient");
   a.reserve(&m.scratch_a, scratch_a_size, "backward scratch a");
@@ -758,7 +794,10 @@ void CudaModel::Impl::plan_buffers(const CudaModelOptions& options) {
   }
 
   need_workspace(cuda::EmbeddingCuda::workspace_bytes(m.embedding_shape()));
-  need_workspace(cuda::ResidualRmsNormCuda::workspace_bytes(m.norm_shape()));
+  // Its own: under tensor parallelism the norm backward runs on tp_stream beside the GEMMs.
+  m.norm_op_workspace_bytes = cuda::ResidualRmsNormCuda::workspace_bytes(m.norm_shape());
+  a.reserve(reinterpret_cast<char**>(&m.norm_op_workspace), m.norm_op_workspace_bytes,
+            "norm backward partials");
   need_workspace(cuda::LmHeadLossCuda::workspace_bytes(m.lm_head_shape()));
   m.op_workspace_bytes = workspace;
   m.scan_backward_bytes = scan_backward;
@@ -803,7 +842,8 @@ void CudaModel::Impl::allocate_and_build(cuda::GemmPlanCache* plan_cache) {
   void* ws = m.op_workspace;
   const size_t wsb = m.op_workspace_bytes;
   m.embedding_op = std::make_unique<cuda::EmbeddingCuda>(m.embedding_shape(), ws, wsb);
-  m.norm_op = std::make_unique<cuda::ResidualRmsNormCuda>(m.norm_shape(), ws, wsb);
+  m.norm_op = std::make_unique<cuda::ResidualRmsNormCuda>(m.norm_shape(), m.norm_op_workspace,
+                                                          m.norm_op_workspace_bytes);
   m.lm_head_op = std::make_unique<cuda::LmHeadLossCuda>(m.lm_head_shape(), ws, wsb, plan_cache);
   std::shared_ptr<cuda::CausalAttentionCudnn> shared_attention;
   bool chunk_noted = false;
@@ -882,6 +922,7 @@ void CudaModel::Impl::allocate_and_build(cuda::GemmPlanCache* plan_cache) {
     const size_t pad = static_cast<size_t>(m.padded_rows - m.rows) * c.d_model;
     MEGACPP_CUDA_CHECK(cudaMemsetAsync(m.delta + first, 0, pad * sizeof(uint16_t), m.stream));
     MEGACPP_CUDA_CHECK(cudaMemsetAsync(m.ddelta + first, 0, pad * sizeof(uint16_t), m.stream));
+    MEGACPP_CUDA_CHECK(cudaMemsetAsync(m.ddelta_next + first, 0, pad * sizeof(uint16_t), m.stream));
     MEGACPP_CUDA_CHECK(cudaMemsetAsync(m.dnormed + first, 0, pad * sizeof(float), m.stream));
     for (uint16_t* site : m.normed) {
       MEGACPP_CUDA_CHECK(cudaMemsetAsync(site + first, 0, pad * sizeof(uint16_t), m.stream));
@@ -1184,7 +1225,10 @@ void CudaModel::Impl::run_forward() {
                        m.rstd[site], m.s());
     m.lap("add+rmsnorm forward");
     // The last site feeds only the lm_head, which takes the rank's rows.
-    if (site != last_site) m.tp_all_gather(m.normed[site], "tensor-parallel all-gather forward");
+    if (site != last_site && m.sharded()) {
+      m.tp_all_gather(m.normed[site], m.s());
+      m.lap("tensor-parallel all-gather forward");
+    }
   };
   norm_site(false);
   for (Block& b : m.blocks) {
@@ -1387,17 +1431,16 @@ void CudaModel::Impl::forward_backward_body(float grad_scale) {
   m.lap("add+rmsnorm backward");
   // Site k's residual is site k-1's plus the sublayer's output, so the sublayer's output gradient
   // is the gradient of site k's residual, which also flows on into site k-1.
+  cuda::cast_f32_to_bf16(m.dresidual, m.my_rows(m.ddelta), m.local_elements(), m.s());
+  m.lap("residual gradient to bf16");
+  if (m.sharded()) {
+    m.tp_all_gather(m.ddelta, m.s());
+    m.lap("tensor-parallel all-gather backward");
+  }
   const auto back_through_site = [&](auto&& sublayer_backward) {
-    cuda::cast_f32_to_bf16(m.dresidual, m.my_rows(m.ddelta), m.local_elements(), m.s());
-    m.lap("residual gradient to bf16");
-    m.tp_all_gather(m.ddelta, "tensor-parallel all-gather backward");
-    --site;
+    m.backward_site = --site;
     sublayer_backward(m.normed[site]);  // calls start_input_gradient_sum once
     m.finish_input_gradient_sum();
-    m.norm_op->backward(m.residual[site], m.value(m.site_weight[site]), m.rstd[site],
-                        cuda::RowsRef{nullptr, m.my_rows(m.dnormed)}, m.dresidual, m.dresidual,
-                        m.grad(m.site_weight[site]), true, m.s());
-    m.lap("add+rmsnorm backward");
   };
   for (size_t index = m.blocks.size(); index-- > 0;) {
     Impl::Block& b = m.blocks[index];
