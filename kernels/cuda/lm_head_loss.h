@@ -39,7 +39,7 @@
 namespace megacpp::cuda {
 
 struct LmHeadLossShape {
-  int rows = 0;          // batch · seqlen
+  int rows = 0;          // batch · seqlen, or this op's share of them (first_row below)
   int dim = 0;           // d_model
   int vocab_padded = 0;  // rows of the lm_head weight: the softmax's columns
   int vocab_size = 0;    // the real vocabulary: targets at or above it are ignored
@@ -79,7 +79,8 @@ class LmHeadLossCuda {
   LmHeadLossCuda& operator=(const LmHeadLossCuda&) = delete;
 
   // The mean loss alone (evaluation). h bf16 [rows, dim], weight bf16 [vocab_padded, dim],
-  // targets int32 [batch_rows()]. loss fp32 [1]: the mean over the counted rows (0 when none).
+  // targets int32 [batch_rows()]. loss fp32 [1]: the mean over the counted rows (0 when none);
+  // for a share of a batch, this share's part of the batch's mean.
   // valid_rows int32 [1] (may be null): how many rows were counted, so that a caller can weight
   // means of several calls. stream: a cudaStream_t, or null. Asynchronous.
   void forward(const uint16_t* h, const uint16_t* weight, const int32_t* targets, float* loss,

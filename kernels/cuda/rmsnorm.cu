@@ -1,5 +1,6 @@
-// CUDA RMSNorm fused with the residual add: see rmsnorm.h for the structure. The formulas and
-// their float evaluation order are those of kernels/cpu/rmsnorm.h.
+// CUDA RMSNorm fused with the residual add: see rmsnorm.h for the structure. The formulas are
+// those of kernels/cpu/rmsnorm.h; dweight's sum over rows runs in tiles, then groups of tiles (the
+// CPU sums the rows in order), so its rounding differs.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

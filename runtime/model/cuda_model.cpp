@@ -155,16 +155,17 @@ struct CudaModel::Impl {
   int32_t* inputs = nullptr;   // [rows]
   int32_t* targets = nullptr;  // [rows]
   std::vector<int32_t> host_inputs, host_targets;
-  std::vector<float*> residual;   // per site [local_rows, d_model]
-  std::vector<uint16_t*> normed;  // per site [rows, d_model]: the rank's rows, then gathered
+  std::vector<float*> residual;  // per site [local_rows, d_model]
+  // Those the collectives fill hold padded_rows (the rows past `rows` stay zero).
+  std::vector<uint16_t*> normed;  // per site [padded_rows, d_model]: the rank's rows, gathered
   std::vector<float*> rstd;       // per site [local_rows]
-  uint16_t* delta = nullptr;      // a sublayer's output [rows, d_model], reduced into my_rows
-  uint16_t* ddelta = nullptr;     // its gradient, bf16 [rows, d_model], gathered from my_rows
+  uint16_t* delta = nullptr;   // a sublayer's output [padded_rows, d_model], reduced into my_rows
+  uint16_t* ddelta = nullptr;  // its gradient, bf16 [padded_rows, d_model], gathered from my_rows
   // Tensor parallel: the next sublayer's output gradient, made while the sublayer whose gradient
   // is in ddelta still reads it (start_input_gradient_sum); the two swap between sublayers.
   uint16_t* ddelta_next = nullptr;
   float* dresidual = nullptr;  // [local_rows, d_model]
-  // The gradient of a norm site's output, fp32 [rows, d_model] (reduced into my_rows): written by
+  // The gradient of a norm site's output, fp32 [padded_rows, d_model] (reduced into my_rows): by
   // the sublayer's input GEMM in fp32 rather than bf16, because the norm weight's gradient sums it
   // over every row.
   float* dnormed = nullptr;
@@ -498,8 +499,8 @@ void CudaModel::Impl::norm_site_backward(uint16_t* output_gradient, void* on) {
 }
 
 void CudaModel::Impl::make_tp_stream() {
-  // The highest priority: the all-reduce's blocks take SMs as the GEMM beside it frees them,
-  // instead of queueing behind all of its tiles.
+  // The highest priority: the blocks of the site's backward (collectives, norm, cast) take SMs
+  // as the GEMMs beside it free them, instead of queueing behind all of their tiles.
   int lowest = 0, highest = 0;
   MEGACPP_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lowest, &highest));
   MEGACPP_CUDA_CHECK(cudaStreamCreateWithPriority(&tp_stream, cudaStreamNonBlocking, highest));

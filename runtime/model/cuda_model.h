@@ -106,7 +106,7 @@ class CudaModel {
   // a kernel does not cover or a parallel geometry the model cannot split (naming it),
   // kFailedPrecondition when the device lacks memory or cuDNN cannot run its attention. With tensor
   // or data parallelism the constructor and every method below are collective: each rank of the
-  // groups calls them in the same order (the forward and backward all-reduce inside). plan_cache:
+  // groups calls them in the same order (the forward and backward reduce inside). plan_cache:
   // the GEMM algorithms of every linear and the cuDNN attention plans are looked up and stored
   // there (kernels/cuda/gemm_plan_cache.h); null: each built afresh, uncounted.
   CudaModel(const Model<float>& host, int batch, int seqlen, const OptimizerConfig& optimizer,

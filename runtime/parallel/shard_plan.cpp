@@ -287,9 +287,9 @@ SequenceSplit sequence_split(int64_t rows, int tensor_parallel, int tp_rank) {
   const int64_t last = rows - slot * (tensor_parallel - 1);
   if (last < 1) {
     fail(ErrorKind::kInvalidArgument,
-         "tensor_parallel={} leaves its last rank none of the micro-batch's {} rows (batch · "
-         "seqlen): sequence parallelism gives every other rank ceil(rows / tensor_parallel) = {}; "
-         "use more rows or fewer tensor-parallel ranks",
+         "tensor_parallel={} leaves its last rank none of a micro-batch's {} rows: sequence "
+         "parallelism gives every other rank ceil(rows / tensor_parallel) = {}; use more rows or "
+         "fewer tensor-parallel ranks",
          tensor_parallel, rows, slot);
   }
   SequenceSplit s;

@@ -410,7 +410,11 @@ TrainJob parse_train_job(const json& j, const std::string& source) {
       parallel::sequence_split(static_cast<int64_t>(job.batch / job.data_parallel()) * job.seqlen,
                                job.tensor_parallel, job.tensor_parallel - 1);
     } catch (const Error& e) {
-      fail(ErrorKind::kInvalidArgument, "{}: {}", source, e.what());
+      fail(ErrorKind::kInvalidArgument,
+           "{}: batch={} over data_parallel={} replicas at seqlen={} makes each replica's "
+           "micro-batch {} rows: {} (batch, seqlen, device_count and tensor_parallel set them)",
+           source, job.batch, job.data_parallel(), job.seqlen,
+           static_cast<int64_t>(job.batch / job.data_parallel()) * job.seqlen, e.what());
     }
   }
   return job;

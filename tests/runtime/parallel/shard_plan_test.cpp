@@ -336,7 +336,7 @@ TEST(SequenceSplit, EqualSlotsTheLastRankTakesWhatIsLeft) {
     ADD_FAILURE() << "6 rows over 4 ranks were split";
   } catch (const Error& e) {
     EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
-    EXPECT_NE(std::string(e.what()).find("tensor_parallel=4 leaves its last rank none of the "
+    EXPECT_NE(std::string(e.what()).find("tensor_parallel=4 leaves its last rank none of a "
                                          "micro-batch's 6 rows"),
               std::string::npos)
         << e.what();

@@ -181,6 +181,16 @@ TEST_F(TrainerTest, JobValidationNamesTheField) {
          j["deterministic"] = "yes";
        },
        "field deterministic = \"yes\" has the wrong type"},
+      {[](json& j) {
+         // Four Mamba heads split over four ranks, but 1 x 2 rows cannot be.
+         j["model"]["config"]["pattern"] = "MM";
+         j["device"] = "cuda";
+         j["device_count"] = 4;
+         j["tensor_parallel"] = 4;
+         j["batch"] = 1;
+         j["seqlen"] = 2;
+       },
+       "micro-batch 2 rows: tensor_parallel=4 leaves its last rank none of a micro-batch's 2 rows"},
   };
   for (const auto& c : cases) {
     json j = job("x");
