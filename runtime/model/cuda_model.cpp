@@ -91,19 +91,16 @@ struct CudaModel::Impl {
   int device = 0;
   int batch = 0, seqlen = 0, rows = 0;
   // Sequence parallelism (shard_plan.h's sequence_split): the rows of the residual stream this
-  // rank holds, rows [row_offset, row_offset + local_rows) of the micro-batch's, at the start of
-  // its slot of slot_rows; all of them on one GPU. The buffers the collectives fill hold
-  // padded_rows = slot_rows · tp rows: the last rank's slot ends in rows no op reads, kept zero.
-  int local_rows = 0;
-  int64_t row_offset = 0;
-  int slot_rows = 0;
-  int64_t padded_rows = 0;
+  // rank holds, split.rows of the micro-batch's from split.first, at the start of its slot of
+  // split.slot rows; all of them on one GPU. The buffers the collectives fill hold
+  // split.padded_rows(): the last rank's slot ends in rows no op reads, kept zero.
+  parallel::SequenceSplit split;
   template <class T>
   T* my_rows(T* whole) const {
-    return whole + row_offset * config.d_model;
+    return whole + split.first * config.d_model;
   }
-  int64_t local_elements() const { return static_cast<int64_t>(local_rows) * config.d_model; }
-  int64_t slot_elements() const { return static_cast<int64_t>(slot_rows) * config.d_model; }
+  int64_t local_elements() const { return static_cast<int64_t>(split.rows) * config.d_model; }
+  int64_t slot_elements() const { return static_cast<int64_t>(split.slot) * config.d_model; }
   // The device holds the rank's shards (the plan's local layout); the host mirror is global.
   CudaModelParallel par;
   std::unique_ptr<parallel::ShardPlan> plan;
@@ -155,17 +152,17 @@ struct CudaModel::Impl {
   int32_t* inputs = nullptr;   // [rows]
   int32_t* targets = nullptr;  // [rows]
   std::vector<int32_t> host_inputs, host_targets;
-  std::vector<float*> residual;  // per site [local_rows, d_model]
-  // Those the collectives fill hold padded_rows (the rows past `rows` stay zero).
-  std::vector<uint16_t*> normed;  // per site [padded_rows, d_model]: the rank's rows, gathered
-  std::vector<float*> rstd;       // per site [local_rows]
-  uint16_t* delta = nullptr;   // a sublayer's output [padded_rows, d_model], reduced into my_rows
-  uint16_t* ddelta = nullptr;  // its gradient, bf16 [padded_rows, d_model], gathered from my_rows
+  std::vector<float*> residual;  // per site [split.rows, d_model]
+  // Those the collectives fill hold split.padded_rows() (the rows past `rows` stay zero).
+  std::vector<uint16_t*> normed;  // per site [padded, d_model]: the rank's rows, gathered
+  std::vector<float*> rstd;       // per site [split.rows]
+  uint16_t* delta = nullptr;      // a sublayer's output [padded, d_model], reduced into my_rows
+  uint16_t* ddelta = nullptr;     // its gradient, bf16 [padded, d_model], gathered from my_rows
   // Tensor parallel: the next sublayer's output gradient, made while the sublayer whose gradient
   // is in ddelta still reads it (start_input_gradient_sum); the two swap between sublayers.
   uint16_t* ddelta_next = nullptr;
-  float* dresidual = nullptr;  // [local_rows, d_model]
-  // The gradient of a norm site's output, fp32 [padded_rows, d_model] (reduced into my_rows): by
+  float* dresidual = nullptr;  // [split.rows, d_model]
+  // The gradient of a norm site's output, fp32 [padded, d_model] (reduced into my_rows): by
   // the sublayer's input GEMM in fp32 rather than bf16, because the norm weight's gradient sums it
   // over every row.
   float* dnormed = nullptr;
@@ -270,19 +267,19 @@ struct CudaModel::Impl {
   // Allocates the planned arena, points the buffers into it and makes the ops.
   void allocate_and_build(cuda::GemmPlanCache* plan_cache);
   cuda::EmbeddingShape embedding_shape() const {
-    return {local_rows, config.d_model, config.padded_vocab()};
+    return {split.rows, config.d_model, config.padded_vocab()};
   }
   cuda::RmsNormShape norm_shape() const {
-    return {local_rows, config.d_model, config.norm_epsilon};
+    return {split.rows, config.d_model, config.norm_epsilon};
   }
   // The loss of the rank's rows, as its share of the micro-batch's mean.
   cuda::LmHeadLossShape lm_head_shape() const {
-    return {local_rows,
+    return {split.rows,
             config.d_model,
             config.padded_vocab(),
             config.vocab_size,
             0,
-            static_cast<int>(row_offset),
+            static_cast<int>(split.first),
             sharded() ? rows : 0};
   }
   // Tensor parallel: a sublayer's output (delta, a partial sum on each rank) summed over the group
@@ -297,6 +294,9 @@ struct CudaModel::Impl {
   // `output_gradient`. On `on`.
   size_t backward_site = 0;
   void norm_site_backward(uint16_t* output_gradient, void* on);
+  // dresidual in bf16 into the rank's rows of `output_gradient`, then (tensor parallel) every
+  // rank's rows gathered: the output gradient of the sublayer below a site. On `on`.
+  void output_gradient_from_residual(uint16_t* output_gradient, void* on);
   // A sublayer's backward calls start_input_gradient_sum once it has enqueued its input gradient
   // (dnormed), before its weight-gradient GEMMs, which need only the sublayer's own inputs;
   // finish_input_gradient_sum follows the sublayer. On one GPU the site's backward runs there,
@@ -375,11 +375,7 @@ void CudaModel::Impl::plan_parallel(const CudaModelParallel& parallel, bool plan
          parallel.tp_rank, parallel.tensor_group->rank());
   }
   par = parallel;
-  const parallel::SequenceSplit split = parallel::sequence_split(rows, tp, parallel.tp_rank);
-  local_rows = split.rows;
-  row_offset = split.first;
-  slot_rows = split.slot;
-  padded_rows = split.padded_rows();
+  split = parallel::sequence_split(rows, tp, parallel.tp_rank);
   // Validates the geometry against the model, naming the rule a split breaks.
   plan = std::make_unique<parallel::ShardPlan>(config, parallel::ParallelConfig{tp, tp * dp});
   const parallel::RankGeometry& geo = plan->geometry(parallel.tp_rank);
@@ -494,6 +490,10 @@ void CudaModel::Impl::norm_site_backward(uint16_t* output_gradient, void* on) {
                     cuda::RowsRef{nullptr, my_rows(dnormed)}, dresidual, dresidual,
                     grad(site_weight[site]), true, on);
   if (site == 0) return;  // the embedding's backward takes dresidual as it is
+  output_gradient_from_residual(output_gradient, on);
+}
+
+void CudaModel::Impl::output_gradient_from_residual(uint16_t* output_gradient, void* on) {
   cuda::cast_f32_to_bf16(dresidual, my_rows(output_gradient), local_elements(), on);
   tp_all_gather(output_gradient, on);
 }
@@ -636,8 +636,8 @@ void CudaModel::Impl::plan_buffers(const CudaModelOptions& options) {
   const ModelConfig& c = m.config;
   const parallel::RankGeometry& geo = m.plan->geometry(m.par.tp_rank);
   const size_t row_count = static_cast<size_t>(m.rows), dm = static_cast<size_t>(c.d_model);
-  const size_t local_count = static_cast<size_t>(m.local_rows);
-  const size_t padded_count = static_cast<size_t>(m.padded_rows);
+  const size_t local_count = static_cast<size_t>(m.split.rows);
+  const size_t padded_count = static_cast<size_t>(m.split.padded_rows());
   DeviceArena& a = m.arena;
 
   const size_t n = static_cast<size_t>(m.total);
@@ -915,12 +915,12 @@ void CudaModel::Impl::allocate_and_build(cuda::GemmPlanCache* plan_cache) {
   }
   m.adamw_op =
       std::make_unique<cuda::AdamWCuda>(adamw_refs, m.adamw_workspace, m.adamw_workspace_bytes);
-  if (m.padded_rows > m.rows) {
+  if (m.split.padded_rows() > m.rows) {
     // The last rank's slot ends past the micro-batch. No op writes those rows: the collectives
     // only sum and copy them among themselves, so zeroed once they stay zero (and no collective
     // reads memory nothing wrote).
     const size_t first = static_cast<size_t>(m.rows) * c.d_model;
-    const size_t pad = static_cast<size_t>(m.padded_rows - m.rows) * c.d_model;
+    const size_t pad = static_cast<size_t>(m.split.padded_rows() - m.rows) * c.d_model;
     MEGACPP_CUDA_CHECK(cudaMemsetAsync(m.delta + first, 0, pad * sizeof(uint16_t), m.stream));
     MEGACPP_CUDA_CHECK(cudaMemsetAsync(m.ddelta + first, 0, pad * sizeof(uint16_t), m.stream));
     MEGACPP_CUDA_CHECK(cudaMemsetAsync(m.ddelta_next + first, 0, pad * sizeof(uint16_t), m.stream));
@@ -1215,7 +1215,7 @@ void CudaModel::Impl::attention_forward(AttentionLayer& l, const uint16_t* x) {
 // normed.back().
 void CudaModel::Impl::run_forward() {
   Impl& m = *this;
-  m.embedding_op->forward(m.inputs + m.row_offset, m.value(m.embedding), m.residual[0], m.s());
+  m.embedding_op->forward(m.inputs + m.split.first, m.value(m.embedding), m.residual[0], m.s());
   m.lap("embedding forward");
   size_t site = 0;
   const size_t last_site = m.site_weight.size() - 1;
@@ -1432,12 +1432,8 @@ void CudaModel::Impl::forward_backward_body(float grad_scale) {
   m.lap("add+rmsnorm backward");
   // Site k's residual is site k-1's plus the sublayer's output, so the sublayer's output gradient
   // is the gradient of site k's residual, which also flows on into site k-1.
-  cuda::cast_f32_to_bf16(m.dresidual, m.my_rows(m.ddelta), m.local_elements(), m.s());
-  m.lap("residual gradient to bf16");
-  if (m.sharded()) {
-    m.tp_all_gather(m.ddelta, m.s());
-    m.lap("tensor-parallel all-gather backward");
-  }
+  m.output_gradient_from_residual(m.ddelta, m.s());
+  m.lap("residual gradient to bf16 (all-gathered under tensor parallelism)");
   const auto back_through_site = [&](auto&& sublayer_backward) {
     m.backward_site = --site;
     sublayer_backward(m.normed[site]);  // calls start_input_gradient_sum once
@@ -1460,7 +1456,7 @@ void CudaModel::Impl::forward_backward_body(float grad_scale) {
     }
     if (m.overlap_now) m.reduce_bucket(index);  // the block's gradients are final
   }
-  m.embedding_op->backward(m.inputs + m.row_offset, m.dresidual, m.grad(m.embedding), true, m.s());
+  m.embedding_op->backward(m.inputs + m.split.first, m.dresidual, m.grad(m.embedding), true, m.s());
   m.lap("embedding backward");
   if (m.overlap_now) {
     m.reduce_bucket(m.blocks.size());

@@ -13,6 +13,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/cpu/cross_entropy.h"
@@ -222,17 +223,24 @@ TEST(LmHeadLossCudaShapes, PicksChunksThatBoundTheLogits) {
   EXPECT_EQ(chunk_of({100, 64, 264, 257, 7}), 7);
 }
 
-// The CPU op refuses a target >= vocab_size; the device cannot, and ignores it like a negative
-// one: the loss, count and gradients are those of the same targets with -1 in its place.
-TEST(LmHeadLossCudaTargets, OutOfVocabularyTargetsAreIgnored) {
-  MEGACPP_REQUIRE_GPU();
-  const LmHeadLossShape s{6, 8, 12, 10, 4};
-  std::mt19937_64 rng(7);
+// bf16 h [rows, dim] ~ N(0, 1) and weight [vocab_padded, dim] ~ N(0, 0.25), from `seed`.
+std::pair<std::vector<uint16_t>, std::vector<uint16_t>> random_operands(const LmHeadLossShape& s,
+                                                                        uint64_t seed) {
+  std::mt19937_64 rng(seed);
   std::normal_distribution<double> normal(0.0, 1.0);
   std::vector<uint16_t> h(static_cast<size_t>(s.rows) * s.dim),
       weight(static_cast<size_t>(s.vocab_padded) * s.dim);
   for (uint16_t& v : h) v = megacpp::testing::to_bf16(normal(rng));
   for (uint16_t& v : weight) v = megacpp::testing::to_bf16(0.5 * normal(rng));
+  return {h, weight};
+}
+
+// The CPU op refuses a target >= vocab_size; the device cannot, and ignores it like a negative
+// one: the loss, count and gradients are those of the same targets with -1 in its place.
+TEST(LmHeadLossCudaTargets, OutOfVocabularyTargetsAreIgnored) {
+  MEGACPP_REQUIRE_GPU();
+  const LmHeadLossShape s{6, 8, 12, 10, 4};
+  const auto [h, weight] = random_operands(s, 7);
   const std::vector<int32_t> odd{3, 10, 0, 12, 9, 1000};  // 10 and 12: padding, 1000: beyond
   const std::vector<int32_t> plain{3, -1, 0, -1, 9, -1};
   oracle::DeviceBuffer d_h(h.size() * 2), d_weight(weight.size() * 2), d_targets(6 * 4), d_loss(4),
@@ -283,12 +291,7 @@ TEST(LmHeadLossCudaTargets, OutOfVocabularyTargetsAreIgnored) {
 TEST(LmHeadLossCudaTargets, SharesOfABatchSumToItsMean) {
   MEGACPP_REQUIRE_GPU();
   const LmHeadLossShape whole{8, 16, 24, 20, 4};  // a chunk per half: the same GEMMs
-  std::mt19937_64 rng(11);
-  std::normal_distribution<double> normal(0.0, 1.0);
-  std::vector<uint16_t> h(static_cast<size_t>(whole.rows) * whole.dim),
-      weight(static_cast<size_t>(whole.vocab_padded) * whole.dim);
-  for (uint16_t& v : h) v = megacpp::testing::to_bf16(normal(rng));
-  for (uint16_t& v : weight) v = megacpp::testing::to_bf16(0.5 * normal(rng));
+  const auto [h, weight] = random_operands(whole, 11);
   // Ignored rows fall unevenly: 1 in the first half, 2 in the second.
   const std::vector<int32_t> targets{3, -1, 0, 7, 9, -1, 19, 25};
   oracle::DeviceBuffer d_h(h.size() * 2), d_weight(weight.size() * 2), d_targets(8 * 4), d_loss(4),
