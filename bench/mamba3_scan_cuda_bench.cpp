@@ -5,7 +5,12 @@
 // matrix-unit rate, minimal bytes over the measured copy bandwidth), plus each kernel's
 // registers, shared memory and occupancy, and the PsiV cache on versus off.
 //
-// Usage: mamba3_scan_cuda_bench [--repeats N] [--profile-once [--siso | --small R C N]]
+// Usage: mamba3_scan_cuda_bench [--repeats N] [--batch B] [--heads H] [--chains always|never]
+//                               [--profile-once [--siso | --small R C N]]
+//   --batch B, --heads H: M3-ref (and its SISO variant) at B sequences and H heads (a
+//     tensor-parallel rank's share of a model's heads: bench-1.3b at TP = 4 is batch 2, heads 16);
+//   --chains always|never: the chunk chains forced on or off (ScanChains; by default they run
+//     where the (batch, head) pairs are many enough for them to pay);
 //   --profile-once: one forward + backward at M3-ref and exit (for ncu); MIMO R = 4 chunk 16,
 //     or with --siso R = 1 chunk 64;
 //   --small R C N: instead, at P 64 with rank R, chunk C and state N, batch 1, seqlen 128 and
@@ -299,12 +304,13 @@ void free_problem(Problem& pr) {
   for (void* g : grads) cudaFree(g);
 }
 
-Measured measure(const std::string& name, Problem& pr, bool psiv, bool tensor, int repeats) {
+Measured measure(const std::string& name, Problem& pr, bool psiv, bool tensor,
+                 megacpp::cuda::ScanChains chains, int repeats) {
   Measured m;
   m.name = name;
   m.psiv = psiv;
   m.tensor = tensor;
-  megacpp::cuda::Mamba3ScanCuda scan(pr.shape, psiv, tensor);
+  megacpp::cuda::Mamba3ScanCuda scan(pr.shape, psiv, tensor, nullptr, 0, chains);
   m.workspace = scan.workspace_bytes();
   m.psiv_bytes = scan.psiv_bytes();
   m.kernels = scan.kernel_attributes();
@@ -343,6 +349,8 @@ static int run(int argc, char** argv) {
   bool profile_once = false;
   bool small = false, siso = false;
   int small_rank = 0, small_chunk = 0, small_state = 0;
+  int batch = 0, heads = 0;  // 0: M3-ref's
+  megacpp::cuda::ScanChains chains = megacpp::cuda::ScanChains::kWherePaying;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--repeats" && i + 1 < argc) {
@@ -351,6 +359,19 @@ static int run(int argc, char** argv) {
       profile_once = true;
     } else if (arg == "--siso") {
       siso = true;
+    } else if (arg == "--batch" && i + 1 < argc) {
+      batch = std::atoi(argv[++i]);
+    } else if (arg == "--heads" && i + 1 < argc) {
+      heads = std::atoi(argv[++i]);
+    } else if (arg == "--chains" && i + 1 < argc) {
+      const std::string way = argv[++i];
+      if (way != "always" && way != "never") {
+        std::fprintf(stderr, "mamba3_scan_cuda_bench: --chains takes always or never, not %s\n",
+                     way.c_str());
+        return 2;
+      }
+      chains =
+          way == "always" ? megacpp::cuda::ScanChains::kAlways : megacpp::cuda::ScanChains::kNever;
     } else if (arg == "--small" && i + 3 < argc) {
       small = true;
       small_rank = std::atoi(argv[++i]);
@@ -359,10 +380,28 @@ static int run(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "mamba3_scan_cuda_bench: unknown or incomplete argument %s (usage: "
-                   "[--repeats N] [--profile-once [--siso | --small R C N]])\n",
+                   "[--repeats N] [--batch B] [--heads H] [--chains always|never] "
+                   "[--profile-once [--siso | --small R C N]])\n",
                    arg.c_str());
       return 2;
     }
+  }
+  if (batch < 0 || heads < 0 || ((batch > 0 || heads > 0) && small)) {
+    std::fprintf(stderr,
+                 "mamba3_scan_cuda_bench: --batch and --heads must be positive and go without "
+                 "--small\n");
+    return 2;
+  }
+  // M3-ref at another batch or head count (a tensor-parallel rank's share of a model's heads).
+  const auto reshaped = [&](ScanShape s) {
+    if (batch > 0) s.batch = batch;
+    if (heads > 0) s.heads = heads;
+    return s;
+  };
+  std::string shape_note;
+  if (batch > 0 || heads > 0) {
+    const ScanShape s = reshaped(m3_ref(4, 16));
+    shape_note = " (batch " + std::to_string(s.batch) + ", heads " + std::to_string(s.heads) + ")";
   }
   if (siso && (!profile_once || small)) {
     std::fprintf(stderr, "mamba3_scan_cuda_bench: --siso needs --profile-once and no --small\n");
@@ -377,7 +416,7 @@ static int run(int argc, char** argv) {
   // Read first: a bad kSharedMemoryCapVariable is refused before anything is measured.
   const megacpp::cuda::SharedMemoryLimits shared = megacpp::cuda::current_shared_memory_limits();
   if (profile_once) {
-    ScanShape shape = siso ? m3_ref(1, 64) : m3_ref(4, 16);
+    ScanShape shape = reshaped(siso ? m3_ref(1, 64) : m3_ref(4, 16));
     if (small) {
       shape = m3_ref(small_rank, small_chunk);
       shape.batch = 1;
@@ -390,7 +429,7 @@ static int run(int argc, char** argv) {
     // (tensor cores, PsiV cache): M3-ref runs the first only.
     const bool variants[3][2] = {{true, false}, {true, true}, {false, false}};
     for (const auto& v : variants) {
-      megacpp::cuda::Mamba3ScanCuda scan(pr.shape, v[1], v[0]);
+      megacpp::cuda::Mamba3ScanCuda scan(pr.shape, v[1], v[0], nullptr, 0, chains);
       scan.forward(pr.in, pr.y);
       scan.backward(pr.in, pr.dy, pr.grads);
       ok(cudaDeviceSynchronize(), "profile run");
@@ -412,8 +451,8 @@ static int run(int argc, char** argv) {
     std::string name;
     ScanShape shape;
   };
-  const Config configs[] = {{"M3-ref MIMO R=4 C=16", m3_ref(4, 16)},
-                            {"M3-ref SISO R=1 C=64", m3_ref(1, 64)}};
+  const Config configs[] = {{"M3-ref MIMO R=4 C=16" + shape_note, reshaped(m3_ref(4, 16))},
+                            {"M3-ref SISO R=1 C=64" + shape_note, reshaped(m3_ref(1, 64))}};
   std::vector<Measured> results;
   std::vector<Work> works;
   for (const Config& c : configs) {
@@ -441,7 +480,7 @@ static int run(int argc, char** argv) {
     // Tensor cores with and without the PsiV cache, then the CUDA-core variant.
     const bool variants[3][2] = {{true, false}, {true, true}, {false, false}};
     for (const auto& v : variants) {
-      results.push_back(measure(name, pr, v[1], v[0], repeats));
+      results.push_back(measure(name, pr, v[1], v[0], chains, repeats));
       works.push_back(work_of(run_shape));
     }
     free_problem(pr);

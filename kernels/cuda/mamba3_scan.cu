@@ -176,10 +176,10 @@ DevGrads dev_grads(const ScanDeviceGrads& g, int angles) {
 
 // Every launch of one math variant, forward then backward, in launch order, as planned for a
 // device with `shared` (current_shared_memory_limits()).
-std::vector<Launch> all_launches(const Dims& d, bool tensor_cores,
-                                 const SharedMemoryLimits& shared) {
-  const ForwardLaunches f = forward_launches(d, tensor_cores, shared.per_sm);
-  const BackwardLaunches b = backward_launches(d, tensor_cores, shared.per_block);
+std::vector<Launch> all_launches(const Dims& d, bool tensor_cores, const SharedMemoryLimits& shared,
+                                 ScanChains chains) {
+  const ForwardLaunches f = forward_launches(d, tensor_cores, shared.per_sm, chains);
+  const BackwardLaunches b = backward_launches(d, tensor_cores, shared.per_block, chains);
   std::vector<Launch> launches = {f.angle_prefix};
   if (f.fused) {
     launches.push_back(f.chunk_forward);
@@ -194,9 +194,9 @@ std::vector<Launch> all_launches(const Dims& d, bool tensor_cores,
 }
 
 // Kernels above 48 KiB of dynamic shared memory must opt in, per kernel and per device.
-void raise_shared_limits(const Dims& d, const SharedMemoryLimits& shared) {
+void raise_shared_limits(const Dims& d, const SharedMemoryLimits& shared, ScanChains chains) {
   for (bool tensor_cores : {false, true}) {
-    for (const Launch& l : all_launches(d, tensor_cores, shared)) {
+    for (const Launch& l : all_launches(d, tensor_cores, shared, chains)) {
       if (l.smem.total > 48 * 1024) {
         MEGACPP_CUDA_CHECK(cudaFuncSetAttribute(l.function,
                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -316,14 +316,14 @@ size_t Mamba3ScanCuda::own_workspace_bytes(const ops::ScanShape& shape, bool psi
 }
 
 Mamba3ScanCuda::Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache, bool tensor_cores,
-                               void* backward_workspace, size_t backward_bytes)
-    : shape_(shape), psiv_cache_(psiv_cache), tensor_cores_(tensor_cores) {
+                               void* backward_workspace, size_t backward_bytes, ScanChains chains)
+    : shape_(shape), psiv_cache_(psiv_cache), tensor_cores_(tensor_cores), chains_(chains) {
   MEGACPP_CUDA_CHECK(cudaGetDevice(&device_));
   const SharedMemoryLimits shared = shared_memory_limits(device_);
   const ops::ScanShape planned = scan_detail::planned_shape(shape, shared);
   planned_chunk_ = planned.chunk;
   const Dims d = scan_detail::dims_of(planned);
-  scan_detail::raise_shared_limits(d, shared);
+  scan_detail::raise_shared_limits(d, shared, chains);
   const std::array<size_t, kParts> sizes = part_sizes(d);
   const size_t backward_needed = bytes_of_parts(sizes, kForwardParts, kParts);
   if (backward_workspace != nullptr && backward_bytes < backward_needed) {
@@ -345,8 +345,8 @@ Mamba3ScanCuda::Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache, boo
   MEGACPP_CUDA_CHECK(cudaMalloc(&arena_, workspace_bytes_));
   buffers_ = new Buffers{};
   buffers_->dims = d;
-  buffers_->forward = scan_detail::forward_launches(d, tensor_cores, shared.per_sm);
-  buffers_->backward = scan_detail::backward_launches(d, tensor_cores, shared.per_block);
+  buffers_->forward = scan_detail::forward_launches(d, tensor_cores, shared.per_sm, chains);
+  buffers_->backward = scan_detail::backward_launches(d, tensor_cores, shared.per_block, chains);
   unsigned char* cursor = static_cast<unsigned char*>(arena_);
   float* parts[kParts];
   for (int i = 0; i < kParts; ++i) {
@@ -469,16 +469,17 @@ void Mamba3ScanCuda::backward(const ScanDeviceInputs& in, const uint16_t* dy,
                             static_cast<cudaStream_t>(stream));
 }
 
-std::vector<KernelAttributes> kernel_attributes(const ops::ScanShape& shape, bool tensor_cores) {
+std::vector<KernelAttributes> kernel_attributes(const ops::ScanShape& shape, bool tensor_cores,
+                                                ScanChains chains) {
   int device = 0, max_threads_per_sm = 0;
   MEGACPP_CUDA_CHECK(cudaGetDevice(&device));
   const SharedMemoryLimits shared = shared_memory_limits(device);
   const Dims d = scan_detail::dims_of(scan_detail::planned_shape(shape, shared));
-  scan_detail::raise_shared_limits(d, shared);
+  scan_detail::raise_shared_limits(d, shared, chains);
   MEGACPP_CUDA_CHECK(
       cudaDeviceGetAttribute(&max_threads_per_sm, cudaDevAttrMaxThreadsPerMultiProcessor, device));
   std::vector<KernelAttributes> out;
-  for (const scan_detail::Launch& l : scan_detail::all_launches(d, tensor_cores, shared)) {
+  for (const scan_detail::Launch& l : scan_detail::all_launches(d, tensor_cores, shared, chains)) {
     cudaFuncAttributes attr{};
     MEGACPP_CUDA_CHECK(cudaFuncGetAttributes(&attr, l.function));
     const int threads = static_cast<int>(l.block.x * l.block.y * l.block.z);
@@ -511,7 +512,7 @@ std::vector<KernelAttributes> kernel_attributes(const ops::ScanShape& shape, boo
 }
 
 std::vector<KernelAttributes> Mamba3ScanCuda::kernel_attributes() const {
-  return megacpp::cuda::kernel_attributes(shape_, tensor_cores_);
+  return megacpp::cuda::kernel_attributes(shape_, tensor_cores_, chains_);
 }
 
 }  // namespace megacpp::cuda

@@ -85,6 +85,16 @@ struct KernelAttributes {
   double occupancy = 0;   // resident warps / the SM's maximum warps
 };
 
+// At the shapes compiled with fixed dimensions (state 64, headdim 64, and rank 4 at chunk 16 or
+// rank 1 at chunk 64) the scan can walk the chunk-entry states in chains: chunk_forward, and
+// chunk_dstate with the reverse state pass, whose blocks each wait for their (batch, head) pair's
+// previous chunk. A chain's links (a flag, a state through L2, a fence) follow one another, so
+// with few pairs the separate passes (chunk_state, state_pass, chunk_output; chunk_dstate, then
+// state_pass_backward) are faster. kWherePaying picks by the pair count at the crossovers measured
+// on an H200 (bench/RESULTS.md, session 22); kAlways and kNever force one way, for the benchmark's
+// comparison and the test that both give the same bits. Other shapes have no chains.
+enum class ScanChains { kWherePaying, kAlways, kNever };
+
 class Mamba3ScanCuda {
  public:
   // Validates the shape against what the kernels cover (throws megacpp::Error
@@ -100,9 +110,10 @@ class Mamba3ScanCuda {
   // after another on one stream (a model's layers) may share; the scan then allocates only what
   // forward() keeps for backward() (the chunk-entry states and decays, PsiV) and the chunk chains'
   // tickets and flags (B·H·chunks + 1 ints).
+  // chains: see ScanChains.
   explicit Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache = false,
                           bool tensor_cores = true, void* backward_workspace = nullptr,
-                          size_t backward_bytes = 0);
+                          size_t backward_bytes = 0, ScanChains chains = ScanChains::kWherePaying);
   // Bytes of backward()'s temporaries for `shape` (throws like the constructor on a bad shape).
   static size_t backward_workspace_bytes(const ops::ScanShape& shape);
   // Bytes the constructor allocates for itself (workspace_bytes()): with shared_backward (a
@@ -125,6 +136,7 @@ class Mamba3ScanCuda {
   int planned_chunk() const { return planned_chunk_; }
   bool psiv_cache() const { return psiv_cache_; }
   bool tensor_cores() const { return tensor_cores_; }
+  ScanChains chains() const { return chains_; }
   size_t workspace_bytes() const { return workspace_bytes_; }
   size_t psiv_bytes() const { return psiv_bytes_; }
   std::vector<KernelAttributes> kernel_attributes() const;
@@ -133,6 +145,7 @@ class Mamba3ScanCuda {
   ops::ScanShape shape_;
   bool psiv_cache_;
   bool tensor_cores_;
+  ScanChains chains_;
   bool has_forward_ = false;
   int planned_chunk_ = 0;
   int device_ = 0;
@@ -147,7 +160,8 @@ class Mamba3ScanCuda {
 // on the launch shapes are the same), for the tensor-core or the CUDA-core variant.
 // Throws like the constructor for shapes not covered.
 std::vector<KernelAttributes> kernel_attributes(const ops::ScanShape& shape,
-                                                bool tensor_cores = true);
+                                                bool tensor_cores = true,
+                                                ScanChains chains = ScanChains::kWherePaying);
 
 // Dynamic shared memory (bytes) per block that the largest kernel for `shape` cannot do without
 // at shape.chunk (no device needed): chunk_backward's plan with its C² token weights made again

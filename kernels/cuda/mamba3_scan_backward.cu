@@ -1547,7 +1547,8 @@ __global__ void reduce_params_kernel(Dims d, Work w, DevGrads grads) {
 
 }  // namespace
 
-BackwardLaunches backward_launches(const Dims& d, bool tensor_cores, size_t shared_limit) {
+BackwardLaunches backward_launches(const Dims& d, bool tensor_cores, size_t shared_limit,
+                                   ScanChains chains) {
   const unsigned bh = static_cast<unsigned>(d.batch * d.heads);
   const unsigned bg = static_cast<unsigned>(d.batch * d.groups);
   const unsigned chunks = static_cast<unsigned>(d.chunks);
@@ -1560,25 +1561,30 @@ BackwardLaunches backward_launches(const Dims& d, bool tensor_cores, size_t shar
   with_fixed_dims(d, [&](auto dims) {
     using D = decltype(dims);
     SmemPlan dstate = plan_for(d, kDStateKernel);
+    bool fused = false;
     if constexpr (D::kFixed) {
-      // H_c stays in shared memory for the reverse pass: on the tensor cores in the fp32 d_o's
-      // space, which they do not use (a block then fits in 47,872 B at MIMO: four an SM, not
-      // three).
-      l.reverse_pass_fused = true;
-      const size_t exit_bytes = static_cast<size_t>(d.headdim) * d.state * sizeof(float);
-      const size_t d_out_bytes =
-          static_cast<size_t>(d.rows) * static_cast<size_t>(dstate.ld_mp) * sizeof(float);
-      if (tensor_cores && exit_bytes <= d_out_bytes) {
-        dstate.exit_part = dstate.d_out;
-      } else {
-        dstate.exit_part = dstate.total;
-        dstate.total += exit_bytes;
+      fused = backward_chains_run(d, chains);
+      if (fused) {
+        // H_c stays in shared memory for the reverse pass: on the tensor cores in the fp32 d_o's
+        // space, which they do not use (a block then fits in 47,872 B at MIMO: four an SM, not
+        // three).
+        l.reverse_pass_fused = true;
+        const size_t exit_bytes = static_cast<size_t>(d.headdim) * d.state * sizeof(float);
+        const size_t d_out_bytes =
+            static_cast<size_t>(d.rows) * static_cast<size_t>(dstate.ld_mp) * sizeof(float);
+        if (tensor_cores && exit_bytes <= d_out_bytes) {
+          dstate.exit_part = dstate.d_out;
+        } else {
+          dstate.exit_part = dstate.total;
+          dstate.total += exit_bytes;
+        }
+        l.chunk_dstate = {"chunk_dstate",
+                          tensor_cores ? kernel_address(&chunk_dstate_kernel<true, true, D>)
+                                       : kernel_address(&chunk_dstate_kernel<false, true, D>),
+                          dim3(chunks * bh), threads, dstate};
       }
-      l.chunk_dstate = {"chunk_dstate",
-                        tensor_cores ? kernel_address(&chunk_dstate_kernel<true, true, D>)
-                                     : kernel_address(&chunk_dstate_kernel<false, true, D>),
-                        dim3(chunks * bh), threads, dstate};
-    } else {
+    }
+    if (!fused) {
       l.chunk_dstate = {"chunk_dstate",
                         tensor_cores ? kernel_address(&chunk_dstate_kernel<true, false, D>)
                                      : kernel_address(&chunk_dstate_kernel<false, false, D>),
@@ -1619,12 +1625,23 @@ void run_backward(const BackwardLaunches& launches, bool tensor_cores, bool psiv
       reset_chain(d, w, stream);
     }
     with_fixed_dims(d, [&](auto dims) {
-      constexpr bool kFused = decltype(dims)::kFixed;
+      if constexpr (decltype(dims)::kFixed) {
+        if (launches.reverse_pass_fused) {
+          if (tensor_cores) {
+            chunk_dstate_kernel<true, true>
+                <<<l.grid, l.block, l.smem.total, stream>>>(dims, l.smem, in, w, dy);
+          } else {
+            chunk_dstate_kernel<false, true>
+                <<<l.grid, l.block, l.smem.total, stream>>>(dims, l.smem, in, w, dy);
+          }
+          return;
+        }
+      }
       if (tensor_cores) {
-        chunk_dstate_kernel<true, kFused>
+        chunk_dstate_kernel<true, false>
             <<<l.grid, l.block, l.smem.total, stream>>>(dims, l.smem, in, w, dy);
       } else {
-        chunk_dstate_kernel<false, kFused>
+        chunk_dstate_kernel<false, false>
             <<<l.grid, l.block, l.smem.total, stream>>>(dims, l.smem, in, w, dy);
       }
     });

@@ -388,6 +388,23 @@ inline size_t chain_order_ints(const Dims& d) {
 inline void reset_chain(const Dims& d, const Work& w, cudaStream_t stream) {
   MEGACPP_CUDA_CHECK(cudaMemsetAsync(w.order, 0, chain_order_ints(d) * sizeof(int), stream));
 }
+// Whether a fixed shape's chunk chains run (ScanChains, mamba3_scan.h). Where paying: in the
+// forward from 48 (batch, head) pairs at MIMO and 32 at SISO, in the backward from 128 at MIMO and
+// 96 at SISO: the crossovers measured on an H200 at seqlen 8192 and 16 heads, batch 1 to 8
+// (bench/RESULTS.md, session 22). At MIMO the separate passes took 10% less time in the forward at
+// 32 pairs and 22% less in the backward; at 64 the forward's chain saved 19% and the separate
+// backward still 7%; at 96 the backward's two ways were within 0.5%. A chain's time grows with
+// its chunks as the passes' work does, so the pair count alone decides, whatever the length.
+inline bool chains_run(const Dims& d, ScanChains chains, int least_pairs) {
+  if (chains != ScanChains::kWherePaying) return chains == ScanChains::kAlways;
+  return static_cast<long>(d.batch) * d.heads >= least_pairs;
+}
+inline bool forward_chains_run(const Dims& d, ScanChains chains) {
+  return chains_run(d, chains, d.rank == 1 ? 32 : 48);
+}
+inline bool backward_chains_run(const Dims& d, ScanChains chains) {
+  return chains_run(d, chains, d.rank == 1 ? 96 : 128);
+}
 // The ready flags of one (batch, head) pair, one per chunk.
 static __device__ __forceinline__ int* chain_flags(const Work& w, const Dims& d, size_t pair) {
   return w.order + 1 + pair * d.chunks;
@@ -414,7 +431,8 @@ struct ForwardLaunches {
 };
 // shared_per_sm: the device's shared memory per SM, as capped (current_shared_memory_limits;
 // chunk_forward only where two blocks fit).
-ForwardLaunches forward_launches(const Dims& d, bool tensor_cores, size_t shared_per_sm);
+ForwardLaunches forward_launches(const Dims& d, bool tensor_cores, size_t shared_per_sm,
+                                 ScanChains chains);
 // Writes y; keeps the chunk-entry states (and PsiV when psiv_cache) in w for run_backward.
 void run_forward(const ForwardLaunches& launches, bool tensor_cores, bool psiv_cache, const Dims& d,
                  const DevInputs& in, const Work& w, bf16* y, cudaStream_t stream);
@@ -429,7 +447,8 @@ struct BackwardLaunches {
 };
 // shared_limit: the device's shared memory per block, as capped (chunk_backward keeps the group's
 // dQ and dK sums there when they fit; see plan_backward).
-BackwardLaunches backward_launches(const Dims& d, bool tensor_cores, size_t shared_limit);
+BackwardLaunches backward_launches(const Dims& d, bool tensor_cores, size_t shared_limit,
+                                   ScanChains chains);
 void run_backward(const BackwardLaunches& launches, bool tensor_cores, bool psiv_cache,
                   const Dims& d, const DevInputs& in, const Work& w, const bf16* dy,
                   const DevGrads& grads, cudaStream_t stream);

@@ -366,7 +366,8 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
 
 }  // namespace
 
-ForwardLaunches forward_launches(const Dims& d, bool tensor_cores, size_t shared_per_sm) {
+ForwardLaunches forward_launches(const Dims& d, bool tensor_cores, size_t shared_per_sm,
+                                 ScanChains chains) {
   const unsigned bh = static_cast<unsigned>(d.batch * d.heads);
   const unsigned chunks = static_cast<unsigned>(d.chunks);
   // state_pass: a thread per four elements of a state.
@@ -395,7 +396,8 @@ ForwardLaunches forward_launches(const Dims& d, bool tensor_cores, size_t shared
     using D = decltype(dims);
     if constexpr (D::kFixed) {
       const SmemPlan fused = plan_for(d, kForwardKernel);
-      if (tensor_cores && 2 * (fused.total + kSharedReservedPerBlock) <= shared_per_sm) {
+      if (tensor_cores && 2 * (fused.total + kSharedReservedPerBlock) <= shared_per_sm &&
+          forward_chains_run(d, chains)) {
         l.fused = true;
         l.chunk_forward = {"chunk_forward", kernel_address(&chunk_forward_kernel<D>),
                            dim3(chunks * bh), dim3(kOutputThreads), fused};

@@ -162,10 +162,16 @@ struct CudaModel::Impl {
   // is in ddelta still reads it (start_input_gradient_sum); the two swap between sublayers.
   uint16_t* ddelta_next = nullptr;
   float* dresidual = nullptr;  // [split.rows, d_model]
-  // The gradient of a norm site's output, fp32 [padded, d_model] (reduced into my_rows): by
-  // the sublayer's input GEMM in fp32 rather than bf16, because the norm weight's gradient sums it
-  // over every row.
+  // The gradient of a norm site's output [padded, d_model], made by the sublayer's input GEMM.
+  // One GPU: fp32 (dnormed), because the norm weight's gradient sums it over every row. Tensor
+  // parallel: bf16 (dnormed_half), the rank's partial sum, reduce-scattered into my_rows in bf16
+  // as Megatron's sequence parallelism does: half the bytes of the one collective of the backward
+  // that the weight-gradient GEMMs do not hide (bench/RESULTS.md, session 22).
   float* dnormed = nullptr;
+  uint16_t* dnormed_half = nullptr;
+  cuda::RowsOut input_gradient_out() const {
+    return sharded() ? cuda::RowsOut{dnormed_half, nullptr} : cuda::RowsOut{nullptr, dnormed};
+  }
   uint16_t* scratch_a = nullptr;    // the largest per-token backward scratch of any sublayer
   uint16_t* scratch_b = nullptr;    // a second one
   uint16_t* scratch_c = nullptr;    // a third one (the scan's input gradients)
@@ -486,8 +492,9 @@ void CudaModel::Impl::tp_sum_loss() {
 
 void CudaModel::Impl::norm_site_backward(uint16_t* output_gradient, void* on) {
   const size_t site = backward_site;
-  norm_op->backward(residual[site], value(site_weight[site]), rstd[site],
-                    cuda::RowsRef{nullptr, my_rows(dnormed)}, dresidual, dresidual,
+  const cuda::RowsRef dy = sharded() ? cuda::RowsRef{my_rows(dnormed_half), nullptr}
+                                     : cuda::RowsRef{nullptr, my_rows(dnormed)};
+  norm_op->backward(residual[site], value(site_weight[site]), rstd[site], dy, dresidual, dresidual,
                     grad(site_weight[site]), true, on);
   if (site == 0) return;  // the embedding's backward takes dresidual as it is
   output_gradient_from_residual(output_gradient, on);
@@ -518,8 +525,8 @@ void CudaModel::Impl::start_input_gradient_sum() {
   input_gradient_sum_pending = true;
   MEGACPP_CUDA_CHECK(cudaEventRecord(input_gradient_ready, stream));
   MEGACPP_CUDA_CHECK(cudaStreamWaitEvent(tp_stream, input_gradient_ready, 0));
-  par.tensor_group->reduce_scatter(dnormed, my_rows(dnormed), slot_elements(),
-                                   parallel::CollectiveType::kFloat, parallel::ReduceOp::kSum,
+  par.tensor_group->reduce_scatter(dnormed_half, my_rows(dnormed_half), slot_elements(),
+                                   parallel::CollectiveType::kBf16, parallel::ReduceOp::kSum,
                                    tp_stream);
   norm_site_backward(ddelta_next, tp_stream);
   MEGACPP_CUDA_CHECK(cudaEventRecord(input_gradient_summed, tp_stream));
@@ -775,7 +782,11 @@ void CudaModel::Impl::plan_buffers(const CudaModelOptions& options) {
     a.reserve(&m.ddelta_next, padded_count * dm, "next sublayer output gradient");
   }
   a.reserve(&m.dresidual, local_count * dm, "residual gradient");
-  a.reserve(&m.dnormed, padded_count * dm, "normed gradient");
+  if (m.sharded()) {
+    a.reserve(&m.dnormed_half, padded_count * dm, "normed gradient");
+  } else {
+    a.reserve(&m.dnormed, padded_count * dm, "normed gradient");
+  }
   a.reserve(&m.scratch_a, scratch_a_size, "backward scratch a");
   a.reserve(&m.scratch_b, scratch_b_size, "backward scratch b");
   a.reserve(&m.scratch_c, std::max<size_t>(scratch_c_size, 1), "scan input gradients");
@@ -924,7 +935,8 @@ void CudaModel::Impl::allocate_and_build(cuda::GemmPlanCache* plan_cache) {
     MEGACPP_CUDA_CHECK(cudaMemsetAsync(m.delta + first, 0, pad * sizeof(uint16_t), m.stream));
     MEGACPP_CUDA_CHECK(cudaMemsetAsync(m.ddelta + first, 0, pad * sizeof(uint16_t), m.stream));
     MEGACPP_CUDA_CHECK(cudaMemsetAsync(m.ddelta_next + first, 0, pad * sizeof(uint16_t), m.stream));
-    MEGACPP_CUDA_CHECK(cudaMemsetAsync(m.dnormed + first, 0, pad * sizeof(float), m.stream));
+    MEGACPP_CUDA_CHECK(
+        cudaMemsetAsync(m.dnormed_half + first, 0, pad * sizeof(uint16_t), m.stream));
     for (uint16_t* site : m.normed) {
       MEGACPP_CUDA_CHECK(cudaMemsetAsync(site + first, 0, pad * sizeof(uint16_t), m.stream));
     }
@@ -1307,7 +1319,7 @@ void CudaModel::Impl::mamba_backward(MambaLayer& l, const uint16_t* x) {
   add(pre_grads.b_norm_weight, l.b_norm);
   add(pre_grads.c_norm_weight, l.c_norm);
   m.lap("mamba parameter-gradient adds");
-  l.in_linear->backward_input(m.bf16(l.in_proj), dproj, cuda::RowsOut{nullptr, m.dnormed}, m.s());
+  l.in_linear->backward_input(m.bf16(l.in_proj), dproj, m.input_gradient_out(), m.s());
   m.lap("mamba in_proj input gradient");
   m.start_input_gradient_sum();
   l.in_linear->backward_weights(x, dproj, m.grad(l.in_proj), nullptr, true, m.s());
@@ -1339,7 +1351,7 @@ void CudaModel::Impl::attention_backward(AttentionLayer& l, const uint16_t* x) {
                           dqkv, m.s());
     m.lap("attention rotary backward");
   }
-  l.in_linear->backward_input(m.bf16(l.in_proj), dqkv, cuda::RowsOut{nullptr, m.dnormed}, m.s());
+  l.in_linear->backward_input(m.bf16(l.in_proj), dqkv, m.input_gradient_out(), m.s());
   m.lap("attention qkv input gradient");
   m.start_input_gradient_sum();
   l.in_linear->backward_weights(x, dqkv, m.grad(l.in_proj), m.grad(l.in_bias), true, m.s());
@@ -1445,8 +1457,8 @@ void CudaModel::Impl::forward_backward_body(float grad_scale) {
       back_through_site([&](const uint16_t* x) {
         Impl::MlpLayer& l = *b.mlp;
         l.mlp->backward(x, m.bf16(l.fc1), m.bf16(l.fc2), l.fc1_out, l.act, m.ddelta,
-                        cuda::RowsOut{nullptr, m.dnormed}, m.grad(l.fc1), m.grad(l.fc2), true,
-                        m.scratch_a, m.scratch_b, m.s(), [&] { m.start_input_gradient_sum(); });
+                        m.input_gradient_out(), m.grad(l.fc1), m.grad(l.fc2), true, m.scratch_a,
+                        m.scratch_b, m.s(), [&] { m.start_input_gradient_sum(); });
         m.lap("mlp backward");
       });
     }

@@ -76,6 +76,8 @@ struct Mamba3Scan {
     // The per-head parameters (biases, mimo projections) 2 bytes past a 16-byte boundary, as a
     // tensor-parallel model's bf16 parameter copies may lie: the scan stages aligned copies.
     bool unaligned_parameters = false;
+    // The chunk chains forced on or off (ScanChains): the two ways must give the same bits.
+    megacpp::cuda::ScanChains chains = megacpp::cuda::ScanChains::kWherePaying;
   };
   struct Case {
     std::string name;
@@ -114,10 +116,16 @@ struct Mamba3Scan {
     // The shapes compiled with fixed dimensions (with_fixed_dims in mamba3_scan_device.cuh): the
     // MIMO one is in the grid and above; the SISO benchmark shape here, ragged.
     add(sized(64, 64, 1, 64, 2, 1000), both);
-    // A single chunk, shorter than the chunk, at both fixed shapes: the chunk chains of
-    // chunk_forward and the fused chunk_dstate with nothing to wait for and nothing to hand on.
-    add(sized(64, 64, 4, 16, 2, 13), both);
-    add(sized(64, 64, 1, 64, 2, 50), both);
+    // A single chunk, shorter than the chunk, at both fixed shapes and 8 × 16 = 128 (batch, head)
+    // pairs: the chunk chains of chunk_forward and the fused chunk_dstate with nothing to wait for
+    // and nothing to hand on.
+    add(sized(64, 64, 4, 16, 8, 13), both);
+    add(sized(64, 64, 1, 64, 8, 50), both);
+    // The chains over many chunks in both passes: 128 pairs (forward_chains_run and
+    // backward_chains_run; the grid's 64 pairs take the separate reverse state pass, and at MIMO
+    // the batch-1 and batch-2 shapes the separate forward passes too).
+    add(sized(64, 64, 4, 16, 8, 512), both);
+    add(sized(64, 64, 1, 64, 8, 1000), both);
     // Two groups: q and k gradients summed over each group's heads.
     ScanShape s = sized(64, 64, 4, 16, 2, 2048);
     s.groups = 2;
@@ -167,6 +175,23 @@ struct Mamba3Scan {
     // At the SISO shape too: there dV's tiles read v from shared memory, or global memory with
     // the cache.
     add(sized(64, 64, 1, 64, 2, 1000), same_bits_as_tensor_cores(psiv_cache), "_PsivCache");
+    // The chains walk the states with the separate passes' bits (scale_add: one rounding a step
+    // either way). At 64 pairs MIMO's forward runs its chain and its backward the separate reverse
+    // pass; forcing the backward's chain changes no bit. Forcing the forward's off changes y's
+    // bits at MIMO (chunk_output sums a token's ranks in another order than chunk_forward), so
+    // that variant is held to the oracle alone. At 32 pairs SISO's forward chain runs: both forced
+    // ways give its bits.
+    using megacpp::cuda::ScanChains;
+    add(sized(64, 64, 4, 16, 4, 1000),
+        {{.name = "tensor-core"},
+         {.name = "tensor-core chains", .same_bits_as = 0, .chains = ScanChains::kAlways},
+         {.name = "tensor-core no chains", .chains = ScanChains::kNever}},
+        "_Chains");
+    add(sized(64, 64, 1, 64, 2, 1000),
+        {{.name = "tensor-core"},
+         {.name = "tensor-core chains", .same_bits_as = 0, .chains = ScanChains::kAlways},
+         {.name = "tensor-core no chains", .same_bits_as = 0, .chains = ScanChains::kNever}},
+        "_Chains");
     return out;
   }
 
@@ -282,7 +307,7 @@ struct Mamba3Scan {
     const auto make_scan = [&] {
       return std::make_shared<Mamba3ScanCuda>(sh, v.psiv_cache, v.tensor_cores,
                                               shared ? shared->get() : nullptr,
-                                              shared ? shared->bytes() : 0);
+                                              shared ? shared->bytes() : 0, v.chains);
     };
     const auto scan = make_scan();
     EXPECT_EQ(scan->psiv_bytes() > 0, v.psiv_cache) << "PsiV cache of " << scan->psiv_bytes();
@@ -633,10 +658,10 @@ TEST(Mamba3ScanCudaShapes, RefusesMisalignedBackwardRows) {
 }
 
 // The forward is one kernel (chunk_forward, two blocks an SM) on the tensor cores at the fixed
-// shapes of a Hopper GPU, three (chunk_state, state_pass, chunk_output) on the CUDA cores and at
-// other shapes.
-// At the fixed shapes chunk_dstate also does the reverse state pass; other shapes launch
-// state_pass_backward after it.
+// shapes of a Hopper GPU where the (batch, head) pairs are many enough for its chunk chain to pay
+// (48 at MIMO, 32 at SISO), else three (chunk_state, state_pass, chunk_output), as on the CUDA
+// cores and at other shapes. At the fixed shapes chunk_dstate also does the reverse state pass
+// from 128 pairs at MIMO and 96 at SISO; otherwise state_pass_backward follows it.
 TEST(Mamba3ScanCudaShapes, ReportsEveryKernelItLaunches) {
   MEGACPP_REQUIRE_GPU();
   const auto names = [](const ScanShape& shape, bool tensor_cores) {
@@ -655,43 +680,54 @@ TEST(Mamba3ScanCudaShapes, ReportsEveryKernelItLaunches) {
   };
   const std::vector<std::string> three = {"angle_prefix", "chunk_state", "state_pass",
                                           "chunk_output"};
+  const std::vector<std::string> chained = {"angle_prefix", "chunk_forward"};
   const auto with = [](std::vector<std::string> first, const std::vector<std::string>& then) {
     first.insert(first.end(), then.begin(), then.end());
     return first;
   };
   const std::vector<std::string> tail = {"chunk_backward", "dtheta_offsets", "finish_tokens",
                                          "reduce_params"};
-  const auto fused_backward = with({"chunk_dstate"}, tail);
+  const auto chained_backward = with({"chunk_dstate"}, tail);
+  const auto separate_backward = with({"chunk_dstate", "state_pass_backward"}, tail);
   // Hopper's 228 KB of shared memory per SM holds two chunk_forward blocks at both fixed shapes;
   // with less (an A100's 164 KB, or a cap: kSharedMemoryCapVariable) a fixed shape may keep the
   // three kernels.
   const size_t shared_per_sm = megacpp::cuda::current_shared_memory_limits().per_sm;
   for (const int rank : {4, 1}) {
-    const ScanShape fixed = grid_shape(64, 64, rank, rank == 4 ? 16 : 64);
-    const std::vector<std::string> got = names(fixed, true);
+    // 4 × 16 = 64 pairs (the grid's), 8 × 16 = 128 and 1 × 16 = 16.
+    ScanShape fixed = grid_shape(64, 64, rank, rank == 4 ? 16 : 64);
     if (megacpp::cuda::planned_scan_chunk(fixed, device_shared_per_block()) != fixed.chunk) {
       // Run at a smaller chunk (a device with less shared memory than an A100), the shape is no
       // longer a fixed one.
-      EXPECT_EQ(got, with(three, with({"chunk_dstate", "state_pass_backward"}, tail)))
-          << "rank " << rank;
+      EXPECT_EQ(names(fixed, true), with(three, separate_backward)) << "rank " << rank;
       continue;
     }
-    const bool fused = std::find(got.begin(), got.end(), "chunk_forward") != got.end();
-    EXPECT_EQ(got, with(fused ? std::vector<std::string>{"angle_prefix", "chunk_forward"} : three,
-                        fused_backward))
-        << "rank " << rank;
-    if (shared_per_sm >= 228 * 1024) {
-      EXPECT_TRUE(fused) << "rank " << rank;
+    const bool two_forward_blocks = shared_per_sm >= 228 * 1024;
+    for (const int batch : {4, 8, 1}) {
+      fixed.batch = batch;
+      const int pairs = batch * fixed.heads;
+      const bool forward_chain = two_forward_blocks && pairs >= (rank == 1 ? 32 : 48);
+      const std::vector<std::string> got = names(fixed, true);
+      const bool fused = std::find(got.begin(), got.end(), "chunk_forward") != got.end();
+      if (two_forward_blocks) {
+        EXPECT_EQ(fused, forward_chain) << "rank " << rank << ", " << pairs << " pairs";
+      }
+      const bool backward_chain = pairs >= (rank == 1 ? 96 : 128);
+      EXPECT_EQ(
+          got, with(fused ? chained : three, backward_chain ? chained_backward : separate_backward))
+          << "rank " << rank << ", " << pairs << " pairs";
     }
+    fixed.batch = 8;
     for (const auto& a : megacpp::cuda::kernel_attributes(fixed, true)) {
       if (a.name == "chunk_forward") {
         EXPECT_GE(a.blocks_per_sm, 2) << "rank " << rank;
       }
     }
   }
-  EXPECT_EQ(names(grid_shape(64, 64, 4, 16), false), with(three, fused_backward));
-  EXPECT_EQ(names(grid_shape(32, 64, 4, 16), true),
-            with(three, with({"chunk_dstate", "state_pass_backward"}, tail)));
+  ScanShape many = grid_shape(64, 64, 4, 16);
+  many.batch = 8;
+  EXPECT_EQ(names(many, false), with(three, chained_backward));
+  EXPECT_EQ(names(grid_shape(32, 64, 4, 16), true), with(three, separate_backward));
 }
 
 }  // namespace
