@@ -6,7 +6,7 @@
 //
 //   cuda_step_bench [--preset bench-350m|bench-1.3b] [--rank 4] [--batch 4] [--seqlen 8192]
 //                   [--steps 8] [--cuda-graphs] [--tensor-parallel 1] [--data-parallel 1]
-//                   [--no-overlap] [--recompute-in-proj] [--json FILE]
+//                   [--no-overlap] [--recompute-in-proj] [--tp-reserved-sms 32] [--json FILE]
 // --tensor-parallel T --data-parallel D: the step on T·D GPUs (ranks as threads of this process,
 // one GPU each, joined by NCCL as the executor's rank processes are); --batch is the global batch
 // (each replica takes batch / D). Times are rank 0's; the collectives appear as ops.
@@ -15,6 +15,8 @@
 // than block by block during it (for the comparison).
 // --recompute-in-proj: the Mamba-3 in_proj outputs recomputed in the backward, not kept
 // (CudaModelOptions; the recompute_in_proj gate).
+// --tp-reserved-sms N: tensor parallel, the SMs the weight-gradient GEMMs leave to the collectives
+//   and the norm running beside them (CudaModelOptions::tensor_parallel_reserved_sms; 0: none).
 // --attention cudnn|megacpp: cuDNN's fused attention (the default) or our own kernels.
 // --nondeterministic: cuDNN's attention backward sums dQ in any order (the
 // nondeterministic_attention gate).
@@ -66,6 +68,7 @@ struct Options {
   bool recompute_in_proj = false;
   megacpp::AttentionEngine attention = megacpp::AttentionEngine::kCudnn;
   bool deterministic = true;
+  int reserved_sms = megacpp::CudaModelOptions::kDefaultTensorParallelReservedSms;
   std::string json;
 };
 
@@ -99,6 +102,8 @@ Options parse(int argc, char** argv) {
       o.attention = megacpp::parse_attention_engine(value(), "--attention");
     } else if (a == "--nondeterministic") {
       o.deterministic = false;
+    } else if (a == "--tp-reserved-sms") {
+      o.reserved_sms = std::stoi(value());
     } else if (a == "--no-overlap") {
       o.overlap = false;
     } else if (a == "--json") {
@@ -191,7 +196,8 @@ RankResult run_rank(const Options& o, const megacpp::Model<float>& host,
   CudaModel model(host, rows, o.seqlen, optimizer, device, parallel, nullptr,
                   megacpp::CudaModelOptions{.recompute_in_proj = o.recompute_in_proj,
                                             .attention = o.attention,
-                                            .deterministic = o.deterministic});
+                                            .deterministic = o.deterministic,
+                                            .tensor_parallel_reserved_sms = o.reserved_sms});
   phase("CudaModel construction (context, arena, plans)");
   model.upload(host.parameters(), &moments);
   model.set_step_graph(o.cuda_graphs);
@@ -313,6 +319,7 @@ int run(const Options& o) {
       {"recompute_in_proj", o.recompute_in_proj},
       {"attention", megacpp::to_string(o.attention)},
       {"deterministic", o.deterministic},
+      {"tensor_parallel_reserved_sms", o.reserved_sms},
       {"parameters", host.parameters().total()},
       {"first_loss", first_loss},
       {"seconds_to_first_step", to_first_step},

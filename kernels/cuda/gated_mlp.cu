@@ -116,10 +116,10 @@ size_t GatedMlpCuda::workspace_bytes(const GatedMlpShape& shape) {
 }
 
 GatedMlpCuda::GatedMlpCuda(const GatedMlpShape& shape, void* workspace, size_t bytes,
-                           GemmPlanCache* cache)
+                           GemmPlanCache* cache, int weight_gradient_sms)
     : shape_(shape),
-      fc1_(fc1_shape(shape), workspace, bytes, cache),
-      fc2_(fc2_shape(shape), workspace, bytes, cache) {}
+      fc1_(fc1_shape(shape), workspace, bytes, cache, weight_gradient_sms),
+      fc2_(fc2_shape(shape), workspace, bytes, cache, weight_gradient_sms) {}
 
 void GatedMlpCuda::forward(const uint16_t* x, const uint16_t* fc1, const uint16_t* fc2,
                            uint16_t* fc1_out, uint16_t* act, RowsOut y, void* stream) const {

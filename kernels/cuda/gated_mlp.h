@@ -40,8 +40,9 @@ class GatedMlpCuda {
   static size_t workspace_bytes(const GatedMlpShape& shape);
   // Validates the shape (kInvalidArgument naming the field otherwise), takes `workspace` and has
   // both linears pick their GEMM algorithms (through `cache` when given: linear.h).
+  // weight_gradient_sms: what both linears plan their weight gradients' GEMMs for (linear.h).
   GatedMlpCuda(const GatedMlpShape& shape, void* workspace, size_t bytes,
-               GemmPlanCache* cache = nullptr);
+               GemmPlanCache* cache = nullptr, int weight_gradient_sms = 0);
 
   // x bf16 [rows, dim]; fc1 bf16 [2·hidden, dim]; fc2 bf16 [dim, hidden]. Writes fc1_out bf16
   // [rows, 2·hidden] and act bf16 [rows, hidden] (kept for backward) and y [rows, dim].

@@ -19,6 +19,8 @@ std::string GemmPlanKey::to_string() const {
       << " compute=" << compute << " mnk=" << m << "," << n << "," << k << " ld=" << ld_a << ","
       << ld_b << "," << ld_d << " align=" << align_a << "," << align_b << "," << align_d
       << " epilogue=" << epilogue << " workspace=" << workspace_limit;
+  // Written only where set: the keys of plans made for every SM stay as they were.
+  if (sm_count_target != 0) out << " sms=" << sm_count_target;
   return out.str();
 }
 

@@ -39,6 +39,7 @@ struct GemmPlanKey {
   uint32_t align_a = 0, align_b = 0, align_d = 0;
   uint32_t epilogue = 0;
   uint64_t workspace_limit = 0;
+  int32_t sm_count_target = 0;  // CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET; 0: the GPU's own
 
   std::string to_string() const;
 };

@@ -359,7 +359,7 @@ bool use_cached(const GemmPlans& plans, GemmPlans::Plan& plan, const std::string
 // fresh one is stored.
 void plan_gemm(GemmPlans& plans, int gemm, const LinearShape& shape, cublasOperation_t op_a,
                const Matrix& a, cublasOperation_t op_b, const Matrix& b, const Matrix& d, bool bias,
-               GemmPlanCache* cache) {
+               GemmPlanCache* cache, int32_t sm_count_target = 0) {
   auto& plan = plans.plans[static_cast<size_t>(gemm)];
   bool stale = false;
   const char* name = gemm_name(gemm);
@@ -374,6 +374,9 @@ void plan_gemm(GemmPlans& plans, int gemm, const LinearShape& shape, cublasOpera
     set_desc(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, static_cast<int32_t>(CUDA_R_32F),
              name);
     set_desc(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, kBiasStandIn, name);
+  }
+  if (sm_count_target > 0) {
+    set_desc(plan.desc, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, sm_count_target, name);
   }
   make_layout(&plan.a, a, name);
   make_layout(&plan.b, b, name);
@@ -412,7 +415,8 @@ void plan_gemm(GemmPlans& plans, int gemm, const LinearShape& shape, cublasOpera
         plan.align_b,
         plan.align_d,
         static_cast<uint32_t>(bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT),
-        uint64_t{kGemmWorkspaceBytes}};
+        uint64_t{kGemmWorkspaceBytes},
+        sm_count_target};
     const std::string stored = cache->find(key);
     if (!stored.empty() && use_cached(plans, plan, stored)) {
       cache->record_hit();
@@ -496,9 +500,14 @@ size_t LinearCuda::workspace_bytes(const LinearShape& shape) {
 }
 
 LinearCuda::LinearCuda(const LinearShape& shape, void* workspace, size_t bytes,
-                       GemmPlanCache* cache)
+                       GemmPlanCache* cache, int weight_gradient_sms)
     : shape_(shape), workspace_(workspace), workspace_bytes_(bytes) {
   validate(shape);
+  if (weight_gradient_sms < 0) {
+    refuse(ErrorKind::kInvalidArgument,
+           "LinearCuda: weight_gradient_sms={} must be 0 (every SM) or a count of SMs",
+           weight_gradient_sms);
+  }
   const size_t needed = workspace_bytes(shape);
   if (workspace == nullptr || bytes < needed) {
     refuse(ErrorKind::kInvalidArgument,
@@ -532,7 +541,7 @@ LinearCuda::LinearCuda(const LinearShape& shape, void* workspace, size_t bytes,
   plan_gemm(*plans, kForwardF32Bias, shape, CUBLAS_OP_T, w, CUBLAS_OP_N, x,
             Matrix{CUDA_R_32F, out, rows, out}, true, cache);
   plan_gemm(*plans, kDweight, shape, CUBLAS_OP_N, x, CUBLAS_OP_T, dy,
-            Matrix{CUDA_R_32F, in, out, in}, false, cache);
+            Matrix{CUDA_R_32F, in, out, in}, false, cache, weight_gradient_sms);
   plans_ = plans.release();
 }
 

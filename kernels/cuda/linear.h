@@ -47,8 +47,12 @@ class LinearCuda {
   // device's, kept by the caller only while constructing), a cached algorithm that still passes
   // cuBLASLt's check is taken instead of the heuristic's, and each one built is stored and
   // counted (gemm_plan_cache.h); null: the heuristic every time.
+  // weight_gradient_sms: the SMs backward_weights' GEMM is planned for
+  // (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET), for a caller that runs other kernels beside it on
+  // another stream (tensor parallelism's collectives): a GEMM planned for every SM holds them all
+  // until it ends, and what runs beside it waits. 0: every SM; refused when negative.
   LinearCuda(const LinearShape& shape, void* workspace, size_t bytes,
-             GemmPlanCache* cache = nullptr);
+             GemmPlanCache* cache = nullptr, int weight_gradient_sms = 0);
   ~LinearCuda();
   LinearCuda(const LinearCuda&) = delete;
   LinearCuda& operator=(const LinearCuda&) = delete;

@@ -118,6 +118,7 @@ struct CudaModel::Impl {
   bool recompute_in_proj = false;
   AttentionEngine attention_engine = AttentionEngine::kCudnn;
   bool deterministic = true;
+  int reserved_sms = 0;  // CudaModelOptions::tensor_parallel_reserved_sms
   // Data parallel: the gradient ranges of each block (then one more bucket: embedding, final norm,
   // lm_head), averaged over the DP group on reduce_stream as soon as the backward is done with
   // them, while it goes on with the blocks below (forward_backward's last micro-batch).
@@ -664,6 +665,12 @@ void CudaModel::Impl::plan_buffers(const CudaModelOptions& options) {
   m.recompute_in_proj = options.recompute_in_proj;
   m.attention_engine = options.attention;
   m.deterministic = options.deterministic;
+  if (options.tensor_parallel_reserved_sms < 0) {
+    fail(ErrorKind::kInvalidArgument,
+         "CudaModelOptions.tensor_parallel_reserved_sms={} must be 0 or a count of SMs",
+         options.tensor_parallel_reserved_sms);
+  }
+  m.reserved_sms = options.tensor_parallel_reserved_sms;
   size_t shared_proj_size = 0;  // recompute_in_proj: one in_proj output for every Mamba layer
   size_t workspace = 0, scan_backward = 0;
   const auto need_workspace = [&](size_t bytes) {
@@ -859,13 +866,27 @@ void CudaModel::Impl::allocate_and_build(cuda::GemmPlanCache* plan_cache) {
   m.lm_head_op = std::make_unique<cuda::LmHeadLossCuda>(m.lm_head_shape(), ws, wsb, plan_cache);
   std::shared_ptr<cuda::CausalAttentionCudnn> shared_attention;
   bool chunk_noted = false;
+  // Tensor parallel: the weight-gradient GEMMs leave reserved_sms SMs to tp_stream's kernels.
+  int wgrad_sms = 0;
+  if (m.sharded() && m.reserved_sms > 0) {
+    int sms = 0;
+    MEGACPP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, m.device));
+    if (m.reserved_sms >= sms) {
+      fail(ErrorKind::kInvalidArgument,
+           "CudaModelOptions.tensor_parallel_reserved_sms={} leaves the weight-gradient GEMMs no "
+           "SM of device {}'s {}",
+           m.reserved_sms, m.device, sms);
+    }
+    wgrad_sms = sms - m.reserved_sms;
+  }
   for (Impl::Block& b : m.blocks) {
     if (b.attention) {
       Impl::AttentionLayer& l = *b.attention;
       l.in_linear = std::make_unique<cuda::LinearCuda>(
-          cuda::LinearShape{m.rows, c.d_model, l.width}, ws, wsb, plan_cache);
+          cuda::LinearShape{m.rows, c.d_model, l.width}, ws, wsb, plan_cache, wgrad_sms);
       l.out_linear = std::make_unique<cuda::LinearCuda>(
-          cuda::LinearShape{m.rows, l.q_heads * l.head_dim, c.d_model}, ws, wsb, plan_cache);
+          cuda::LinearShape{m.rows, l.q_heads * l.head_dim, c.d_model}, ws, wsb, plan_cache,
+          wgrad_sms);
       const cuda::AttentionShape shape{m.batch,    m.seqlen,   l.q_heads,
                                        l.kv_heads, l.head_dim, c.attn_softmax_scale()};
       if (m.attention_engine == AttentionEngine::kCudnn) {
@@ -891,9 +912,9 @@ void CudaModel::Impl::allocate_and_build(cuda::GemmPlanCache* plan_cache) {
     if (b.mamba) {
       Impl::MambaLayer& l = *b.mamba;
       l.in_linear = std::make_unique<cuda::LinearCuda>(
-          cuda::LinearShape{m.rows, c.d_model, l.shape.columns()}, ws, wsb, plan_cache);
+          cuda::LinearShape{m.rows, c.d_model, l.shape.columns()}, ws, wsb, plan_cache, wgrad_sms);
       l.out_linear = std::make_unique<cuda::LinearCuda>(
-          cuda::LinearShape{m.rows, l.shape.d_inner(), c.d_model}, ws, wsb, plan_cache);
+          cuda::LinearShape{m.rows, l.shape.d_inner(), c.d_model}, ws, wsb, plan_cache, wgrad_sms);
       l.preprocess = std::make_unique<cuda::Mamba3PreprocessCuda>(l.shape);
       // The layers' backwards run one after another: they share the scan's temporaries.
       l.scan = std::make_unique<cuda::Mamba3ScanCuda>(
@@ -911,7 +932,8 @@ void CudaModel::Impl::allocate_and_build(cuda::GemmPlanCache* plan_cache) {
     }
     if (b.mlp) {
       b.mlp->mlp = std::make_unique<cuda::GatedMlpCuda>(
-          cuda::GatedMlpShape{m.rows, c.d_model, geo.mlp_hidden.count}, ws, wsb, plan_cache);
+          cuda::GatedMlpShape{m.rows, c.d_model, geo.mlp_hidden.count}, ws, wsb, plan_cache,
+          wgrad_sms);
     }
   }
   std::vector<cuda::GradTensorRef> grad_refs;

@@ -76,6 +76,13 @@ struct CudaModelOptions {
   // order its engine likes: faster, and without the batch · heads · seqlen² bf16 workspace the
   // deterministic one keeps dS in. Our own kernels are deterministic either way.
   bool deterministic = true;
+  // Tensor parallel: the SMs left free beside the weight-gradient GEMMs, which run while tp_stream
+  // reduce-scatters the sublayer's input gradient, runs the norm's backward and all-gathers the
+  // next output gradient. Planned for every SM, a GEMM holds them all until it ends and those
+  // kernels wait behind it (LinearCuda's weight_gradient_sms). 0: every SM to the GEMMs. The
+  // default is the best of those measured on H200s (bench/RESULTS.md, session 22).
+  int tensor_parallel_reserved_sms = kDefaultTensorParallelReservedSms;
+  static constexpr int kDefaultTensorParallelReservedSms = 32;
 };
 
 // The device memory a CudaModel takes: its one planned allocation and what its Mamba-3 layers'

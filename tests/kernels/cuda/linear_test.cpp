@@ -68,6 +68,15 @@ struct Linear {
     add(1, 1, 1, true, true, false, true);
     // Aligned, no input gradient (the first layer's).
     add(130, 128, 256, true, false, false, false);
+    // The weight gradient's GEMM planned for 16 SMs (as tensor parallelism plans it for fewer
+    // than the GPU's: CudaModelOptions::tensor_parallel_reserved_sms), held to the oracle.
+    out.push_back({"rows2048_in1024_out3072_accumulate_bf16_wgrad_on_16_sms",
+                   LinearShape{2048, 1024, 3072},
+                   false,
+                   true,
+                   false,
+                   true,
+                   {{"wgrad_on_16_sms", -1}}});
     return out;
   }
 
@@ -107,10 +116,12 @@ struct Linear {
                                           p.in("dy"), c.dx ? p.out("dx") : nullptr, dweight, dbias);
   }
 
-  static oracle::Gpu gpu(const Case& c, const Variant& /*v*/, oracle::DeviceTensors& t) {
+  static oracle::Gpu gpu(const Case& c, const Variant& v, oracle::DeviceTensors& t) {
     const LinearShape s = c.shape;
     const auto workspace = std::make_shared<oracle::DeviceBuffer>(LinearCuda::workspace_bytes(s));
-    const auto op = std::make_shared<LinearCuda>(s, workspace->get(), workspace->bytes());
+    const int weight_gradient_sms = v.name == "wgrad_on_16_sms" ? 16 : 0;
+    const auto op = std::make_shared<LinearCuda>(s, workspace->get(), workspace->bytes(), nullptr,
+                                                 weight_gradient_sms);
     RowsOut y, dx;
     if (c.f32) {
       y.f32 = t.f32("y");
@@ -172,6 +183,9 @@ TEST(LinearCudaShapes, RefusesNullPointersAmbiguousOutputsAndMisalignment) {
                        megacpp::ErrorKind::kInvalidArgument, "workspace_bytes", "a short one");
   oracle::expect_error([&] { LinearCuda op(s, static_cast<char*>(workspace.get()) + 16, bytes); },
                        megacpp::ErrorKind::kInvalidArgument, "aligned", "a misaligned workspace");
+  oracle::expect_error([&] { LinearCuda op(s, workspace.get(), bytes, nullptr, -1); },
+                       megacpp::ErrorKind::kInvalidArgument, "weight_gradient_sms=-1",
+                       "a negative SM count");
   LinearCuda op(s, workspace.get(), bytes);
   oracle::DeviceBuffer buffer(4096);
   uint16_t* b = static_cast<uint16_t*>(buffer.get());

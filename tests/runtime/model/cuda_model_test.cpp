@@ -379,6 +379,19 @@ TEST(CudaModelOptionsPlan, Bench350mFitsAnH100AndTheGateFreesTheInProjOutputs) {
   EXPECT_LE(kept.arena - nondeterministic.arena, ds_bytes);
 }
 
+TEST(CudaModelOptionsPlan, RefusesANegativeSmReserve) {
+  MEGACPP_REQUIRE_GPU();  // the plan asks CUB for its sort sizes, which needs a device
+  try {
+    (void)CudaModel::plan_memory(model_preset("tiny"), 2, 64, 1, 0,
+                                 CudaModelOptions{.tensor_parallel_reserved_sms = -4});
+    ADD_FAILURE() << "a negative reserve was planned";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("tensor_parallel_reserved_sms=-4"), std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(CudaModelInput, RefusesTokensOutsideTheVocabularyNamingThePosition) {
   MEGACPP_REQUIRE_GPU();
   const StepCase c = step_cases()[0];
