@@ -19,6 +19,7 @@
 //   slower. N other than 64 takes the kernels compiled for runtime shapes.
 // Writes mamba3_scan_cuda_bench.json under $MEGACPP_RESULTS_DIR when set.
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -29,6 +30,8 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <string_view>
+#include <system_error>
 #include <vector>
 
 #include "kernels/contracts/mamba3_scan.h"
@@ -351,18 +354,33 @@ static int run(int argc, char** argv) {
   int small_rank = 0, small_chunk = 0, small_state = 0;
   int batch = 0, heads = 0;  // 0: M3-ref's
   megacpp::cuda::ScanChains chains = megacpp::cuda::ScanChains::kWherePaying;
+  // A count flag's value: a whole positive number, or the bench refuses it naming the flag (atoi
+  // would read "x" or "0" as 0, which means M3-ref's own batch or heads).
+  const auto positive = [](const char* flag, const char* text, int& out) {
+    const std::string_view s(text);
+    int value = 0;
+    const auto [end, error] = std::from_chars(s.data(), s.data() + s.size(), value);
+    if (error != std::errc{} || end != s.data() + s.size() || value <= 0) {
+      std::fprintf(stderr, "mamba3_scan_cuda_bench: %s takes a positive whole number, not %s\n",
+                   flag, text);
+      return false;
+    }
+    out = value;
+    return true;
+  };
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--repeats" && i + 1 < argc) {
-      repeats = std::max(20, std::atoi(argv[++i]));
+      if (!positive("--repeats", argv[++i], repeats)) return 2;
+      repeats = std::max(20, repeats);
     } else if (arg == "--profile-once") {
       profile_once = true;
     } else if (arg == "--siso") {
       siso = true;
     } else if (arg == "--batch" && i + 1 < argc) {
-      batch = std::atoi(argv[++i]);
+      if (!positive("--batch", argv[++i], batch)) return 2;
     } else if (arg == "--heads" && i + 1 < argc) {
-      heads = std::atoi(argv[++i]);
+      if (!positive("--heads", argv[++i], heads)) return 2;
     } else if (arg == "--chains" && i + 1 < argc) {
       const std::string way = argv[++i];
       if (way != "always" && way != "never") {
@@ -374,9 +392,11 @@ static int run(int argc, char** argv) {
           way == "always" ? megacpp::cuda::ScanChains::kAlways : megacpp::cuda::ScanChains::kNever;
     } else if (arg == "--small" && i + 3 < argc) {
       small = true;
-      small_rank = std::atoi(argv[++i]);
-      small_chunk = std::atoi(argv[++i]);
-      small_state = std::atoi(argv[++i]);
+      if (!positive("--small R", argv[++i], small_rank) ||
+          !positive("--small C", argv[++i], small_chunk) ||
+          !positive("--small N", argv[++i], small_state)) {
+        return 2;
+      }
     } else {
       std::fprintf(stderr,
                    "mamba3_scan_cuda_bench: unknown or incomplete argument %s (usage: "
@@ -386,10 +406,8 @@ static int run(int argc, char** argv) {
       return 2;
     }
   }
-  if (batch < 0 || heads < 0 || ((batch > 0 || heads > 0) && small)) {
-    std::fprintf(stderr,
-                 "mamba3_scan_cuda_bench: --batch and --heads must be positive and go without "
-                 "--small\n");
+  if ((batch > 0 || heads > 0) && small) {
+    std::fprintf(stderr, "mamba3_scan_cuda_bench: --batch and --heads go without --small\n");
     return 2;
   }
   // M3-ref at another batch or head count (a tensor-parallel rank's share of a model's heads).

@@ -1625,24 +1625,21 @@ void run_backward(const BackwardLaunches& launches, bool tensor_cores, bool psiv
       reset_chain(d, w, stream);
     }
     with_fixed_dims(d, [&](auto dims) {
-      if constexpr (decltype(dims)::kFixed) {
-        if (launches.reverse_pass_fused) {
-          if (tensor_cores) {
-            chunk_dstate_kernel<true, true>
-                <<<l.grid, l.block, l.smem.total, stream>>>(dims, l.smem, in, w, dy);
-          } else {
-            chunk_dstate_kernel<false, true>
-                <<<l.grid, l.block, l.smem.total, stream>>>(dims, l.smem, in, w, dy);
-          }
-          return;
+      const auto launch = [&](auto use_tensor_cores, auto fused) {
+        chunk_dstate_kernel<decltype(use_tensor_cores)::value, decltype(fused)::value>
+            <<<l.grid, l.block, l.smem.total, stream>>>(dims, l.smem, in, w, dy);
+      };
+      // The fused reverse pass exists only at the fixed shapes (backward_chains_run).
+      const auto launch_fused_or_not = [&](auto use_tensor_cores) {
+        if constexpr (decltype(dims)::kFixed) {
+          if (launches.reverse_pass_fused) return launch(use_tensor_cores, std::true_type{});
         }
-      }
+        launch(use_tensor_cores, std::false_type{});
+      };
       if (tensor_cores) {
-        chunk_dstate_kernel<true, false>
-            <<<l.grid, l.block, l.smem.total, stream>>>(dims, l.smem, in, w, dy);
+        launch_fused_or_not(std::true_type{});
       } else {
-        chunk_dstate_kernel<false, false>
-            <<<l.grid, l.block, l.smem.total, stream>>>(dims, l.smem, in, w, dy);
+        launch_fused_or_not(std::false_type{});
       }
     });
     MEGACPP_CUDA_CHECK_LAUNCH(l.name);
