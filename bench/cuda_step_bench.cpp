@@ -6,7 +6,9 @@
 //
 //   cuda_step_bench [--preset bench-350m|bench-1.3b] [--rank 4] [--batch 4] [--seqlen 8192]
 //                   [--steps 8] [--cuda-graphs] [--tensor-parallel 1] [--data-parallel 1]
-//                   [--no-overlap] [--recompute-in-proj] [--tp-reserved-sms 32] [--json FILE]
+//                   [--no-overlap] [--recompute-in-proj] [--tp-reserved-sms N] [--tp-pieces 1]
+//                   [--tp-copy-engines]
+//                   [--json FILE]
 // --tensor-parallel T --data-parallel D: the step on T·D GPUs (ranks as threads of this process,
 // one GPU each, joined by NCCL as the executor's rank processes are); --batch is the global batch
 // (each replica takes batch / D). Times are rank 0's; the collectives appear as ops.
@@ -16,7 +18,12 @@
 // --recompute-in-proj: the Mamba-3 in_proj outputs recomputed in the backward, not kept
 // (CudaModelOptions; the recompute_in_proj gate).
 // --tp-reserved-sms N: tensor parallel, the SMs the weight-gradient GEMMs leave to the collectives
-//   and the norm running beside them (CudaModelOptions::tensor_parallel_reserved_sms; 0: none).
+//   and the norm running beside them (CudaModelOptions::tensor_parallel_reserved_sms; 0: none;
+//   left out: the default of the degree).
+// --tp-copy-engines: tensor parallel, the all-gathers on the copy engines (CudaCommunicator::split
+//   with copy_engines; the arena in NCCL's symmetric memory).
+// --tp-pieces N: tensor parallel, the forward's collectives in up to N pieces beside the GEMMs
+//   (CudaModelOptions::tensor_parallel_pieces; 1: whole).
 // --attention cudnn|megacpp: cuDNN's fused attention (the default) or our own kernels.
 // --nondeterministic: cuDNN's attention backward sums dQ in any order (the
 // nondeterministic_attention gate).
@@ -68,7 +75,9 @@ struct Options {
   bool recompute_in_proj = false;
   megacpp::AttentionEngine attention = megacpp::AttentionEngine::kCudnn;
   bool deterministic = true;
-  int reserved_sms = megacpp::CudaModelOptions::kDefaultTensorParallelReservedSms;
+  int reserved_sms = megacpp::CudaModelOptions::kReservedSmsByDegree;
+  int pieces = 1;
+  bool copy_engines = false;
   std::string json;
 };
 
@@ -104,6 +113,10 @@ Options parse(int argc, char** argv) {
       o.deterministic = false;
     } else if (a == "--tp-reserved-sms") {
       o.reserved_sms = std::stoi(value());
+    } else if (a == "--tp-pieces") {
+      o.pieces = std::stoi(value());
+    } else if (a == "--tp-copy-engines") {
+      o.copy_engines = true;
     } else if (a == "--no-overlap") {
       o.overlap = false;
     } else if (a == "--json") {
@@ -197,7 +210,8 @@ RankResult run_rank(const Options& o, const megacpp::Model<float>& host,
                   megacpp::CudaModelOptions{.recompute_in_proj = o.recompute_in_proj,
                                             .attention = o.attention,
                                             .deterministic = o.deterministic,
-                                            .tensor_parallel_reserved_sms = o.reserved_sms});
+                                            .tensor_parallel_reserved_sms = o.reserved_sms,
+                                            .tensor_parallel_pieces = o.pieces});
   phase("CudaModel construction (context, arena, plans)");
   model.upload(host.parameters(), &moments);
   model.set_step_graph(o.cuda_graphs);
@@ -251,7 +265,7 @@ RankResult run_ranks(const Options& o, const megacpp::Model<float>& host,
       try {
         megacpp::parallel::CudaCommunicator all(id, world, rank, rank);
         std::unique_ptr<megacpp::parallel::CudaCommunicator> tensor, data;
-        if (tp > 1) tensor = all.split(rank / tp, rank % tp);
+        if (tp > 1) tensor = all.split(rank / tp, rank % tp, o.copy_engines);
         if (o.data_parallel > 1) data = all.split(rank % tp, rank / tp);
         const megacpp::CudaModelParallel parallel{tp, o.data_parallel, rank % tp, tensor.get(),
                                                   data.get()};
@@ -319,7 +333,11 @@ int run(const Options& o) {
       {"recompute_in_proj", o.recompute_in_proj},
       {"attention", megacpp::to_string(o.attention)},
       {"deterministic", o.deterministic},
-      {"tensor_parallel_reserved_sms", o.reserved_sms},
+      {"tensor_parallel_reserved_sms",
+       megacpp::CudaModelOptions{.tensor_parallel_reserved_sms = o.reserved_sms}.reserved_sms(
+           o.tensor_parallel)},
+      {"tensor_parallel_pieces", o.pieces},
+      {"tensor_parallel_copy_engines", o.copy_engines},
       {"parameters", host.parameters().total()},
       {"first_loss", first_loss},
       {"seconds_to_first_step", to_first_step},
@@ -333,7 +351,7 @@ int run(const Options& o) {
       {"device_bytes_in_use", in_use},
       {"planned_bytes", r.planned}};  // the arena and the layers' workspaces
   std::printf(
-      "%s R=%d chunk %d%s, batch %d x seqlen %d%s%s, %s attention%s, TP=%d DP=%d%s: step "
+      "%s R=%d chunk %d%s, batch %d x seqlen %d%s%s, %s attention%s, TP=%d DP=%d%s%s: step "
       "min/median/max "
       "%.1f/%.1f/%.1f ms, "
       "%.0f tokens/s, %.1f model TFLOP/s, MFU %.1f%% of the %.0f TFLOP/s GEMM ceiling, "
@@ -341,7 +359,7 @@ int run(const Options& o) {
       o.preset.c_str(), o.rank, config.ssm.chunk_size, run_at.c_str(), o.batch, o.seqlen,
       o.cuda_graphs ? " (step graph)" : "", o.recompute_in_proj ? " (in_proj recomputed)" : "",
       megacpp::to_string(o.attention), o.deterministic ? "" : " (nondeterministic)",
-      o.tensor_parallel, o.data_parallel,
+      o.tensor_parallel, o.data_parallel, o.copy_engines ? " (all-gathers on copy engines)" : "",
       o.data_parallel > 1
           ? (o.overlap && o.tensor_parallel == 1 ? " overlapped" : " not overlapped")
           : "",

@@ -79,10 +79,19 @@ struct CudaModelOptions {
   // Tensor parallel: the SMs left free beside the weight-gradient GEMMs, which run while tp_stream
   // reduce-scatters the sublayer's input gradient, runs the norm's backward and all-gathers the
   // next output gradient. Planned for every SM, a GEMM holds them all until it ends and those
-  // kernels wait behind it (LinearCuda's weight_gradient_sms). 0: every SM to the GEMMs. The
-  // default is the best of those measured on H200s (bench/RESULTS.md, session 22).
-  int tensor_parallel_reserved_sms = kDefaultTensorParallelReservedSms;
-  static constexpr int kDefaultTensorParallelReservedSms = 32;
+  // kernels wait behind it (LinearCuda's weight_gradient_sms). 0: every SM to the GEMMs.
+  // kReservedSmsByDegree: the best of those measured on H200s at the degree (bench/RESULTS.md,
+  // sessions 22 and 23): 32 at TP = 2, 48 from TP = 4 (TP = 8 unmeasured).
+  int tensor_parallel_reserved_sms = kReservedSmsByDegree;
+  static constexpr int kReservedSmsByDegree = -1;
+  int reserved_sms(int tensor_parallel) const {
+    if (tensor_parallel_reserved_sms != kReservedSmsByDegree) return tensor_parallel_reserved_sms;
+    return tensor_parallel <= 2 ? 32 : 48;
+  }
+  // Tensor parallel: the forward's all-gathers and reduce-scatters in up to this many pieces a
+  // rank, each piece's GEMM beside the next piece's collective (shard_plan.h's SequenceSplit);
+  // 1: whole. Pieces change which rows a rank holds, not the model's arithmetic.
+  int tensor_parallel_pieces = 1;
 };
 
 // The device memory a CudaModel takes: its one planned allocation and what its Mamba-3 layers'

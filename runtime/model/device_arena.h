@@ -23,7 +23,7 @@ class DeviceArena {
 
   DeviceArena() = default;
   ~DeviceArena() {
-    if (base_ != nullptr) cudaFree(base_);
+    if (base_ != nullptr && owned_) cudaFree(base_);
   }
   DeviceArena(const DeviceArena&) = delete;
   DeviceArena& operator=(const DeviceArena&) = delete;
@@ -37,8 +37,15 @@ class DeviceArena {
     total_ += bytes;
   }
 
-  void allocate() {
+  // Into `memory` (bytes() of it, the caller's to free) where given, else one cudaMalloc.
+  void allocate(void* memory = nullptr) {
     if (total_ == 0) return;
+    if (memory != nullptr) {
+      base_ = memory;
+      owned_ = false;
+      for (const Request& r : requests_) *r.slot = static_cast<char*>(base_) + r.offset;
+      return;
+    }
     const cudaError_t status = cudaMalloc(&base_, total_);
     if (status != cudaSuccess) {
       (void)cudaGetLastError();
@@ -75,6 +82,7 @@ class DeviceArena {
   std::vector<Request> requests_;
   size_t total_ = 0;
   void* base_ = nullptr;
+  bool owned_ = true;
 };
 
 }  // namespace megacpp

@@ -127,6 +127,17 @@ struct CudaCommunicator::Impl {
   int64_t* word = nullptr;
   int64_t* host_word = nullptr;
   cudaStream_t stream = nullptr;
+  // allocate_symmetric's memory and its windows, until free_symmetric or the destructor.
+  struct Symmetric {
+    void* memory = nullptr;
+    ncclWindow_t window = nullptr;
+  };
+  std::vector<Symmetric> symmetric;
+  // Deregisters (while the communicator lives) and frees one symmetric allocation.
+  void release(const Symmetric& s) {
+    if (!aborted.load()) ncclCommWindowDeregister(comm, s.window);
+    ncclMemFree(s.memory);
+  }
 
   // Tracking (track_collectives): each collective's events, oldest first, until seen finished.
   struct Tracked {
@@ -244,11 +255,14 @@ CudaCommunicator::CudaCommunicator(std::unique_ptr<Impl> impl, int size, int ran
     : impl_(std::move(impl)), size_(size), rank_(rank), device_(device) {}
 
 CudaCommunicator::~CudaCommunicator() {
-  if (!impl_ || impl_->comm == nullptr || impl_->aborted.load()) return;
+  if (!impl_ || impl_->comm == nullptr) return;
   std::lock_guard lock(impl_->call_mutex);
   std::lock_guard state(impl_->state_mutex);
-  if (impl_->aborted.load()) return;
   cudaSetDevice(device_);
+  // Windows go before their communicator; an aborted one took its registrations with it.
+  for (const Impl::Symmetric& s : impl_->symmetric) impl_->release(s);
+  impl_->symmetric.clear();
+  if (impl_->aborted.load()) return;
   // An abort asked for and not yet done: its peers are gone, so no collective teardown.
   if (impl_->abort_requested.load()) {
     ncclCommAbort(impl_->comm);
@@ -265,17 +279,55 @@ namespace {
 
 }  // namespace
 
-std::unique_ptr<CudaCommunicator> CudaCommunicator::split(int color, int key) const {
+std::unique_ptr<CudaCommunicator> CudaCommunicator::split(int color, int key,
+                                                          bool copy_engines) const {
   auto impl = std::make_unique<Impl>();
   MEGACPP_CUDA_CHECK(cudaSetDevice(device_));
   std::lock_guard lock(impl_->call_mutex);
   if (impl_->abort_requested.load()) fail_aborted(impl_->group_name(), impl_->reason());
-  check_nccl(ncclCommSplit(impl_->comm, color, key, &impl->comm, nullptr), "ncclCommSplit");
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  if (copy_engines) config.CTAPolicy = NCCL_CTA_POLICY_ZERO;
+  check_nccl(ncclCommSplit(impl_->comm, color, key, &impl->comm, copy_engines ? &config : nullptr),
+             "ncclCommSplit");
   int size = 0, rank = 0;
   check_nccl(ncclCommCount(impl->comm, &size), "ncclCommCount");
   check_nccl(ncclCommUserRank(impl->comm, &rank), "ncclCommUserRank");
-  return std::unique_ptr<CudaCommunicator>(
-      new CudaCommunicator(std::move(impl), size, rank, device_));
+  auto made =
+      std::unique_ptr<CudaCommunicator>(new CudaCommunicator(std::move(impl), size, rank, device_));
+  made->copy_engines_ = copy_engines;
+  return made;
+}
+
+void* CudaCommunicator::allocate_symmetric(size_t bytes) {
+  Impl& m = *impl_;
+  MEGACPP_CUDA_CHECK(cudaSetDevice(device_));
+  std::lock_guard lock(m.call_mutex);
+  if (m.abort_requested.load()) fail_aborted(m.group_name(), m.reason());
+  Impl::Symmetric s;
+  check_nccl(ncclMemAlloc(&s.memory, bytes), "ncclMemAlloc");
+  const ncclResult_t registered =
+      ncclCommWindowRegister(m.comm, s.memory, bytes, &s.window, NCCL_WIN_COLL_SYMMETRIC);
+  if (registered != ncclSuccess) {
+    ncclMemFree(s.memory);
+    check_nccl(registered, "ncclCommWindowRegister");
+  }
+  m.symmetric.push_back(s);
+  return s.memory;
+}
+
+void CudaCommunicator::free_symmetric(void* memory) {
+  Impl& m = *impl_;
+  std::lock_guard lock(m.call_mutex);
+  std::lock_guard state(m.state_mutex);
+  for (auto it = m.symmetric.begin(); it != m.symmetric.end(); ++it) {
+    if (it->memory != memory) continue;
+    cudaSetDevice(device_);
+    m.release(*it);
+    m.symmetric.erase(it);
+    return;
+  }
+  fail(ErrorKind::kInternal, "free_symmetric: {} is no symmetric allocation of the {}", memory,
+       m.group_name());
 }
 
 template <typename Call>

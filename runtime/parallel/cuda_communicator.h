@@ -14,6 +14,7 @@
 // whether it finished.
 //
 // Plain C++ (no NCCL or CUDA types in this header).
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -40,8 +41,18 @@ class CudaCommunicator final : public WatchedGroup {
   CudaCommunicator& operator=(const CudaCommunicator&) = delete;
 
   // The ranks of this communicator with the same `color` form a new one, ordered by `key`.
-  // Collective over this communicator.
-  std::unique_ptr<CudaCommunicator> split(int color, int key) const;
+  // Collective over this communicator. copy_engines: the new one takes NCCL's zero-CTA policy,
+  // under which an all-gather whose buffers both lie in allocate_symmetric's memory runs on the
+  // GPUs' copy engines (one node, peer access between all its GPUs), leaving every SM to the
+  // kernels beside it; its other collectives run as kernels as ever.
+  std::unique_ptr<CudaCommunicator> split(int color, int key, bool copy_engines = false) const;
+  bool copy_engines() const { return copy_engines_; }
+
+  // `bytes` of device memory registered with NCCL as one symmetric window of this group: every
+  // rank allocates the same size in the same order (collective; it blocks until all have).
+  // free_symmetric gives it back (local); the destructor frees what is left.
+  void* allocate_symmetric(size_t bytes);
+  void free_symmetric(void* memory);
 
   int size() const { return size_; }
   int rank() const { return rank_; }
@@ -103,6 +114,7 @@ class CudaCommunicator final : public WatchedGroup {
   int size_ = 0;
   int rank_ = 0;
   int device_ = 0;
+  bool copy_engines_ = false;
 };
 
 }  // namespace megacpp::parallel

@@ -63,26 +63,28 @@ struct ParallelCase {
   nlohmann::json config;
   int batch;
   int seqlen;
+  int pieces = 1;  // CudaModelOptions::tensor_parallel_pieces
 };
 
 // The largest power of two up to 8 GPUs this machine has (0 or 1: no multi-GPU run).
 using testing::gpu_world;
 
+// Both layer kinds and the MLP (hidden 384); GQA (16 q over 8 kv heads); one B/C group, which
+// every rank holds (its gradient summed over TP); 16 Mamba-3 heads; MIMO rank 4.
+nlohmann::json hybrid_gqa_config() {
+  return {{"d_model", 256},
+          {"pattern", "M*M"},
+          {"d_intermediate", 384},
+          {"vocab_size", 300},
+          {"tie_embeddings", true},
+          {"ssm_cfg", {{"d_state", 32}, {"headdim", 32}, {"mimo_rank", 4}, {"chunk_size", 16}}},
+          {"attn_cfg",
+           {{"num_heads", 16}, {"num_heads_kv", 8}, {"head_dim", 32}, {"rotary_emb_dim", 32}}}};
+}
+
 std::vector<ParallelCase> parallel_cases() {
   return {
-      // Both layer kinds and the MLP (hidden 384); GQA (16 q over 8 kv heads); one B/C group,
-      // which every rank holds (its gradient summed over TP); 16 Mamba-3 heads; MIMO rank 4.
-      {"hybrid_gqa_g1_r4",
-       {{"d_model", 256},
-        {"pattern", "M*M"},
-        {"d_intermediate", 384},
-        {"vocab_size", 300},
-        {"tie_embeddings", true},
-        {"ssm_cfg", {{"d_state", 32}, {"headdim", 32}, {"mimo_rank", 4}, {"chunk_size", 16}}},
-        {"attn_cfg",
-         {{"num_heads", 16}, {"num_heads_kv", 8}, {"head_dim", 32}, {"rotary_emb_dim", 32}}}},
-       2,
-       48},
+      {"hybrid_gqa_g1_r4", hybrid_gqa_config(), 2, 48},
       // As many B/C groups as GPUs (ngroups set to n by the test), one per TP rank; MHA;
       // untied lm_head; SISO; no MLP; a ragged last chunk.
       {"untied_mha_gsplit_r1",
@@ -96,6 +98,10 @@ std::vector<ParallelCase> parallel_cases() {
          {{"num_heads", 8}, {"num_heads_kv", 8}, {"head_dim", 16}, {"rotary_emb_dim", 16}}}},
        2,
        37},
+      // The first case's model at 2 × 1024 rows: sequence parallelism in pieces (four a rank: of
+      // 256 rows at TP = 2, 128 at TP = 4), each piece's GEMM beside the next piece's collective;
+      // the tokens and targets uploaded in slot order.
+      {"hybrid_gqa_pieces_r4", hybrid_gqa_config(), 2, 1024, 4},
   };
 }
 
@@ -168,9 +174,10 @@ StepResult run_step(CudaModel& gpu, Model<float>& host, const int32_t* tokens,
 
 // Runs `body(world_rank, group)` on `world` threads, one GPU each, after joining them in one NCCL
 // world and splitting it into tensor-parallel groups of `tp` consecutive ranks and data-parallel
-// groups across them. A failing rank aborts the communicators so the others fail instead of
-// waiting in a collective.
-void run_ranks(int world, int tp, const std::function<void(int, const CudaModelParallel&)>& body) {
+// groups across them (the tensor-parallel ones for copy engines where asked). A failing rank
+// aborts the communicators so the others fail instead of waiting in a collective.
+void run_ranks(int world, int tp, const std::function<void(int, const CudaModelParallel&)>& body,
+               bool copy_engines = false) {
   const std::string id = CudaCommunicator::new_unique_id();
   std::vector<std::unique_ptr<CudaCommunicator>> worlds(static_cast<size_t>(world));
   std::vector<std::unique_ptr<CudaCommunicator>> tps(worlds.size()), dps(worlds.size());
@@ -193,7 +200,7 @@ void run_ranks(int world, int tp, const std::function<void(int, const CudaModelP
         p.tensor_parallel = tp;
         p.data_parallel = world / tp;
         p.tp_rank = rank % tp;
-        auto t = w->split(rank / tp, rank % tp);
+        auto t = w->split(rank / tp, rank % tp, copy_engines);
         auto d = w->split(rank % tp, rank / tp);
         {
           std::lock_guard<std::mutex> lock(mutex);
@@ -280,16 +287,20 @@ bool bitwise_equal(const std::vector<float>& a, const std::vector<float>& b) {
 // from the config alone.
 std::vector<StepResult> tensor_parallel_step(Model<float>& host, const ParallelCase& c, int world,
                                              const std::vector<int32_t>& tokens,
-                                             const CudaModelOptions& memory) {
+                                             const CudaModelOptions& memory,
+                                             bool copy_engines = false) {
   std::vector<StepResult> ranks(static_cast<size_t>(world));
-  run_ranks(world, world, [&](int rank, const CudaModelParallel& p) {
-    CudaModel gpu(host, c.batch, c.seqlen, OptimizerConfig{}, rank, p, nullptr, memory);
-    const CudaMemoryPlan plan =
-        CudaModel::plan_memory(host.config(), c.batch, c.seqlen, world, rank, memory);
-    EXPECT_EQ(plan.arena, gpu.memory_plan().arena) << "rank " << rank;
-    EXPECT_EQ(plan.layer_workspaces, gpu.memory_plan().layer_workspaces) << "rank " << rank;
-    ranks[static_cast<size_t>(rank)] = run_step(gpu, host, tokens.data());
-  });
+  run_ranks(
+      world, world,
+      [&](int rank, const CudaModelParallel& p) {
+        CudaModel gpu(host, c.batch, c.seqlen, OptimizerConfig{}, rank, p, nullptr, memory);
+        const CudaMemoryPlan plan =
+            CudaModel::plan_memory(host.config(), c.batch, c.seqlen, world, rank, memory);
+        EXPECT_EQ(plan.arena, gpu.memory_plan().arena) << "rank " << rank;
+        EXPECT_EQ(plan.layer_workspaces, gpu.memory_plan().layer_workspaces) << "rank " << rank;
+        ranks[static_cast<size_t>(rank)] = run_step(gpu, host, tokens.data());
+      },
+      copy_engines);
   return ranks;
 }
 
@@ -318,7 +329,8 @@ TEST_P(CudaModelParallelStep, TensorParallelOverEveryGpuEqualsOneGpu) {
   }
   std::vector<std::vector<StepResult>> runs;
   for (int run = 0; run < 2; ++run) {
-    runs.push_back(tensor_parallel_step(host, c, world, tokens, {}));
+    runs.push_back(tensor_parallel_step(host, c, world, tokens,
+                                        CudaModelOptions{.tensor_parallel_pieces = c.pieces}));
     if (HasFailure()) return;
   }
   const StepResult& r0 = runs[0][0];
@@ -442,6 +454,27 @@ TEST_P(CudaModelParallelStep, TensorParallelRecomputingTheInProjOutputsGivesTheS
   if (HasFailure()) return;
   for (int rank = 0; rank < world; ++rank) {
     expect_bitwise_step(kept[static_cast<size_t>(rank)], lean[static_cast<size_t>(rank)],
+                        "rank " + std::to_string(rank));
+  }
+}
+
+// The all-gathers on the copy engines (the arena in NCCL's symmetric memory) move the same bytes
+// as NCCL's kernels: the same step, bit for bit.
+TEST_P(CudaModelParallelStep, TensorParallelAllGathersOnCopyEnginesGiveTheSameStep) {
+  MEGACPP_REQUIRE_GPUS(2);
+  const ParallelCase& c = GetParam();
+  const int world = gpu_world();
+  CaseStart start(c, world, c.batch, 53);
+  Model<float>& host = start.host;
+  const std::vector<int32_t>& tokens = start.tokens;
+  const CudaModelOptions options{.tensor_parallel_pieces = c.pieces};
+  const std::vector<StepResult> kernels = tensor_parallel_step(host, c, world, tokens, options);
+  if (HasFailure()) return;
+  const std::vector<StepResult> engines =
+      tensor_parallel_step(host, c, world, tokens, options, true);
+  if (HasFailure()) return;
+  for (int rank = 0; rank < world; ++rank) {
+    expect_bitwise_step(kernels[static_cast<size_t>(rank)], engines[static_cast<size_t>(rank)],
                         "rank " + std::to_string(rank));
   }
 }
