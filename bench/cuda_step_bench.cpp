@@ -20,8 +20,8 @@
 // --tp-reserved-sms N: tensor parallel, the SMs the weight-gradient GEMMs leave to the collectives
 //   and the norm running beside them (CudaModelOptions::tensor_parallel_reserved_sms; 0: none;
 //   left out: the default of the degree).
-// --tp-copy-engines: tensor parallel, the all-gathers on the copy engines (CudaCommunicator::split
-//   with copy_engines; the arena in NCCL's symmetric memory).
+// --tp-copy-engines: tensor parallel, the all-gathers on the copy engines
+//   (CudaModelOptions::tensor_parallel_copy_engines, CudaCommunicator::split's copy_engines).
 // --tp-pieces N: tensor parallel, the forward's collectives in up to N pieces beside the GEMMs
 //   (CudaModelOptions::tensor_parallel_pieces; 1: whole).
 // --attention cudnn|megacpp: cuDNN's fused attention (the default) or our own kernels.
@@ -211,7 +211,8 @@ RankResult run_rank(const Options& o, const megacpp::Model<float>& host,
                                             .attention = o.attention,
                                             .deterministic = o.deterministic,
                                             .tensor_parallel_reserved_sms = o.reserved_sms,
-                                            .tensor_parallel_pieces = o.pieces});
+                                            .tensor_parallel_pieces = o.pieces,
+                                            .tensor_parallel_copy_engines = o.copy_engines});
   phase("CudaModel construction (context, arena, plans)");
   model.upload(host.parameters(), &moments);
   model.set_step_graph(o.cuda_graphs);

@@ -759,6 +759,14 @@ void CudaModel::Impl::plan_buffers(const CudaModelOptions& options) {
          options.tensor_parallel_reserved_sms, CudaModelOptions::kReservedSmsByDegree);
   }
   m.reserved_sms = options.reserved_sms(m.split.tensor_parallel);
+  if (m.par.tensor_group != nullptr &&
+      m.par.tensor_group->copy_engines() != options.tensor_parallel_copy_engines) {
+    fail(ErrorKind::kInvalidArgument,
+         "CudaModelOptions.tensor_parallel_copy_engines={} but the tensor-parallel group was split "
+         "{}for copy engines: split it with copy_engines={} (CudaCommunicator::split)",
+         options.tensor_parallel_copy_engines, m.par.tensor_group->copy_engines() ? "" : "not ",
+         options.tensor_parallel_copy_engines);
+  }
   size_t shared_proj_size = 0;  // recompute_in_proj: one in_proj output for every Mamba layer
   size_t workspace = 0, scan_backward = 0;
   const auto need_workspace = [&](size_t bytes) {

@@ -92,6 +92,13 @@ struct CudaModelOptions {
   // rank, each piece's GEMM beside the next piece's collective (shard_plan.h's SequenceSplit);
   // 1: whole. Pieces change which rows a rank holds, not the model's arithmetic.
   int tensor_parallel_pieces = 1;
+  // Tensor parallel: the all-gathers on the GPUs' copy engines, leaving every SM to the kernels
+  // beside them (the reduce-scatters stay kernels: as an all-to-all on the copy engines and a sum
+  // kernel they were slower, bench/RESULTS.md session 23). The tensor group must be split for it
+  // (CudaCommunicator::split's copy_engines). Off by default: NCCL 2.28's copy-engine path
+  // writes flags into peers' memory with stream memory operations, which drivers of CUDA 13.1
+  // and later refuse (NCCL issue 2052).
+  bool tensor_parallel_copy_engines = false;
 };
 
 // The device memory a CudaModel takes: its one planned allocation and what its Mamba-3 layers'

@@ -42,9 +42,9 @@ class CudaCommunicator final : public WatchedGroup {
 
   // The ranks of this communicator with the same `color` form a new one, ordered by `key`.
   // Collective over this communicator. copy_engines: the new one takes NCCL's zero-CTA policy,
-  // under which an all-gather whose buffers both lie in allocate_symmetric's memory runs on the
-  // GPUs' copy engines (one node, peer access between all its GPUs), leaving every SM to the
-  // kernels beside it; its other collectives run as kernels as ever.
+  // under which an all-gather whose buffers both lie in allocate_symmetric's memory
+  // runs on the GPUs' copy engines (one node, peer access between all its GPUs), leaving every
+  // SM to the kernels beside it; its other collectives run as kernels as ever.
   std::unique_ptr<CudaCommunicator> split(int color, int key, bool copy_engines = false) const;
   bool copy_engines() const { return copy_engines_; }
 

@@ -458,8 +458,8 @@ TEST_P(CudaModelParallelStep, TensorParallelRecomputingTheInProjOutputsGivesTheS
   }
 }
 
-// The all-gathers on the copy engines (the arena in NCCL's symmetric memory) move the same bytes
-// as NCCL's kernels: the same step, bit for bit.
+// The all-gathers on the copy engines (their buffers in NCCL's symmetric memory) move the same
+// bytes as NCCL's kernels: the same step, bit for bit, on every rank.
 TEST_P(CudaModelParallelStep, TensorParallelAllGathersOnCopyEnginesGiveTheSameStep) {
   MEGACPP_REQUIRE_GPUS(2);
   const ParallelCase& c = GetParam();
@@ -467,15 +467,46 @@ TEST_P(CudaModelParallelStep, TensorParallelAllGathersOnCopyEnginesGiveTheSameSt
   CaseStart start(c, world, c.batch, 53);
   Model<float>& host = start.host;
   const std::vector<int32_t>& tokens = start.tokens;
-  const CudaModelOptions options{.tensor_parallel_pieces = c.pieces};
-  const std::vector<StepResult> kernels = tensor_parallel_step(host, c, world, tokens, options);
+  const std::vector<StepResult> kernels = tensor_parallel_step(
+      host, c, world, tokens, CudaModelOptions{.tensor_parallel_pieces = c.pieces});
   if (HasFailure()) return;
-  const std::vector<StepResult> engines =
-      tensor_parallel_step(host, c, world, tokens, options, true);
+  const std::vector<StepResult> engines = tensor_parallel_step(
+      host, c, world, tokens,
+      CudaModelOptions{.tensor_parallel_pieces = c.pieces, .tensor_parallel_copy_engines = true},
+      true);
   if (HasFailure()) return;
   for (int rank = 0; rank < world; ++rank) {
     expect_bitwise_step(kernels[static_cast<size_t>(rank)], engines[static_cast<size_t>(rank)],
                         "rank " + std::to_string(rank));
+  }
+}
+
+// A model asked for copy engines over a group not split for them (or the reverse) is refused,
+// naming the option: its collectives would silently run as kernels.
+TEST(CudaModelParallel, CopyEnginesMustMatchTheGroupsSplit) {
+  MEGACPP_REQUIRE_GPUS(2);
+  const ParallelCase c = parallel_cases().front();
+  CaseStart start(c, 2, c.batch, 59);
+  for (const bool split_for_engines : {false, true}) {
+    std::mutex mutex;
+    std::vector<std::string> refusals;
+    run_ranks(
+        2, 2,
+        [&](int rank, const CudaModelParallel& p) {
+          try {
+            CudaModel gpu(start.host, c.batch, c.seqlen, OptimizerConfig{}, rank, p, nullptr,
+                          {.tensor_parallel_copy_engines = !split_for_engines});
+            ADD_FAILURE() << "rank " << rank << ": a mismatched model was built";
+          } catch (const Error& e) {
+            std::lock_guard<std::mutex> lock(mutex);
+            refusals.push_back(e.what());
+          }
+        },
+        split_for_engines);
+    ASSERT_EQ(refusals.size(), 2u);
+    for (const std::string& r : refusals) {
+      EXPECT_NE(r.find("tensor_parallel_copy_engines"), std::string::npos) << r;
+    }
   }
 }
 
