@@ -6,9 +6,8 @@
 //
 //   cuda_step_bench [--preset bench-350m|bench-1.3b] [--rank 4] [--batch 4] [--seqlen 8192]
 //                   [--steps 8] [--cuda-graphs] [--tensor-parallel 1] [--data-parallel 1]
-//                   [--no-overlap] [--recompute-in-proj] [--tp-reserved-sms N] [--tp-pieces 1]
-//                   [--tp-copy-engines]
-//                   [--json FILE]
+//                   [--no-overlap] [--recompute-in-proj] [--tp-reserved-sms N]
+//                   [--tp-copy-engines] [--json FILE]
 // --tensor-parallel T --data-parallel D: the step on T·D GPUs (ranks as threads of this process,
 // one GPU each, joined by NCCL as the executor's rank processes are); --batch is the global batch
 // (each replica takes batch / D). Times are rank 0's; the collectives appear as ops.
@@ -22,8 +21,6 @@
 //   left out: the default of the degree).
 // --tp-copy-engines: tensor parallel, the all-gathers on the copy engines
 //   (CudaModelOptions::tensor_parallel_copy_engines, CudaCommunicator::split's copy_engines).
-// --tp-pieces N: tensor parallel, the forward's collectives in up to N pieces beside the GEMMs
-//   (CudaModelOptions::tensor_parallel_pieces; 1: whole).
 // --attention cudnn|megacpp: cuDNN's fused attention (the default) or our own kernels.
 // --nondeterministic: cuDNN's attention backward sums dQ in any order (the
 // nondeterministic_attention gate).
@@ -76,7 +73,6 @@ struct Options {
   megacpp::AttentionEngine attention = megacpp::AttentionEngine::kCudnn;
   bool deterministic = true;
   int reserved_sms = megacpp::CudaModelOptions::kReservedSmsByDegree;
-  int pieces = 1;
   bool copy_engines = false;
   std::string json;
 };
@@ -113,8 +109,7 @@ Options parse(int argc, char** argv) {
       o.deterministic = false;
     } else if (a == "--tp-reserved-sms") {
       o.reserved_sms = std::stoi(value());
-    } else if (a == "--tp-pieces") {
-      o.pieces = std::stoi(value());
+
     } else if (a == "--tp-copy-engines") {
       o.copy_engines = true;
     } else if (a == "--no-overlap") {
@@ -211,7 +206,6 @@ RankResult run_rank(const Options& o, const megacpp::Model<float>& host,
                                             .attention = o.attention,
                                             .deterministic = o.deterministic,
                                             .tensor_parallel_reserved_sms = o.reserved_sms,
-                                            .tensor_parallel_pieces = o.pieces,
                                             .tensor_parallel_copy_engines = o.copy_engines});
   phase("CudaModel construction (context, arena, plans)");
   model.upload(host.parameters(), &moments);
@@ -337,7 +331,6 @@ int run(const Options& o) {
       {"tensor_parallel_reserved_sms",
        megacpp::CudaModelOptions{.tensor_parallel_reserved_sms = o.reserved_sms}.reserved_sms(
            o.tensor_parallel)},
-      {"tensor_parallel_pieces", o.pieces},
       {"tensor_parallel_copy_engines", o.copy_engines},
       {"parameters", host.parameters().total()},
       {"first_loss", first_loss},

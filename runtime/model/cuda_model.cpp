@@ -51,8 +51,6 @@ struct CudaModel::Impl {
     Param in_proj, dt_bias, b_bias, c_bias, b_norm, c_norm, mimo_x, mimo_z, mimo_o, d, out_proj;
     ops::Mamba3PreprocessShape shape;
     std::unique_ptr<cuda::LinearCuda> in_linear, out_linear;
-    // The same GEMMs on one piece of the rows (split.pieces > 1; see run_in_pieces).
-    std::unique_ptr<cuda::LinearCuda> in_piece, out_piece;
     std::unique_ptr<cuda::Mamba3PreprocessCuda> preprocess;
     std::unique_ptr<cuda::Mamba3ScanCuda> scan;
     // Kept from the forward for the backward.
@@ -65,7 +63,6 @@ struct CudaModel::Impl {
     Param in_proj, in_bias, out_proj, out_bias;
     int q_heads = 0, kv_heads = 0, head_dim = 0, width = 0;
     std::unique_ptr<cuda::LinearCuda> in_linear, out_linear;
-    std::unique_ptr<cuda::LinearCuda> in_piece, out_piece;
     // One of the two, as CudaModelOptions::attention says. Every attention layer has the same
     // shape: they share one cuDNN op, whose plans are built (and their kernels compiled) once.
     std::unique_ptr<cuda::CausalAttentionCuda> attention;
@@ -78,7 +75,6 @@ struct CudaModel::Impl {
   struct MlpLayer {
     Param fc1, fc2;
     std::unique_ptr<cuda::GatedMlpCuda> mlp;
-    std::unique_ptr<cuda::GatedMlpCuda> mlp_piece;
     uint16_t* fc1_out = nullptr;  // [rows, 2·hidden]
     uint16_t* act = nullptr;      // [rows, hidden]
   };
@@ -95,17 +91,14 @@ struct CudaModel::Impl {
   int device = 0;
   int batch = 0, seqlen = 0, rows = 0;
   // Sequence parallelism (shard_plan.h's sequence_split): the rows of the residual stream this
-  // rank holds, split.rows of its slot of split.slot rows, in slot order; all of them on one GPU.
-  // The rank-local buffers (residual, rstd, dresidual, the tokens from split.first) hold them in
-  // slot order; the buffers the collectives fill hold split.padded_rows() in the global order (the
-  // last rank's slot ends in rows no op reads, kept zero). The host uploads the tokens and targets
-  // in slot order (upload_tokens).
+  // rank holds, split.rows of the micro-batch's from split.first, at the start of its slot of
+  // split.slot rows; all of them on one GPU. The buffers the collectives fill hold
+  // split.padded_rows(): the last rank's slot ends in rows no op reads, kept zero.
   parallel::SequenceSplit split;
   template <class T>
   T* my_rows(T* whole) const {
     return whole + split.first * config.d_model;
   }
-  int64_t c_model() const { return config.d_model; }
   int64_t local_elements() const { return static_cast<int64_t>(split.rows) * config.d_model; }
   int64_t slot_elements() const { return static_cast<int64_t>(split.slot) * config.d_model; }
   // The device holds the rank's shards (the plan's local layout); the host mirror is global.
@@ -169,15 +162,7 @@ struct CudaModel::Impl {
   std::vector<uint16_t*> normed;  // per site [padded, d_model]: the rank's rows, gathered
   std::vector<float*> rstd;       // per site [split.rows]
   uint16_t* delta = nullptr;      // a sublayer's output [padded, d_model], reduced into my_rows
-  // Tensor parallel, [split.slot, d_model] bf16 in slot order: `staged`, a norm site's output (or
-  // the residual gradient in bf16) before it is all-gathered into a global-order buffer;
-  // `delta_mine` and `dnormed_mine`, the rank's rows of delta and of the input gradient once
-  // reduce-scattered. (In place, piece j of one rank would land on the rows another piece of its
-  // own still has to send.)
-  uint16_t* staged = nullptr;
-  uint16_t* delta_mine = nullptr;
-  uint16_t* dnormed_mine = nullptr;
-  uint16_t* ddelta = nullptr;  // its gradient, bf16 [padded, d_model], gathered from my_rows
+  uint16_t* ddelta = nullptr;     // its gradient, bf16 [padded, d_model], gathered from my_rows
   // Tensor parallel: the next sublayer's output gradient, made while the sublayer whose gradient
   // is in ddelta still reads it (start_input_gradient_sum); the two swap between sublayers.
   uint16_t* ddelta_next = nullptr;
@@ -284,7 +269,7 @@ struct CudaModel::Impl {
 
   void upload_tokens(const int32_t* tokens);
   // planning_only: no communicators (plan_memory), so the groups are not checked.
-  void plan_parallel(const CudaModelParallel& parallel, int max_pieces, bool planning_only = false);
+  void plan_parallel(const CudaModelParallel& parallel, bool planning_only = false);
   // Every buffer of the arena reserved (the layers' structs and parameters set up on the way),
   // and the layers' own workspace bytes counted: all from (config, batch, seqlen, the rank's
   // geometry, memory), nothing touched on the device. The constructor allocates what this plans;
@@ -309,22 +294,10 @@ struct CudaModel::Impl {
             sharded() ? rows : 0};
   }
   // Tensor parallel: a sublayer's output (delta, a partial sum on each rank) summed over the group
-  // into the rank's rows (delta_mine); `staged` (a norm site's output, or the residual gradient)
-  // gathered from every rank into `whole`, piece by piece, on `on`; the rows' shares of the loss
-  // summed.
-  void finish_reduce_scatter();
+  // into the rank's rows; a norm site's output (or the residual gradient) gathered from every
+  // rank's rows; the rows' shares of the loss summed.
+  void tp_reduce_scatter_output();
   void tp_all_gather(uint16_t* whole, void* on);
-  // The forward's collectives piece by piece beside the GEMMs (split.pieces): gather_staged starts
-  // all-gathering `staged` into `whole` on tp_stream, a piece at a time; run_in_pieces(gemm,
-  // gathered, reduce) runs gemm(first_row, piece_op) once per piece (once over all rows with one
-  // piece): with `gathered` each after its piece's rows are gathered, with `reduce` reduce-
-  // scattering each piece of delta into delta_mine as soon as its GEMM made it;
-  // finish_reduce_scatter makes the compute stream wait for the last piece.
-  void gather_staged(uint16_t* whole);
-  template <class Gemm>
-  void run_in_pieces(Gemm&& gemm, bool gathered, bool reduce);
-  std::vector<cudaEvent_t> piece_gathered, piece_made;
-  cudaEvent_t staged_ready = nullptr, pieces_reduced = nullptr;
   void tp_sum_loss();
   // The backward at a norm site, once the sublayer above it has made its input gradient
   // (dnormed): the norm's backward into dresidual and, above site 0, the gradient of the
@@ -390,8 +363,7 @@ size_t scan_input_elements(const ops::Mamba3PreprocessShape& s, size_t rows) {
 
 }  // namespace
 
-void CudaModel::Impl::plan_parallel(const CudaModelParallel& parallel, int max_pieces,
-                                    bool planning_only) {
+void CudaModel::Impl::plan_parallel(const CudaModelParallel& parallel, bool planning_only) {
   const int tp = parallel.tensor_parallel, dp = parallel.data_parallel;
   if (tp < 1 || dp < 1 || parallel.tp_rank < 0 || parallel.tp_rank >= tp) {
     fail(ErrorKind::kInvalidArgument,
@@ -414,7 +386,7 @@ void CudaModel::Impl::plan_parallel(const CudaModelParallel& parallel, int max_p
          parallel.tp_rank, parallel.tensor_group->rank());
   }
   par = parallel;
-  split = parallel::sequence_split(rows, tp, parallel.tp_rank, max_pieces);
+  split = parallel::sequence_split(rows, tp, parallel.tp_rank);
   // Validates the geometry against the model, naming the rule a split breaks.
   plan = std::make_unique<parallel::ShardPlan>(config, parallel::ParallelConfig{tp, tp * dp});
   const parallel::RankGeometry& geo = plan->geometry(parallel.tp_rank);
@@ -502,59 +474,18 @@ void CudaModel::Impl::reduce_bucket(size_t bucket) {
   together.end();
 }
 
-// Piece j of every rank's slot: piece_elements from j · piece_elements of the rank's rows, and
-// global rows [j · piece_span, +piece_span) (one piece: the whole slot and all padded rows).
+void CudaModel::Impl::tp_reduce_scatter_output() {
+  if (!sharded()) return;
+  par.tensor_group->reduce_scatter(delta, my_rows(delta), slot_elements(),
+                                   parallel::CollectiveType::kBf16, parallel::ReduceOp::kSum,
+                                   stream);
+  lap("tensor-parallel reduce-scatter forward");
+}
+
 void CudaModel::Impl::tp_all_gather(uint16_t* whole, void* on) {
   if (!sharded()) return;
-  const int64_t piece_elements = slot_elements() / split.pieces;
-  for (int j = 0; j < split.pieces; ++j) {
-    par.tensor_group->all_gather(staged + j * piece_elements,
-                                 whole + j * piece_elements * split.tensor_parallel, piece_elements,
-                                 parallel::CollectiveType::kBf16, on);
-    if (on == tp_stream) {
-      MEGACPP_CUDA_CHECK(cudaEventRecord(piece_gathered[static_cast<size_t>(j)], tp_stream));
-    }
-  }
-}
-
-void CudaModel::Impl::gather_staged(uint16_t* whole) {
-  MEGACPP_CUDA_CHECK(cudaEventRecord(staged_ready, stream));
-  MEGACPP_CUDA_CHECK(cudaStreamWaitEvent(tp_stream, staged_ready, 0));
-  tp_all_gather(whole, tp_stream);
-}
-
-template <class Gemm>
-void CudaModel::Impl::run_in_pieces(Gemm&& gemm, bool gathered, bool reduce) {
-  if (!sharded()) {
-    gemm(int64_t{0}, false);
-    return;
-  }
-  const int64_t piece_elements = slot_elements() / split.pieces;
-  for (int j = 0; j < split.pieces; ++j) {
-    const size_t piece = static_cast<size_t>(j);
-    if (gathered) {
-      MEGACPP_CUDA_CHECK(cudaStreamWaitEvent(stream, piece_gathered[piece], 0));
-      if (j == 0) {
-        lap(split.pieces > 1 ? "tensor-parallel all-gather forward, first piece (not hidden)"
-                             : "tensor-parallel all-gather forward");
-      }
-    }
-    gemm(j * split.piece_span(), split.pieces > 1);
-    if (!reduce) continue;
-    MEGACPP_CUDA_CHECK(cudaEventRecord(piece_made[piece], stream));
-    MEGACPP_CUDA_CHECK(cudaStreamWaitEvent(tp_stream, piece_made[piece], 0));
-    par.tensor_group->reduce_scatter(
-        delta + j * piece_elements * split.tensor_parallel, delta_mine + j * piece_elements,
-        piece_elements, parallel::CollectiveType::kBf16, parallel::ReduceOp::kSum, tp_stream);
-  }
-  if (reduce) MEGACPP_CUDA_CHECK(cudaEventRecord(pieces_reduced, tp_stream));
-}
-
-void CudaModel::Impl::finish_reduce_scatter() {
-  if (!sharded()) return;
-  MEGACPP_CUDA_CHECK(cudaStreamWaitEvent(stream, pieces_reduced, 0));
-  lap(split.pieces > 1 ? "tensor-parallel reduce-scatter forward, last piece (not hidden)"
-                       : "tensor-parallel reduce-scatter forward");
+  par.tensor_group->all_gather(my_rows(whole), whole, slot_elements(),
+                               parallel::CollectiveType::kBf16, on);
 }
 
 void CudaModel::Impl::tp_sum_loss() {
@@ -566,8 +497,8 @@ void CudaModel::Impl::tp_sum_loss() {
 
 void CudaModel::Impl::norm_site_backward(uint16_t* output_gradient, void* on) {
   const size_t site = backward_site;
-  const cuda::RowsRef dy =
-      sharded() ? cuda::RowsRef{dnormed_mine, nullptr} : cuda::RowsRef{nullptr, my_rows(dnormed)};
+  const cuda::RowsRef dy = sharded() ? cuda::RowsRef{my_rows(dnormed_half), nullptr}
+                                     : cuda::RowsRef{nullptr, my_rows(dnormed)};
   norm_op->backward(residual[site], value(site_weight[site]), rstd[site], dy, dresidual, dresidual,
                     grad(site_weight[site]), true, on);
   if (site == 0) return;  // the embedding's backward takes dresidual as it is
@@ -575,7 +506,7 @@ void CudaModel::Impl::norm_site_backward(uint16_t* output_gradient, void* on) {
 }
 
 void CudaModel::Impl::output_gradient_from_residual(uint16_t* output_gradient, void* on) {
-  cuda::cast_f32_to_bf16(dresidual, sharded() ? staged : output_gradient, local_elements(), on);
+  cuda::cast_f32_to_bf16(dresidual, my_rows(output_gradient), local_elements(), on);
   tp_all_gather(output_gradient, on);
 }
 
@@ -587,16 +518,6 @@ void CudaModel::Impl::make_tp_stream() {
   MEGACPP_CUDA_CHECK(cudaStreamCreateWithPriority(&tp_stream, cudaStreamNonBlocking, highest));
   MEGACPP_CUDA_CHECK(cudaEventCreateWithFlags(&input_gradient_ready, cudaEventDisableTiming));
   MEGACPP_CUDA_CHECK(cudaEventCreateWithFlags(&input_gradient_summed, cudaEventDisableTiming));
-  MEGACPP_CUDA_CHECK(cudaEventCreateWithFlags(&staged_ready, cudaEventDisableTiming));
-  MEGACPP_CUDA_CHECK(cudaEventCreateWithFlags(&pieces_reduced, cudaEventDisableTiming));
-  piece_gathered.resize(static_cast<size_t>(split.pieces));
-  piece_made.resize(static_cast<size_t>(split.pieces));
-  for (cudaEvent_t& e : piece_gathered) {
-    MEGACPP_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-  }
-  for (cudaEvent_t& e : piece_made) {
-    MEGACPP_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-  }
 }
 
 void CudaModel::Impl::start_input_gradient_sum() {
@@ -609,13 +530,9 @@ void CudaModel::Impl::start_input_gradient_sum() {
   input_gradient_sum_pending = true;
   MEGACPP_CUDA_CHECK(cudaEventRecord(input_gradient_ready, stream));
   MEGACPP_CUDA_CHECK(cudaStreamWaitEvent(tp_stream, input_gradient_ready, 0));
-  const int64_t piece_elements = slot_elements() / split.pieces;
-  for (int j = 0; j < split.pieces; ++j) {
-    par.tensor_group->reduce_scatter(dnormed_half + j * piece_elements * split.tensor_parallel,
-                                     dnormed_mine + j * piece_elements, piece_elements,
-                                     parallel::CollectiveType::kBf16, parallel::ReduceOp::kSum,
-                                     tp_stream);
-  }
+  par.tensor_group->reduce_scatter(dnormed_half, my_rows(dnormed_half), slot_elements(),
+                                   parallel::CollectiveType::kBf16, parallel::ReduceOp::kSum,
+                                   tp_stream);
   norm_site_backward(ddelta_next, tp_stream);
   MEGACPP_CUDA_CHECK(cudaEventRecord(input_gradient_summed, tp_stream));
 }
@@ -719,7 +636,7 @@ CudaModel::CudaModel(const Model<float>& host, int batch, int seqlen,
   const ParameterSet<float>& set = host.parameters();
   m.host_total = set.total();
   m.host_entries = set.entries();
-  m.plan_parallel(parallel, options.tensor_parallel_pieces);
+  m.plan_parallel(parallel);
   if (m.par.data_group != nullptr) m.plan_gradient_buckets();
   if (m.sharded()) m.make_tp_stream();
   m.plan_buffers(options);
@@ -889,10 +806,6 @@ void CudaModel::Impl::plan_buffers(const CudaModelOptions& options) {
   }
   a.reserve(&m.dresidual, local_count * dm, "residual gradient");
   if (m.sharded()) {
-    const size_t slot_count = static_cast<size_t>(m.split.slot);
-    gathered.reserve(&m.staged, slot_count * dm, "rank's rows to all-gather");
-    a.reserve(&m.delta_mine, slot_count * dm, "rank's rows of the sublayer output");
-    a.reserve(&m.dnormed_mine, slot_count * dm, "rank's rows of the normed gradient");
     a.reserve(&m.dnormed_half, padded_count * dm, "normed gradient");
   } else {
     a.reserve(&m.dnormed, padded_count * dm, "normed gradient");
@@ -999,9 +912,6 @@ void CudaModel::Impl::allocate_and_build(cuda::GemmPlanCache* plan_cache) {
     }
     wgrad_sms = sms - m.reserved_sms;
   }
-  // The GEMMs beside the forward's collectives, a piece of the rows at a time (run_in_pieces).
-  const bool pieces = m.sharded() && m.split.pieces > 1;
-  const int span = static_cast<int>(m.split.piece_span());
   for (Impl::Block& b : m.blocks) {
     if (b.attention) {
       Impl::AttentionLayer& l = *b.attention;
@@ -1010,12 +920,6 @@ void CudaModel::Impl::allocate_and_build(cuda::GemmPlanCache* plan_cache) {
       l.out_linear = std::make_unique<cuda::LinearCuda>(
           cuda::LinearShape{m.rows, l.q_heads * l.head_dim, c.d_model}, ws, wsb, plan_cache,
           wgrad_sms);
-      if (pieces) {
-        l.in_piece = std::make_unique<cuda::LinearCuda>(cuda::LinearShape{span, c.d_model, l.width},
-                                                        ws, wsb, plan_cache);
-        l.out_piece = std::make_unique<cuda::LinearCuda>(
-            cuda::LinearShape{span, l.q_heads * l.head_dim, c.d_model}, ws, wsb, plan_cache);
-      }
       const cuda::AttentionShape shape{m.batch,    m.seqlen,   l.q_heads,
                                        l.kv_heads, l.head_dim, c.attn_softmax_scale()};
       if (m.attention_engine == AttentionEngine::kCudnn) {
@@ -1044,12 +948,6 @@ void CudaModel::Impl::allocate_and_build(cuda::GemmPlanCache* plan_cache) {
           cuda::LinearShape{m.rows, c.d_model, l.shape.columns()}, ws, wsb, plan_cache, wgrad_sms);
       l.out_linear = std::make_unique<cuda::LinearCuda>(
           cuda::LinearShape{m.rows, l.shape.d_inner(), c.d_model}, ws, wsb, plan_cache, wgrad_sms);
-      if (pieces) {
-        l.in_piece = std::make_unique<cuda::LinearCuda>(
-            cuda::LinearShape{span, c.d_model, l.shape.columns()}, ws, wsb, plan_cache);
-        l.out_piece = std::make_unique<cuda::LinearCuda>(
-            cuda::LinearShape{span, l.shape.d_inner(), c.d_model}, ws, wsb, plan_cache);
-      }
       l.preprocess = std::make_unique<cuda::Mamba3PreprocessCuda>(l.shape);
       // The layers' backwards run one after another: they share the scan's temporaries.
       l.scan = std::make_unique<cuda::Mamba3ScanCuda>(
@@ -1069,10 +967,6 @@ void CudaModel::Impl::allocate_and_build(cuda::GemmPlanCache* plan_cache) {
       b.mlp->mlp = std::make_unique<cuda::GatedMlpCuda>(
           cuda::GatedMlpShape{m.rows, c.d_model, geo.mlp_hidden.count}, ws, wsb, plan_cache,
           wgrad_sms);
-      if (pieces) {
-        b.mlp->mlp_piece = std::make_unique<cuda::GatedMlpCuda>(
-            cuda::GatedMlpShape{span, c.d_model, geo.mlp_hidden.count}, ws, wsb, plan_cache);
-      }
     }
   }
   std::vector<cuda::GradTensorRef> grad_refs;
@@ -1098,10 +992,6 @@ void CudaModel::Impl::allocate_and_build(cuda::GemmPlanCache* plan_cache) {
     MEGACPP_CUDA_CHECK(cudaMemsetAsync(m.ddelta_next + first, 0, pad * sizeof(uint16_t), m.stream));
     MEGACPP_CUDA_CHECK(
         cudaMemsetAsync(m.dnormed_half + first, 0, pad * sizeof(uint16_t), m.stream));
-    // The last rank's slot past its rows: only the collectives read it.
-    const size_t mine = static_cast<size_t>(m.split.rows) * c.d_model;
-    const size_t slot_pad = static_cast<size_t>(m.split.slot - m.split.rows) * c.d_model;
-    MEGACPP_CUDA_CHECK(cudaMemsetAsync(m.staged + mine, 0, slot_pad * sizeof(uint16_t), m.stream));
     for (uint16_t* site : m.normed) {
       MEGACPP_CUDA_CHECK(cudaMemsetAsync(site + first, 0, pad * sizeof(uint16_t), m.stream));
     }
@@ -1127,10 +1017,6 @@ CudaModel::~CudaModel() {
       cudaStreamSynchronize(impl_->tp_stream);
       cudaEventDestroy(impl_->input_gradient_ready);
       cudaEventDestroy(impl_->input_gradient_summed);
-      cudaEventDestroy(impl_->staged_ready);
-      cudaEventDestroy(impl_->pieces_reduced);
-      for (cudaEvent_t e : impl_->piece_gathered) cudaEventDestroy(e);
-      for (cudaEvent_t e : impl_->piece_made) cudaEventDestroy(e);
       cudaStreamDestroy(impl_->tp_stream);
     }
     cudaStreamDestroy(impl_->stream);
@@ -1187,7 +1073,7 @@ CudaMemoryPlan CudaModel::plan_memory(const ModelConfig& config, int batch, int 
   CudaModelParallel parallel;
   parallel.tensor_parallel = tensor_parallel;
   parallel.tp_rank = tp_rank;
-  m.plan_parallel(parallel, options.tensor_parallel_pieces, true);
+  m.plan_parallel(parallel, true);
   m.plan_buffers(options);
   return {m.arena.bytes() + m.gathered_arena.bytes(), m.layer_workspace_bytes};
 }
@@ -1323,18 +1209,6 @@ void CudaModel::Impl::harvest() {
 
 void CudaModel::Impl::upload_tokens(const int32_t* tokens) {
   split_tokens(config, batch, seqlen, tokens, host_inputs, host_targets);
-  if (split.pieces > 1) {
-    // Slot order (every rank's rows, rank by rank): the embedding takes the rank's tokens from
-    // split.first, the lm_head its targets from first_row, and counts them all.
-    std::vector<int32_t> in(host_inputs.size()), out(host_targets.size());
-    for (size_t at = 0; at < in.size(); ++at) {
-      const auto row = static_cast<size_t>(split.global_row(static_cast<int64_t>(at)));
-      in[at] = host_inputs[row];
-      out[at] = host_targets[row];
-    }
-    host_inputs.swap(in);
-    host_targets.swap(out);
-  }
   const size_t bytes = host_inputs.size() * sizeof(int32_t);
   MEGACPP_CUDA_CHECK(
       cudaMemcpyAsync(inputs, host_inputs.data(), bytes, cudaMemcpyHostToDevice, stream));
@@ -1366,14 +1240,7 @@ double CudaModel::forward(const int32_t* tokens) {
 
 void CudaModel::Impl::mamba_forward(MambaLayer& l, const uint16_t* x) {
   Impl& m = *this;
-  const int64_t columns = l.shape.columns();
-  m.run_in_pieces(
-      [&](int64_t first, bool piece) {
-        (piece ? l.in_piece : l.in_linear)
-            ->forward(x + first * c_model(), m.bf16(l.in_proj), nullptr,
-                      cuda::RowsOut{l.proj + first * columns, nullptr}, m.s());
-      },
-      true, false);
+  l.in_linear->forward(x, m.bf16(l.in_proj), nullptr, cuda::RowsOut{l.proj, nullptr}, m.s());
   m.lap("mamba in_proj forward");
   const cuda::PreprocessDeviceOutputs in =
       carve_scan_inputs(l.scan_in, l.shape, static_cast<size_t>(m.rows));
@@ -1383,28 +1250,16 @@ void CudaModel::Impl::mamba_forward(MambaLayer& l, const uint16_t* x) {
   const cuda::ScanDeviceInputs s = m.scan_inputs(l, in);
   l.scan->forward(s, l.y, m.s());
   m.lap("mamba scan forward");
-  const int64_t inner = l.shape.d_inner();
-  m.run_in_pieces(
-      [&](int64_t first, bool piece) {
-        (piece ? l.out_piece : l.out_linear)
-            ->forward(l.y + first * inner, m.bf16(l.out_proj), nullptr,
-                      cuda::RowsOut{m.delta + first * c_model(), nullptr}, m.s());
-      },
-      false, true);
+  l.out_linear->forward(l.y, m.bf16(l.out_proj), nullptr, cuda::RowsOut{m.delta, nullptr}, m.s());
   m.lap("mamba out_proj forward");
-  m.finish_reduce_scatter();
+  m.tp_reduce_scatter_output();
 }
 
 void CudaModel::Impl::attention_forward(AttentionLayer& l, const uint16_t* x) {
   Impl& m = *this;
   const ModelConfig& c = m.config;
-  m.run_in_pieces(
-      [&](int64_t first, bool piece) {
-        (piece ? l.in_piece : l.in_linear)
-            ->forward(x + first * c_model(), m.bf16(l.in_proj), m.value(l.in_bias),
-                      cuda::RowsOut{l.qkv + first * l.width, nullptr}, m.s());
-      },
-      true, false);
+  l.in_linear->forward(x, m.bf16(l.in_proj), m.value(l.in_bias), cuda::RowsOut{l.qkv, nullptr},
+                       m.s());
   m.lap("attention qkv forward");
   if (c.attn.rotary_emb_dim > 0) {
     // q and k heads are adjacent in the packed row: one rotation covers both.
@@ -1423,17 +1278,11 @@ void CudaModel::Impl::attention_forward(AttentionLayer& l, const uint16_t* x) {
   }
   m.lap("attention core forward");
   // Under tensor parallelism the bias is added once, by rank 0, into the sum of the ranks' parts.
-  const int64_t ctx_width = static_cast<int64_t>(l.q_heads) * l.head_dim;
-  m.run_in_pieces(
-      [&](int64_t first, bool piece) {
-        (piece ? l.out_piece : l.out_linear)
-            ->forward(l.ctx + first * ctx_width, m.bf16(l.out_proj),
-                      m.par.tp_rank == 0 ? m.value(l.out_bias) : nullptr,
-                      cuda::RowsOut{m.delta + first * c_model(), nullptr}, m.s());
-      },
-      false, true);
+  l.out_linear->forward(l.ctx, m.bf16(l.out_proj),
+                        m.par.tp_rank == 0 ? m.value(l.out_bias) : nullptr,
+                        cuda::RowsOut{m.delta, nullptr}, m.s());
   m.lap("attention out_proj forward");
-  m.finish_reduce_scatter();
+  m.tp_reduce_scatter_output();
 }
 
 // The forward of every sublayer and norm site; the last site's output is left in the rank's rows of
@@ -1446,14 +1295,15 @@ void CudaModel::Impl::run_forward() {
   const size_t last_site = m.site_weight.size() - 1;
   const auto norm_site = [&](bool with_delta) {
     const float* in = site == 0 ? m.residual[0] : m.residual[site - 1];
-    // The last site feeds only the lm_head, which takes the rank's rows.
-    const bool gathered = site != last_site && m.sharded();
-    const uint16_t* summed = m.sharded() ? m.delta_mine : m.delta;
-    m.norm_op->forward(in, cuda::RowsRef{with_delta ? summed : nullptr, nullptr},
-                       m.value(m.site_weight[site]), m.residual[site],
-                       gathered ? m.staged : m.my_rows(m.normed[site]), m.rstd[site], m.s());
+    m.norm_op->forward(in, cuda::RowsRef{with_delta ? m.my_rows(m.delta) : nullptr, nullptr},
+                       m.value(m.site_weight[site]), m.residual[site], m.my_rows(m.normed[site]),
+                       m.rstd[site], m.s());
     m.lap("add+rmsnorm forward");
-    if (gathered) m.gather_staged(m.normed[site]);
+    // The last site feeds only the lm_head, which takes the rank's rows.
+    if (site != last_site && m.sharded()) {
+      m.tp_all_gather(m.normed[site], m.s());
+      m.lap("tensor-parallel all-gather forward");
+    }
   };
   norm_site(false);
   for (Block& b : m.blocks) {
@@ -1462,19 +1312,10 @@ void CudaModel::Impl::run_forward() {
     ++site;
     norm_site(true);
     if (b.mlp) {
-      Impl::MlpLayer& l = *b.mlp;
-      const int64_t hidden = l.mlp->shape().hidden;
-      const uint16_t* x = m.normed[site];
-      m.run_in_pieces(
-          [&](int64_t first, bool piece) {
-            (piece ? l.mlp_piece : l.mlp)
-                ->forward(x + first * m.c_model(), m.bf16(l.fc1), m.bf16(l.fc2),
-                          l.fc1_out + first * 2 * hidden, l.act + first * hidden,
-                          cuda::RowsOut{m.delta + first * m.c_model(), nullptr}, m.s());
-          },
-          true, true);
+      b.mlp->mlp->forward(m.normed[site], m.bf16(b.mlp->fc1), m.bf16(b.mlp->fc2), b.mlp->fc1_out,
+                          b.mlp->act, cuda::RowsOut{m.delta, nullptr}, m.s());
       m.lap("mlp forward");
-      m.finish_reduce_scatter();
+      m.tp_reduce_scatter_output();
       ++site;
       norm_site(true);
     }

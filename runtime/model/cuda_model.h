@@ -88,10 +88,6 @@ struct CudaModelOptions {
     if (tensor_parallel_reserved_sms != kReservedSmsByDegree) return tensor_parallel_reserved_sms;
     return tensor_parallel <= 2 ? 32 : 48;
   }
-  // Tensor parallel: the forward's all-gathers and reduce-scatters in up to this many pieces a
-  // rank, each piece's GEMM beside the next piece's collective (shard_plan.h's SequenceSplit);
-  // 1: whole. Pieces change which rows a rank holds, not the model's arithmetic.
-  int tensor_parallel_pieces = 1;
   // Tensor parallel: the all-gathers on the GPUs' copy engines, leaving every SM to the kernels
   // beside them (the reduce-scatters stay kernels: as an all-to-all on the copy engines and a sum
   // kernel they were slower, bench/RESULTS.md session 23). The tensor group must be split for it

@@ -276,12 +276,7 @@ ShardPlan::ShardPlan(const ModelConfig& m, const ParallelConfig& parallel) : par
   }
 }
 
-SequenceSplit sequence_split(int64_t rows, int tensor_parallel, int tp_rank, int max_pieces) {
-  if (max_pieces < 1 || max_pieces > SequenceSplit::kMaxPieces) {
-    fail(ErrorKind::kInvalidArgument,
-         "tensor_parallel_pieces={}: sequence parallelism splits a rank's rows into 1 to {} pieces",
-         max_pieces, SequenceSplit::kMaxPieces);
-  }
+SequenceSplit sequence_split(int64_t rows, int tensor_parallel, int tp_rank) {
   if (tensor_parallel < 1 || tp_rank < 0 || tp_rank >= tensor_parallel || rows < 1) {
     fail(ErrorKind::kInvalidArgument,
          "sequence_split: rows={}, tensor_parallel={}, tp_rank={}: rows and the degree must be "
@@ -299,18 +294,9 @@ SequenceSplit sequence_split(int64_t rows, int tensor_parallel, int tp_rank, int
   }
   SequenceSplit s;
   s.tensor_parallel = tensor_parallel;
-  s.tp_rank = tp_rank;
   s.slot = static_cast<int>(slot);
   s.first = slot * tp_rank;
   s.rows = static_cast<int>(tp_rank + 1 == tensor_parallel ? last : slot);
-  if (tensor_parallel > 1 && last == slot) {
-    for (int pieces = max_pieces; pieces > 1; pieces /= 2) {
-      if (slot % pieces == 0 && slot / pieces >= SequenceSplit::kMinPieceRows) {
-        s.pieces = pieces;
-        break;
-      }
-    }
-  }
   return s;
 }
 

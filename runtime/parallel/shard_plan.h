@@ -108,38 +108,17 @@ struct RankGeometry {
 
 // Sequence parallelism's split of a micro-batch's batch · seqlen rows over the TP ranks: every
 // rank a slot of ceil(rows / tp) rows (the collectives move whole slots, so all are the same
-// size); all of a slot's rows are the rank's but on the last rank, which takes what is left, and
-// whose slot the runtime pads.
-//
-// Pieces: where the rows divide evenly into pieces of at least kMinPieceRows a rank (no padding),
-// a slot is `pieces` blocks of piece_rows(), and rank r's block j holds global rows
-// [(j·tp + r)·piece_rows, +piece_rows): piece j of every rank together is one contiguous run of
-// global rows, so a collective and a GEMM can work piece by piece, each piece's GEMM overlapping
-// the next piece's collective. A rank keeps its rows in slot order (block 0, then block 1, ...);
-// global_row() maps them. With one piece, rank r's rows are [r · slot, (r + 1) · slot).
+// size), rank r's rows the first of rows [r · slot, (r + 1) · slot): all of them but on the last
+// rank, which takes what is left, and whose slot the runtime pads.
 struct SequenceSplit {
-  static constexpr int kMaxPieces = 4;
-  static constexpr int kMinPieceRows = 128;
   int tensor_parallel = 1;
-  int tp_rank = 0;
   int slot = 0;       // rows a rank's slot holds
   int rows = 0;       // of them, this rank's
-  int64_t first = 0;  // its first row in slot order: tp_rank · slot
-  int pieces = 1;
+  int64_t first = 0;  // its first row
   int64_t padded_rows() const { return static_cast<int64_t>(slot) * tensor_parallel; }
-  int piece_rows() const { return slot / pieces; }
-  // Rows of all ranks' piece j together (a piece's run of global rows).
-  int64_t piece_span() const { return static_cast<int64_t>(piece_rows()) * tensor_parallel; }
-  // The global row of position `at` in slot order ([0, padded_rows()): rank at / slot's row
-  // at % slot).
-  int64_t global_row(int64_t at) const {
-    const int64_t rank = at / slot, local = at % slot;
-    return (local / piece_rows() * tensor_parallel + rank) * piece_rows() + local % piece_rows();
-  }
 };
 // Refuses (kInvalidArgument, naming the rule) rows that leave the last rank none.
-// max_pieces: at most that many pieces a rank (1: none), the most of them that divide the slot.
-SequenceSplit sequence_split(int64_t rows, int tensor_parallel, int tp_rank, int max_pieces = 1);
+SequenceSplit sequence_split(int64_t rows, int tensor_parallel, int tp_rank);
 
 // Refuses (Error kInvalidArgument, naming the field and the rule) a tensor-parallel degree
 // that cannot split this model over these devices. Expects a validated model config.

@@ -63,28 +63,26 @@ struct ParallelCase {
   nlohmann::json config;
   int batch;
   int seqlen;
-  int pieces = 1;  // CudaModelOptions::tensor_parallel_pieces
 };
 
 // The largest power of two up to 8 GPUs this machine has (0 or 1: no multi-GPU run).
 using testing::gpu_world;
 
-// Both layer kinds and the MLP (hidden 384); GQA (16 q over 8 kv heads); one B/C group, which
-// every rank holds (its gradient summed over TP); 16 Mamba-3 heads; MIMO rank 4.
-nlohmann::json hybrid_gqa_config() {
-  return {{"d_model", 256},
-          {"pattern", "M*M"},
-          {"d_intermediate", 384},
-          {"vocab_size", 300},
-          {"tie_embeddings", true},
-          {"ssm_cfg", {{"d_state", 32}, {"headdim", 32}, {"mimo_rank", 4}, {"chunk_size", 16}}},
-          {"attn_cfg",
-           {{"num_heads", 16}, {"num_heads_kv", 8}, {"head_dim", 32}, {"rotary_emb_dim", 32}}}};
-}
-
 std::vector<ParallelCase> parallel_cases() {
   return {
-      {"hybrid_gqa_g1_r4", hybrid_gqa_config(), 2, 48},
+      // Both layer kinds and the MLP (hidden 384); GQA (16 q over 8 kv heads); one B/C group,
+      // which every rank holds (its gradient summed over TP); 16 Mamba-3 heads; MIMO rank 4.
+      {"hybrid_gqa_g1_r4",
+       {{"d_model", 256},
+        {"pattern", "M*M"},
+        {"d_intermediate", 384},
+        {"vocab_size", 300},
+        {"tie_embeddings", true},
+        {"ssm_cfg", {{"d_state", 32}, {"headdim", 32}, {"mimo_rank", 4}, {"chunk_size", 16}}},
+        {"attn_cfg",
+         {{"num_heads", 16}, {"num_heads_kv", 8}, {"head_dim", 32}, {"rotary_emb_dim", 32}}}},
+       2,
+       48},
       // As many B/C groups as GPUs (ngroups set to n by the test), one per TP rank; MHA;
       // untied lm_head; SISO; no MLP; a ragged last chunk.
       {"untied_mha_gsplit_r1",
@@ -98,10 +96,6 @@ std::vector<ParallelCase> parallel_cases() {
          {{"num_heads", 8}, {"num_heads_kv", 8}, {"head_dim", 16}, {"rotary_emb_dim", 16}}}},
        2,
        37},
-      // The first case's model at 2 × 1024 rows: sequence parallelism in pieces (four a rank: of
-      // 256 rows at TP = 2, 128 at TP = 4), each piece's GEMM beside the next piece's collective;
-      // the tokens and targets uploaded in slot order.
-      {"hybrid_gqa_pieces_r4", hybrid_gqa_config(), 2, 1024, 4},
   };
 }
 
@@ -329,8 +323,7 @@ TEST_P(CudaModelParallelStep, TensorParallelOverEveryGpuEqualsOneGpu) {
   }
   std::vector<std::vector<StepResult>> runs;
   for (int run = 0; run < 2; ++run) {
-    runs.push_back(tensor_parallel_step(host, c, world, tokens,
-                                        CudaModelOptions{.tensor_parallel_pieces = c.pieces}));
+    runs.push_back(tensor_parallel_step(host, c, world, tokens, CudaModelOptions{}));
     if (HasFailure()) return;
   }
   const StepResult& r0 = runs[0][0];
@@ -467,13 +460,11 @@ TEST_P(CudaModelParallelStep, TensorParallelAllGathersOnCopyEnginesGiveTheSameSt
   CaseStart start(c, world, c.batch, 53);
   Model<float>& host = start.host;
   const std::vector<int32_t>& tokens = start.tokens;
-  const std::vector<StepResult> kernels = tensor_parallel_step(
-      host, c, world, tokens, CudaModelOptions{.tensor_parallel_pieces = c.pieces});
+  const std::vector<StepResult> kernels =
+      tensor_parallel_step(host, c, world, tokens, CudaModelOptions{});
   if (HasFailure()) return;
   const std::vector<StepResult> engines = tensor_parallel_step(
-      host, c, world, tokens,
-      CudaModelOptions{.tensor_parallel_pieces = c.pieces, .tensor_parallel_copy_engines = true},
-      true);
+      host, c, world, tokens, CudaModelOptions{.tensor_parallel_copy_engines = true}, true);
   if (HasFailure()) return;
   for (int rank = 0; rank < world; ++rank) {
     expect_bitwise_step(kernels[static_cast<size_t>(rank)], engines[static_cast<size_t>(rank)],

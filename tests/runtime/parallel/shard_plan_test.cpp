@@ -5,7 +5,6 @@
 
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <cmath>
 #include <numeric>
 #include <set>
@@ -347,47 +346,6 @@ TEST(SequenceSplit, EqualSlotsTheLastRankTakesWhatIsLeft) {
   EXPECT_NE(refusal(8, 2, 2).find("tp_rank=2"), std::string::npos);
   EXPECT_NE(refusal(0, 2, 0).find("rows=0"), std::string::npos);
   EXPECT_EQ(refusal(7, 4, 3), "");  // slots of 2, the last rank 1 row
-}
-
-TEST(SequenceSplit, EvenRowsGoInPiecesEveryRankABlockOfEach) {
-  // 16384 rows over 4 ranks: four pieces of 1024 rows a rank; piece j is global rows
-  // [4096 j, 4096 (j + 1)), rank r's block of it [4096 j + 1024 r, +1024).
-  const SequenceSplit s = sequence_split(16384, 4, 2, 4);
-  EXPECT_EQ(s.pieces, 4);
-  EXPECT_EQ(s.piece_rows(), 1024);
-  EXPECT_EQ(s.piece_span(), 4096);
-  EXPECT_EQ(s.global_row(0), 0);
-  EXPECT_EQ(s.global_row(1023), 1023);
-  EXPECT_EQ(s.global_row(1024), 4096);                            // rank 0's block 1
-  EXPECT_EQ(s.global_row(2 * 4096 + 1024 + 5), 4096 + 2048 + 5);  // rank 2's block 1
-  EXPECT_EQ(s.global_row(3 * 4096 + 3 * 1024 + 1023), 16383);
-  // Slot order is a permutation of the global rows.
-  std::vector<int> seen(16384, 0);
-  for (int64_t at = 0; at < s.padded_rows(); ++at) ++seen.at(static_cast<size_t>(s.global_row(at)));
-  EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), 16384);
-  // Fewer pieces where a rank's share is small: 2 × 256 rows over 2 ranks, pieces of 128.
-  EXPECT_EQ(sequence_split(512, 2, 0, 4).pieces, 2);
-  EXPECT_EQ(sequence_split(384, 2, 1, 4).pieces, 1);  // 192 rows a rank: halves of 96 are too small
-  // One piece where the slots are padded or there is one rank.
-  EXPECT_EQ(sequence_split(16383, 4, 0, 4).pieces, 1);
-  EXPECT_EQ(sequence_split(16384, 1, 0, 4).pieces, 1);
-  // At most the pieces asked for; none unless asked.
-  EXPECT_EQ(sequence_split(16384, 4, 2, 2).pieces, 2);
-  EXPECT_EQ(sequence_split(16384, 4, 2).pieces, 1);
-  const SequenceSplit one = sequence_split(74, 4, 1, 4);
-  EXPECT_EQ(one.global_row(19 + 3), 22);  // one piece: slot order is the global order
-}
-
-TEST(SequenceSplit, PiecesOutsideOneToFourAreRefusedNamingTheOption) {
-  for (const int pieces : {0, 5, -1}) {
-    try {
-      sequence_split(16384, 4, 0, pieces);
-      ADD_FAILURE() << pieces << " pieces accepted";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("tensor_parallel_pieces"), std::string::npos)
-          << e.what();
-    }
-  }
 }
 
 TEST(ShardPlan, IllegalGeometriesAreRefusedNamingTheRule) {
