@@ -109,7 +109,6 @@ Options parse(int argc, char** argv) {
       o.deterministic = false;
     } else if (a == "--tp-reserved-sms") {
       o.reserved_sms = std::stoi(value());
-
     } else if (a == "--tp-copy-engines") {
       o.copy_engines = true;
     } else if (a == "--no-overlap") {

@@ -676,6 +676,12 @@ void CudaModel::Impl::plan_buffers(const CudaModelOptions& options) {
          options.tensor_parallel_reserved_sms, CudaModelOptions::kReservedSmsByDegree);
   }
   m.reserved_sms = options.reserved_sms(m.split.tensor_parallel);
+  if (options.tensor_parallel_copy_engines && !m.sharded()) {
+    fail(ErrorKind::kInvalidArgument,
+         "CudaModelOptions.tensor_parallel_copy_engines=true needs tensor parallelism "
+         "(tensor_parallel={}): there are no all-gathers to move",
+         m.par.tensor_parallel);
+  }
   if (m.par.tensor_group != nullptr &&
       m.par.tensor_group->copy_engines() != options.tensor_parallel_copy_engines) {
     fail(ErrorKind::kInvalidArgument,
@@ -877,10 +883,10 @@ void CudaModel::Impl::allocate_and_build(cuda::GemmPlanCache* plan_cache) {
     const int64_t unequal = m.par.tensor_group->sum_over_ranks(
         m.par.tensor_group->sum_over_ranks(bytes) == ranks * bytes ? 0 : 1);
     if (unequal != 0) {
-      fail(ErrorKind::kInvalidArgument,
-           "tensor-parallel copy engines: the ranks plan the all-gathers' buffers at different "
-           "sizes (this rank {} bytes); the collectives on copy engines need one plan on every "
-           "rank",
+      fail(ErrorKind::kInternal,
+           "CudaModelOptions.tensor_parallel_copy_engines: the ranks plan the all-gathers' "
+           "buffers at different sizes (this rank {} bytes); the copy engines need one plan on "
+           "every rank",
            bytes);
     }
     m.symmetric_arena = m.par.tensor_group->allocate_symmetric(m.gathered_arena.bytes());

@@ -311,6 +311,15 @@ void* CudaCommunicator::allocate_symmetric(size_t bytes) {
     ncclMemFree(s.memory);
     check_nccl(registered, "ncclCommWindowRegister");
   }
+  if (s.window == nullptr) {
+    // NCCL answers success without a window where the group cannot have symmetric memory (a GPU
+    // pair without peer access, cuMem off): its collectives would quietly stay kernels.
+    ncclMemFree(s.memory);
+    fail(ErrorKind::kFailedPrecondition,
+         "the {} cannot have symmetric memory (NCCL registered no window: every pair of its GPUs "
+         "needs peer access and NCCL's cuMem support); run it without copy engines",
+         m.group_name());
+  }
   m.symmetric.push_back(s);
   return s.memory;
 }

@@ -392,6 +392,19 @@ TEST(CudaModelOptionsPlan, RefusesANegativeSmReserve) {
   }
 }
 
+TEST(CudaModelOptionsPlan, RefusesCopyEnginesWithoutTensorParallelism) {
+  MEGACPP_REQUIRE_GPU();
+  try {
+    (void)CudaModel::plan_memory(model_preset("tiny"), 2, 64, 1, 0,
+                                 CudaModelOptions{.tensor_parallel_copy_engines = true});
+    ADD_FAILURE() << "copy engines were planned for one GPU";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("tensor_parallel_copy_engines=true"), std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(CudaModelInput, RefusesTokensOutsideTheVocabularyNamingThePosition) {
   MEGACPP_REQUIRE_GPU();
   const StepCase c = step_cases()[0];
