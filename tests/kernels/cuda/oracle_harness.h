@@ -89,6 +89,7 @@
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/device_query.h"
 #include "tests/support/bf16.h"
+#include "tests/support/expect_error.h"
 #include "tests/support/gpu.h"
 
 namespace megacpp::testing::oracle {
@@ -343,18 +344,7 @@ struct Gpu {
   std::function<void()> collect;
 };
 
-// Runs fn(), which must throw megacpp::Error of `kind` whose message contains `needle`.
-template <class Fn>
-void expect_error(Fn&& fn, ErrorKind kind, const std::string& needle, const std::string& what) {
-  try {
-    fn();
-    ADD_FAILURE() << what << ": accepted";
-  } catch (const Error& e) {
-    EXPECT_EQ(static_cast<int>(e.kind()), static_cast<int>(kind)) << what << ": " << e.what();
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)
-        << what << ": the message does not name \"" << needle << "\": " << e.what();
-  }
-}
+using megacpp::testing::expect_error;
 
 namespace detail {
 

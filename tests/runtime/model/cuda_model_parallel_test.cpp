@@ -432,44 +432,38 @@ TEST_P(CudaModelParallelStep, DataParallelOverlappedReductionEqualsTheOneAfterTh
               c.name.c_str(), world, bitwise_equal(grads[0], grads[1]) ? "yes" : "no");
 }
 
+// Two tensor-parallel steps over every GPU from the case's tokens (seed), with options `a` and
+// with `b` (b's group split for copy engines where asked): the same bits on every rank.
+void expect_the_same_tensor_parallel_step(const ParallelCase& c, uint64_t seed,
+                                          const CudaModelOptions& a, const CudaModelOptions& b,
+                                          bool b_on_copy_engines) {
+  const int world = gpu_world();
+  CaseStart start(c, world, c.batch, seed);
+  const std::vector<StepResult> first = tensor_parallel_step(start.host, c, world, start.tokens, a);
+  if (::testing::Test::HasFailure()) return;
+  const std::vector<StepResult> second =
+      tensor_parallel_step(start.host, c, world, start.tokens, b, b_on_copy_engines);
+  if (::testing::Test::HasFailure()) return;
+  for (int rank = 0; rank < world; ++rank) {
+    expect_bitwise_step(first[static_cast<size_t>(rank)], second[static_cast<size_t>(rank)],
+                        "rank " + std::to_string(rank));
+  }
+}
+
 // recompute_in_proj beside tensor parallelism: each rank recomputes its shard of the in_proj
 // outputs with the forward's GEMM, so the TP step gives the same bits as the one that kept them.
 TEST_P(CudaModelParallelStep, TensorParallelRecomputingTheInProjOutputsGivesTheSameStep) {
   MEGACPP_REQUIRE_GPUS(2);
-  const ParallelCase& c = GetParam();
-  const int world = gpu_world();
-  CaseStart start(c, world, c.batch, 47);
-  Model<float>& host = start.host;
-  const std::vector<int32_t>& tokens = start.tokens;
-  const std::vector<StepResult> kept = tensor_parallel_step(host, c, world, tokens, {false});
-  if (HasFailure()) return;
-  const std::vector<StepResult> lean = tensor_parallel_step(host, c, world, tokens, {true});
-  if (HasFailure()) return;
-  for (int rank = 0; rank < world; ++rank) {
-    expect_bitwise_step(kept[static_cast<size_t>(rank)], lean[static_cast<size_t>(rank)],
-                        "rank " + std::to_string(rank));
-  }
+  expect_the_same_tensor_parallel_step(GetParam(), 47, {.recompute_in_proj = false},
+                                       {.recompute_in_proj = true}, false);
 }
 
 // The all-gathers on the copy engines (their buffers in NCCL's symmetric memory) move the same
 // bytes as NCCL's kernels: the same step, bit for bit, on every rank.
 TEST_P(CudaModelParallelStep, TensorParallelAllGathersOnCopyEnginesGiveTheSameStep) {
   MEGACPP_REQUIRE_GPUS(2);
-  const ParallelCase& c = GetParam();
-  const int world = gpu_world();
-  CaseStart start(c, world, c.batch, 53);
-  Model<float>& host = start.host;
-  const std::vector<int32_t>& tokens = start.tokens;
-  const std::vector<StepResult> kernels =
-      tensor_parallel_step(host, c, world, tokens, CudaModelOptions{});
-  if (HasFailure()) return;
-  const std::vector<StepResult> engines = tensor_parallel_step(
-      host, c, world, tokens, CudaModelOptions{.tensor_parallel_copy_engines = true}, true);
-  if (HasFailure()) return;
-  for (int rank = 0; rank < world; ++rank) {
-    expect_bitwise_step(kernels[static_cast<size_t>(rank)], engines[static_cast<size_t>(rank)],
-                        "rank " + std::to_string(rank));
-  }
+  expect_the_same_tensor_parallel_step(GetParam(), 53, {}, {.tensor_parallel_copy_engines = true},
+                                       true);
 }
 
 // A model asked for copy engines over a group not split for them (or the reverse) is refused,

@@ -32,6 +32,7 @@
 #include "runtime/model/cuda_model.h"
 #include "runtime/model/model.h"
 #include "tests/support/bf16.h"
+#include "tests/support/expect_error.h"
 #include "tests/support/gpu.h"
 
 namespace megacpp {
@@ -379,30 +380,24 @@ TEST(CudaModelOptionsPlan, Bench350mFitsAnH100AndTheGateFreesTheInProjOutputs) {
   EXPECT_LE(kept.arena - nondeterministic.arena, ds_bytes);
 }
 
+// The one-GPU plan of the tiny preset with `options`, which must be refused naming `needle`.
+void expect_tiny_plan_refused(const CudaModelOptions& options, const std::string& needle,
+                              const std::string& what) {
+  megacpp::testing::expect_error(
+      [&] { (void)CudaModel::plan_memory(model_preset("tiny"), 2, 64, 1, 0, options); },
+      ErrorKind::kInvalidArgument, needle, what);
+}
+
 TEST(CudaModelOptionsPlan, RefusesANegativeSmReserve) {
   MEGACPP_REQUIRE_GPU();  // the plan asks CUB for its sort sizes, which needs a device
-  try {
-    (void)CudaModel::plan_memory(model_preset("tiny"), 2, 64, 1, 0,
-                                 CudaModelOptions{.tensor_parallel_reserved_sms = -4});
-    ADD_FAILURE() << "a negative reserve was planned";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
-    EXPECT_NE(std::string(e.what()).find("tensor_parallel_reserved_sms=-4"), std::string::npos)
-        << e.what();
-  }
+  expect_tiny_plan_refused(CudaModelOptions{.tensor_parallel_reserved_sms = -4},
+                           "tensor_parallel_reserved_sms=-4", "a negative reserve");
 }
 
 TEST(CudaModelOptionsPlan, RefusesCopyEnginesWithoutTensorParallelism) {
   MEGACPP_REQUIRE_GPU();
-  try {
-    (void)CudaModel::plan_memory(model_preset("tiny"), 2, 64, 1, 0,
-                                 CudaModelOptions{.tensor_parallel_copy_engines = true});
-    ADD_FAILURE() << "copy engines were planned for one GPU";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
-    EXPECT_NE(std::string(e.what()).find("tensor_parallel_copy_engines=true"), std::string::npos)
-        << e.what();
-  }
+  expect_tiny_plan_refused(CudaModelOptions{.tensor_parallel_copy_engines = true},
+                           "tensor_parallel_copy_engines=true", "copy engines on one GPU");
 }
 
 TEST(CudaModelInput, RefusesTokensOutsideTheVocabularyNamingThePosition) {
