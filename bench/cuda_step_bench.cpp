@@ -21,6 +21,8 @@
 //   left out: the default of the degree).
 // --tp-copy-engines: tensor parallel, the all-gathers on the copy engines
 //   (CudaModelOptions::tensor_parallel_copy_engines, CudaCommunicator::split's copy_engines).
+// --tp-min-ctas N: tensor parallel, the fewest NCCL blocks each of the group's collectives runs
+//   on (GroupOptions::min_ctas; 0: NCCL's own; left out: the trainer's kTensorParallelMinCtas).
 // --attention cudnn|megacpp: cuDNN's fused attention (the default) or our own kernels.
 // --nondeterministic: cuDNN's attention backward sums dQ in any order (the
 // nondeterministic_attention gate).
@@ -74,6 +76,7 @@ struct Options {
   bool deterministic = true;
   int reserved_sms = megacpp::CudaModelOptions::kReservedSmsByDegree;
   bool copy_engines = false;
+  int min_ctas = megacpp::parallel::kTensorParallelMinCtas;
   std::string json;
 };
 
@@ -111,6 +114,12 @@ Options parse(int argc, char** argv) {
       o.reserved_sms = std::stoi(value());
     } else if (a == "--tp-copy-engines") {
       o.copy_engines = true;
+    } else if (a == "--tp-min-ctas") {
+      o.min_ctas = std::stoi(value());
+      if (o.min_ctas < 0 || o.min_ctas > megacpp::parallel::GroupOptions::kMaxCtas) {
+        megacpp::fail(megacpp::ErrorKind::kInvalidArgument, "--tp-min-ctas {} must be in [0, {}]",
+                      o.min_ctas, megacpp::parallel::GroupOptions::kMaxCtas);
+      }
     } else if (a == "--no-overlap") {
       o.overlap = false;
     } else if (a == "--json") {
@@ -259,7 +268,10 @@ RankResult run_ranks(const Options& o, const megacpp::Model<float>& host,
       try {
         megacpp::parallel::CudaCommunicator all(id, world, rank, rank);
         std::unique_ptr<megacpp::parallel::CudaCommunicator> tensor, data;
-        if (tp > 1) tensor = all.split(rank / tp, rank % tp, o.copy_engines);
+        if (tp > 1) {
+          tensor = all.split(rank / tp, rank % tp,
+                             {.copy_engines = o.copy_engines, .min_ctas = o.min_ctas});
+        }
         if (o.data_parallel > 1) data = all.split(rank % tp, rank / tp);
         const megacpp::CudaModelParallel parallel{tp, o.data_parallel, rank % tp, tensor.get(),
                                                   data.get()};
@@ -331,6 +343,7 @@ int run(const Options& o) {
        megacpp::CudaModelOptions{.tensor_parallel_reserved_sms = o.reserved_sms}.reserved_sms(
            o.tensor_parallel)},
       {"tensor_parallel_copy_engines", o.copy_engines},
+      {"tensor_parallel_min_ctas", o.tensor_parallel > 1 ? nlohmann::json(o.min_ctas) : nullptr},
       {"parameters", host.parameters().total()},
       {"first_loss", first_loss},
       {"seconds_to_first_step", to_first_step},

@@ -335,6 +335,9 @@ struct CudaModel::Impl {
   void mamba_backward(MambaLayer& l, const uint16_t* x);
   void attention_backward(AttentionLayer& l, const uint16_t* x);
   float read_loss();
+  // Here rather than in ~CudaModel, so that a constructor that throws half way (a plan refused,
+  // a vote lost) gives back what it had made: the streams and events, the symmetric memory.
+  ~Impl();
 };
 
 namespace {
@@ -1008,33 +1011,40 @@ void CudaModel::Impl::allocate_and_build(cuda::GemmPlanCache* plan_cache) {
   MEGACPP_CUDA_CHECK(cudaStreamSynchronize(m.stream));
 }
 
-CudaModel::~CudaModel() {
-  if (impl_ && impl_->stream != nullptr) {
-    cudaStreamSynchronize(impl_->stream);
-    impl_->drop_graph();
-    for (cudaEvent_t e : impl_->events) cudaEventDestroy(e);
-    if (impl_->reduce_stream != nullptr) {
-      cudaStreamSynchronize(impl_->reduce_stream);
-      for (cudaEvent_t e : impl_->bucket_ready) cudaEventDestroy(e);
-      cudaEventDestroy(impl_->buckets_reduced);
-      cudaStreamDestroy(impl_->reduce_stream);
+CudaModel::Impl::~Impl() {
+  // A constructor that threw half way leaves some handles null; destroying a null event would
+  // leave an error behind for this thread's next launch check to report.
+  const auto destroy = [](cudaEvent_t e) {
+    if (e != nullptr) cudaEventDestroy(e);
+  };
+  if (stream != nullptr) {
+    cudaStreamSynchronize(stream);
+    drop_graph();
+    for (cudaEvent_t e : events) destroy(e);
+    if (reduce_stream != nullptr) {
+      cudaStreamSynchronize(reduce_stream);
+      for (cudaEvent_t e : bucket_ready) destroy(e);
+      destroy(buckets_reduced);
+      cudaStreamDestroy(reduce_stream);
     }
-    if (impl_->tp_stream != nullptr) {
-      cudaStreamSynchronize(impl_->tp_stream);
-      cudaEventDestroy(impl_->input_gradient_ready);
-      cudaEventDestroy(impl_->input_gradient_summed);
-      cudaStreamDestroy(impl_->tp_stream);
+    if (tp_stream != nullptr) {
+      cudaStreamSynchronize(tp_stream);
+      destroy(input_gradient_ready);
+      destroy(input_gradient_summed);
+      cudaStreamDestroy(tp_stream);
     }
-    cudaStreamDestroy(impl_->stream);
+    cudaStreamDestroy(stream);
   }
-  if (impl_ && impl_->symmetric_arena != nullptr) {
+  if (symmetric_arena != nullptr) {
     try {
-      impl_->par.tensor_group->free_symmetric(impl_->symmetric_arena);
+      par.tensor_group->free_symmetric(symmetric_arena);
     } catch (const std::exception& e) {
       spdlog::warn("CudaModel: {}", e.what());
     }
   }
 }
+
+CudaModel::~CudaModel() = default;
 
 int CudaModel::batch() const {
   return impl_->batch;

@@ -54,6 +54,10 @@ class GemmPlanCache;
 // micro-batch of a step; set_overlapped_gradient_reduction; with tensor parallelism beside it,
 // after the backward), and the loss a step returns is the group's mean. The model's host mirror,
 // uploads, downloads and checkpoints stay global.
+//
+// The communicators are borrowed: each must outlive every model built on it (the model's
+// destructor gives its symmetric memory back to the tensor group; runtime/trainer declares them
+// before the model for that reason).
 struct CudaModelParallel {
   int tensor_parallel = 1;
   int data_parallel = 1;
@@ -93,7 +97,9 @@ struct CudaModelOptions {
   // kernel they were slower, bench/RESULTS.md session 23). The tensor group must be split for it
   // (CudaCommunicator::split's copy_engines). Off by default: NCCL 2.28's copy-engine path
   // writes flags into peers' memory with stream memory operations, which drivers of CUDA 13.1
-  // and later refuse (NCCL issue 2052).
+  // and later refuse (NCCL issue 2052). Nor is it for jobs: after an abort of the group, the
+  // copy engines' waits on flags that a failed peer never writes may not end, so the model's
+  // destructor (which synchronizes its streams) may not return; the kernels end on an abort.
   bool tensor_parallel_copy_engines = false;
 };
 

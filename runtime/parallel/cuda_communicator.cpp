@@ -131,11 +131,12 @@ struct CudaCommunicator::Impl {
   struct Symmetric {
     void* memory = nullptr;
     ncclWindow_t window = nullptr;
+    size_t bytes = 0;
   };
   std::vector<Symmetric> symmetric;
   // Deregisters (while the communicator lives) and frees one symmetric allocation.
   void release(const Symmetric& s) {
-    if (!aborted.load()) ncclCommWindowDeregister(comm, s.window);
+    if (s.window != nullptr && !aborted.load()) ncclCommWindowDeregister(comm, s.window);
     ncclMemFree(s.memory);
   }
 
@@ -280,48 +281,115 @@ namespace {
 }  // namespace
 
 std::unique_ptr<CudaCommunicator> CudaCommunicator::split(int color, int key,
-                                                          bool copy_engines) const {
+                                                          const GroupOptions& options) const {
+  if (options.min_ctas < 0 || options.min_ctas > GroupOptions::kMaxCtas) {
+    fail(ErrorKind::kInvalidArgument, "GroupOptions.min_ctas={} must be in [0, {}] (0: NCCL's own)",
+         options.min_ctas, GroupOptions::kMaxCtas);
+  }
   auto impl = std::make_unique<Impl>();
   MEGACPP_CUDA_CHECK(cudaSetDevice(device_));
   std::lock_guard lock(impl_->call_mutex);
   if (impl_->abort_requested.load()) fail_aborted(impl_->group_name(), impl_->reason());
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  if (copy_engines) config.CTAPolicy = NCCL_CTA_POLICY_ZERO;
-  check_nccl(ncclCommSplit(impl_->comm, color, key, &impl->comm, copy_engines ? &config : nullptr),
+  if (options.copy_engines) config.CTAPolicy = NCCL_CTA_POLICY_ZERO;
+  if (options.min_ctas > 0) {
+    // NCCL refuses a minimum without a maximum (it does not inherit the parent's here).
+    config.minCTAs = options.min_ctas;
+    config.maxCTAs = GroupOptions::kMaxCtas;
+  }
+  const bool configured = options.copy_engines || options.min_ctas > 0;
+  check_nccl(ncclCommSplit(impl_->comm, color, key, &impl->comm, configured ? &config : nullptr),
              "ncclCommSplit");
   int size = 0, rank = 0;
   check_nccl(ncclCommCount(impl->comm, &size), "ncclCommCount");
   check_nccl(ncclCommUserRank(impl->comm, &rank), "ncclCommUserRank");
   auto made =
       std::unique_ptr<CudaCommunicator>(new CudaCommunicator(std::move(impl), size, rank, device_));
-  made->copy_engines_ = copy_engines;
+  made->copy_engines_ = options.copy_engines;
   return made;
 }
 
 void* CudaCommunicator::allocate_symmetric(size_t bytes) {
   Impl& m = *impl_;
   MEGACPP_CUDA_CHECK(cudaSetDevice(device_));
-  std::lock_guard lock(m.call_mutex);
-  if (m.abort_requested.load()) fail_aborted(m.group_name(), m.reason());
+  // The window's registration is collective: a rank that failed alone, and returned, would leave
+  // its peers waiting in it (or in their next collective) for good. So the ranks vote after the
+  // local allocation and after the registration, and all of them fail together, naming how many
+  // could not. A vote that never ends can be ended by an abort (sum_over_ranks); the
+  // registration cannot: NCCL gives it no timeout, and a rank inside it holds call_mutex. So a
+  // registration that fails on one rank before it reaches its peers, or a rank aborted between
+  // the votes (it throws instead of registering), still leaves its peers waiting there.
   Impl::Symmetric s;
-  check_nccl(ncclMemAlloc(&s.memory, bytes), "ncclMemAlloc");
-  const ncclResult_t registered =
-      ncclCommWindowRegister(m.comm, s.memory, bytes, &s.window, NCCL_WIN_COLL_SYMMETRIC);
-  if (registered != ncclSuccess) {
-    ncclMemFree(s.memory);
-    check_nccl(registered, "ncclCommWindowRegister");
+  s.bytes = bytes;
+  const auto release = [&] {
+    std::lock_guard lock(m.call_mutex);
+    std::lock_guard state(m.state_mutex);
+    m.release(s);
+  };
+  ncclResult_t allocated = ncclSuccess;
+  {
+    std::lock_guard lock(m.call_mutex);
+    if (m.abort_requested.load()) fail_aborted(m.group_name(), m.reason());
+    allocated = ncclMemAlloc(&s.memory, bytes);
   }
-  if (s.window == nullptr) {
-    // NCCL answers success without a window where the group cannot have symmetric memory (a GPU
-    // pair without peer access, cuMem off): its collectives would quietly stay kernels.
-    ncclMemFree(s.memory);
+  int64_t ranks_without_memory = 0;
+  try {
+    ranks_without_memory = sum_over_ranks(allocated == ncclSuccess ? 0 : 1);
+  } catch (...) {
+    if (allocated == ncclSuccess) release();
+    throw;
+  }
+  if (ranks_without_memory != 0) {
+    if (allocated == ncclSuccess) release();
     fail(ErrorKind::kFailedPrecondition,
-         "the {} cannot have symmetric memory (NCCL registered no window: every pair of its GPUs "
-         "needs peer access and NCCL's cuMem support); run it without copy engines",
-         m.group_name());
+         "{} of the {}'s {} ranks could not allocate {} bytes of symmetric memory (this rank: "
+         "{}); free device memory or run without copy engines",
+         ranks_without_memory, m.group_name(), size_, bytes,
+         allocated == ncclSuccess ? "allocated" : ncclGetErrorString(allocated));
   }
+  ncclResult_t registered = ncclSuccess;
+  {
+    std::lock_guard lock(m.call_mutex);
+    if (m.abort_requested.load()) {
+      // Its communicator may be freed already: nothing may be registered with it.
+      ncclMemFree(s.memory);
+      fail_aborted(m.group_name(), m.reason());
+    }
+    registered =
+        ncclCommWindowRegister(m.comm, s.memory, bytes, &s.window, NCCL_WIN_COLL_SYMMETRIC);
+  }
+  // NCCL answers success without a window where the group cannot have symmetric memory (a GPU
+  // pair without peer access, cuMem off): its collectives would quietly stay kernels.
+  const bool has_window = registered == ncclSuccess && s.window != nullptr;
+  int64_t ranks_without_window = 0;
+  try {
+    ranks_without_window = sum_over_ranks(has_window ? 0 : 1);
+  } catch (...) {
+    release();
+    throw;
+  }
+  if (ranks_without_window != 0) {
+    release();
+    fail(ErrorKind::kFailedPrecondition,
+         "the {} cannot have symmetric memory ({} of its {} ranks got no NCCL window; this rank: "
+         "{}): every pair of its GPUs needs peer access and NCCL's cuMem support; run it without "
+         "copy engines",
+         m.group_name(), ranks_without_window, size_,
+         registered != ncclSuccess
+             ? fmt::format("ncclCommWindowRegister failed: {}", ncclGetErrorString(registered))
+         : has_window ? std::string("registered")
+                      : std::string("NCCL registered no window"));
+  }
+  std::lock_guard lock(m.call_mutex);
   m.symmetric.push_back(s);
   return s.memory;
+}
+
+size_t CudaCommunicator::symmetric_bytes() const {
+  std::lock_guard lock(impl_->call_mutex);
+  size_t bytes = 0;
+  for (const Impl::Symmetric& s : impl_->symmetric) bytes += s.bytes;
+  return bytes;
 }
 
 void CudaCommunicator::free_symmetric(void* memory) {

@@ -27,6 +27,28 @@ namespace megacpp::parallel {
 enum class CollectiveType { kBf16, kFloat, kDouble };
 enum class ReduceOp { kSum, kAverage };
 
+// How a group split from a CudaCommunicator runs its collectives (CudaCommunicator::split).
+struct GroupOptions {
+  // NCCL's zero-CTA policy, under which an all-gather whose buffers both lie in
+  // allocate_symmetric's memory runs on the GPUs' copy engines (one node, peer access between
+  // all its GPUs), leaving every SM to the kernels beside it; its other collectives run as
+  // kernels as ever.
+  bool copy_engines = false;
+  // The fewest blocks (NCCL's CTAs, one a channel) each collective's kernel runs on; 0: NCCL's
+  // own choice (24 on two and on four NVLink-connected H200s, by NCCL_DEBUG=INFO). More take SMs
+  // from kernels running beside the collective, and give one that runs alone more of the links'
+  // bandwidth. NCCL_MIN_CTAS in the environment overrides it.
+  int min_ctas = 0;
+  static constexpr int kMaxCtas = 64;  // NCCL's MAXCHANNELS
+};
+
+// The tensor-parallel group's min_ctas (the trainer's and the bench's). The forward's all-gathers
+// and reduce-scatters run with nothing beside them, so more blocks speed them up: a bench-1.3b
+// step at TP = 4 on H200s took 0.8–1.0% less (bench/RESULTS.md, session 24, calls 3 and 4); at
+// TP = 2 the change was within the noise; 64 blocks slowed the MLP backward's weight gradients
+// beside the backward's collectives at TP = 2.
+inline constexpr int kTensorParallelMinCtas = 32;
+
 class CudaCommunicator final : public WatchedGroup {
  public:
   // NCCL's unique id as 256 hex characters, for the launcher to pass to every rank.
@@ -41,18 +63,21 @@ class CudaCommunicator final : public WatchedGroup {
   CudaCommunicator& operator=(const CudaCommunicator&) = delete;
 
   // The ranks of this communicator with the same `color` form a new one, ordered by `key`.
-  // Collective over this communicator. copy_engines: the new one takes NCCL's zero-CTA policy,
-  // under which an all-gather whose buffers both lie in allocate_symmetric's memory
-  // runs on the GPUs' copy engines (one node, peer access between all its GPUs), leaving every
-  // SM to the kernels beside it; its other collectives run as kernels as ever.
-  std::unique_ptr<CudaCommunicator> split(int color, int key, bool copy_engines = false) const;
+  // Collective over this communicator. Throws kInvalidArgument for min_ctas outside
+  // [0, kMaxCtas], naming it.
+  std::unique_ptr<CudaCommunicator> split(int color, int key,
+                                          const GroupOptions& options = {}) const;
   bool copy_engines() const { return copy_engines_; }
 
   // `bytes` of device memory registered with NCCL as one symmetric window of this group: every
-  // rank allocates the same size in the same order (collective; it blocks until all have).
+  // rank allocates the same size in the same order (collective; it blocks until all have). The
+  // ranks vote after allocating and after registering, so that where one rank cannot, every rank
+  // throws kFailedPrecondition (naming how many could not) instead of the others waiting; NCCL's
+  // registration itself has no timeout (see the definition for what that leaves).
   // free_symmetric gives it back (local); the destructor frees what is left.
   void* allocate_symmetric(size_t bytes);
   void free_symmetric(void* memory);
+  size_t symmetric_bytes() const;  // held now: allocated and not yet freed
 
   int size() const { return size_; }
   int rank() const { return rank_; }

@@ -544,7 +544,10 @@ class CudaBackend final : public StepBackend {
       world_ = std::make_unique<parallel::CudaCommunicator>(rendezvous(options, world), world, rank,
                                                             gpu);
       // Collective over the world: every rank splits the same groups in the same order.
-      if (tp > 1) tensor_group_ = world_->split(rank / tp, rank % tp);
+      if (tp > 1) {
+        tensor_group_ =
+            world_->split(rank / tp, rank % tp, {.min_ctas = parallel::kTensorParallelMinCtas});
+      }
       if (dp > 1) data_group_ = world_->split(rank % tp, rank / tp);
       world_->set_name(fmt::format("world group (world ranks 0-{})", world - 1));
       if (tensor_group_) {

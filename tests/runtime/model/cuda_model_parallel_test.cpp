@@ -194,7 +194,9 @@ void run_ranks(int world, int tp, const std::function<void(int, const CudaModelP
         p.tensor_parallel = tp;
         p.data_parallel = world / tp;
         p.tp_rank = rank % tp;
-        auto t = w->split(rank / tp, rank % tp, copy_engines);
+        auto t =
+            w->split(rank / tp, rank % tp,
+                     {.copy_engines = copy_engines, .min_ctas = parallel::kTensorParallelMinCtas});
         auto d = w->split(rank % tp, rank / tp);
         {
           std::lock_guard<std::mutex> lock(mutex);
@@ -466,6 +468,30 @@ TEST_P(CudaModelParallelStep, TensorParallelAllGathersOnCopyEnginesGiveTheSameSt
                                        true);
 }
 
+// Builds a model of `c` on two tensor-parallel ranks with `options`, which both must refuse;
+// returns the refusals. after(rank, group) runs on each rank once its refusal is caught.
+std::vector<std::string> two_rank_refusals(
+    const ParallelCase& c, const CaseStart& start, const CudaModelOptions& options,
+    bool copy_engines, const std::function<void(int, const CudaModelParallel&)>& after = {}) {
+  std::mutex mutex;
+  std::vector<std::string> refusals;
+  run_ranks(
+      2, 2,
+      [&](int rank, const CudaModelParallel& p) {
+        try {
+          CudaModel gpu(start.host, c.batch, c.seqlen, OptimizerConfig{}, rank, p, nullptr,
+                        options);
+          ADD_FAILURE() << "rank " << rank << ": the model was built";
+        } catch (const Error& e) {
+          std::lock_guard<std::mutex> lock(mutex);
+          refusals.push_back(e.what());
+        }
+        if (after) after(rank, p);
+      },
+      copy_engines);
+  return refusals;
+}
+
 // A model asked for copy engines over a group not split for them (or the reverse) is refused,
 // naming the option: its collectives would silently run as kernels.
 TEST(CudaModelParallel, CopyEnginesMustMatchTheGroupsSplit) {
@@ -473,25 +499,29 @@ TEST(CudaModelParallel, CopyEnginesMustMatchTheGroupsSplit) {
   const ParallelCase c = parallel_cases().front();
   CaseStart start(c, 2, c.batch, 59);
   for (const bool split_for_engines : {false, true}) {
-    std::mutex mutex;
-    std::vector<std::string> refusals;
-    run_ranks(
-        2, 2,
-        [&](int rank, const CudaModelParallel& p) {
-          try {
-            CudaModel gpu(start.host, c.batch, c.seqlen, OptimizerConfig{}, rank, p, nullptr,
-                          {.tensor_parallel_copy_engines = !split_for_engines});
-            ADD_FAILURE() << "rank " << rank << ": a mismatched model was built";
-          } catch (const Error& e) {
-            std::lock_guard<std::mutex> lock(mutex);
-            refusals.push_back(e.what());
-          }
-        },
-        split_for_engines);
+    const std::vector<std::string> refusals = two_rank_refusals(
+        c, start, {.tensor_parallel_copy_engines = !split_for_engines}, split_for_engines);
     ASSERT_EQ(refusals.size(), 2u);
     for (const std::string& r : refusals) {
       EXPECT_NE(r.find("tensor_parallel_copy_engines"), std::string::npos) << r;
     }
+  }
+}
+
+// A model refused after its symmetric memory was made (here: an SM reserve beyond the device,
+// which is checked after it) gives that memory back to the group: nothing is left registered.
+TEST(CudaModelParallel, AModelRefusedAfterItsSymmetricMemoryGivesItBack) {
+  MEGACPP_REQUIRE_GPUS(2);
+  const ParallelCase c = parallel_cases().front();
+  CaseStart start(c, 2, c.batch, 61);
+  const std::vector<std::string> refusals = two_rank_refusals(
+      c, start, {.tensor_parallel_reserved_sms = 1 << 20, .tensor_parallel_copy_engines = true},
+      true, [](int rank, const CudaModelParallel& p) {
+        EXPECT_EQ(p.tensor_group->symmetric_bytes(), 0u) << "rank " << rank;
+      });
+  ASSERT_EQ(refusals.size(), 2u);
+  for (const std::string& r : refusals) {
+    EXPECT_NE(r.find("tensor_parallel_reserved_sms"), std::string::npos) << r;
   }
 }
 

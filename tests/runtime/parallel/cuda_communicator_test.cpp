@@ -132,6 +132,61 @@ TEST(CudaCommunicator, ReduceScatterAndAllGatherInPlace) {
   });
 }
 
+// Symmetric memory is registered collectively: a rank that cannot allocate its part must not
+// leave its peer waiting in the registration. Every rank fails, naming how many could not, and
+// the group stays usable. (Needs GPUs that can share symmetric memory: peer access and cuMem,
+// as every lent NVLink machine has.)
+TEST(CudaCommunicator, ASymmetricAllocationOneRankCannotMakeFailsOnEveryRank) {
+  MEGACPP_REQUIRE_GPUS(2);
+  run_two([](int rank, CudaCommunicator& world) {
+    constexpr size_t kMiB = size_t{1} << 20;
+    const size_t beyond_any_gpu = size_t{1} << 50;  // a PiB
+    try {
+      world.allocate_symmetric(rank == 1 ? beyond_any_gpu : kMiB);
+      ADD_FAILURE() << "rank " << rank << ": the allocation succeeded";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kFailedPrecondition);
+      const std::string message = e.what();
+      EXPECT_NE(message.find("1 of the world group (world ranks 0-1)'s 2 ranks could not allocate"),
+                std::string::npos)
+          << message;
+    }
+    void* memory = world.allocate_symmetric(kMiB);
+    EXPECT_NE(memory, nullptr);
+    world.free_symmetric(memory);
+    EXPECT_EQ(world.sum_over_ranks(1), 2);
+  });
+}
+
+// NCCL takes a group split with a minimum of blocks (it refuses a minimum without a maximum), and
+// the group sums as any other; a block count NCCL cannot take is refused before NCCL sees it,
+// naming the field. (That the collectives then run on those blocks is NCCL's to say:
+// NCCL_DEBUG=INFO's channel ranges, bench/RESULTS.md session 24.)
+TEST(CudaCommunicator, GroupsSplitWithAMinimumOfBlocksAreTakenAndSum) {
+  MEGACPP_REQUIRE_GPUS(2);
+  run_two([](int rank, CudaCommunicator& world) {
+    for (const int bad : {-1, GroupOptions::kMaxCtas + 1}) {
+      try {
+        world.split(0, rank, {.min_ctas = bad});
+        ADD_FAILURE() << "min_ctas " << bad << " was taken";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+        EXPECT_NE(std::string(e.what()).find("GroupOptions.min_ctas=" + std::to_string(bad)),
+                  std::string::npos)
+            << e.what();
+      }
+    }
+    std::unique_ptr<CudaCommunicator> group =
+        world.split(0, rank, {.min_ctas = kTensorParallelMinCtas});
+    ASSERT_EQ(group->size(), 2);
+    DeviceBuffer buffer(rank);
+    buffer.fill(static_cast<float>(rank + 1));
+    group->all_reduce(buffer.data, kCount, CollectiveType::kFloat, ReduceOp::kSum, buffer.stream);
+    ASSERT_EQ(cudaStreamSynchronize(buffer.stream), cudaSuccess);
+    EXPECT_EQ(buffer.first(), 3.0f);
+  });
+}
+
 TEST(CudaCommunicator, TheWatchdogFreesARankWhosePeerNeverJoinsItsCollective) {
   MEGACPP_REQUIRE_GPUS(2);
   std::atomic<bool> rank0_done{false};
