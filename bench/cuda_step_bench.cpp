@@ -334,8 +334,7 @@ int run(const Options& o) {
       {"cuda_graphs", o.cuda_graphs},
       {"tensor_parallel", o.tensor_parallel},
       {"data_parallel", o.data_parallel},
-      // CudaModel overlaps it only without tensor parallelism beside it.
-      {"overlapped_gradient_reduction", o.overlap && o.data_parallel > 1 && o.tensor_parallel == 1},
+      {"overlapped_gradient_reduction", o.overlap && o.data_parallel > 1},
       {"recompute_in_proj", o.recompute_in_proj},
       {"attention", megacpp::to_string(o.attention)},
       {"deterministic", o.deterministic},
@@ -366,11 +365,9 @@ int run(const Options& o) {
       o.cuda_graphs ? " (step graph)" : "", o.recompute_in_proj ? " (in_proj recomputed)" : "",
       megacpp::to_string(o.attention), o.deterministic ? "" : " (nondeterministic)",
       o.tensor_parallel, o.data_parallel, o.copy_engines ? " (all-gathers on copy engines)" : "",
-      o.data_parallel > 1
-          ? (o.overlap && o.tensor_parallel == 1 ? " overlapped" : " not overlapped")
-          : "",
-      sorted.front(), median, sorted.back(), tokens_per_step / (median / 1e3),
-      flops / (median / 1e3) / 1e12, 100 * flops / (median / 1e3) / ceiling,
+      o.data_parallel > 1 ? (o.overlap ? " overlapped" : " not overlapped") : "", sorted.front(),
+      median, sorted.back(), tokens_per_step / (median / 1e3), flops / (median / 1e3) / 1e12,
+      100 * flops / (median / 1e3) / ceiling,
       ceiling / 1e12 / (o.tensor_parallel * o.data_parallel),
       static_cast<double>(in_use) / (1 << 30), static_cast<double>(r.planned) / (1 << 30),
       to_first_step);

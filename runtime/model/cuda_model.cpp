@@ -1475,10 +1475,14 @@ double CudaModel::forward_backward(const int32_t* tokens, double grad_scale,
     if (m.graph_exec == nullptr || scale != m.graph_scale) m.capture_step(scale);
     MEGACPP_CUDA_CHECK(cudaGraphLaunch(m.graph_exec, m.stream));
   } else {
-    // Not beside tensor parallelism: the TP group's collectives on the compute stream would run
-    // at the same time as the DP group's, which NCCL leaves to the user to prove deadlock-free
-    // (its "multiple communicators" notes); untested on 4 GPUs, so left serial there.
-    m.overlap_now = m.par.data_group != nullptr && !m.sharded() && m.overlap_dp && last_micro_batch;
+    // Beside tensor parallelism the DP group's all-reduces on reduce_stream run at the same time
+    // as the TP group's collectives on tp_stream and the compute stream, which NCCL leaves to the
+    // user to keep deadlock-free (its "multiple communicators" notes): each rank launches both
+    // groups' collectives in one order, one DP all-reduce at a time, and each NCCL kernel holds
+    // at most GroupOptions::kMaxCtas blocks of the GPU's (132 on an H100 or H200), so every group's
+    // kernel can always become resident beside the others and none waits on an SM held by a kernel
+    // that waits on it.
+    m.overlap_now = m.par.data_group != nullptr && m.overlap_dp && last_micro_batch;
     m.lap(nullptr);
     m.forward_backward_body(scale);
   }

@@ -46,13 +46,13 @@ class GemmPlanCache;
 // sublayers each rank holds 1/tp of the rows (shard_plan.h's sequence_split) and runs
 // the embedding, residual adds, norms and lm_head + loss on them alone; a sublayer's input is
 // all-gathered (bf16) and its row-parallel output reduce-scattered (bf16) in the forward, the
-// output gradient all-gathered (bf16) and the input gradient reduce-scattered (fp32) in the
+// output gradient all-gathered (bf16) and the input gradient reduce-scattered (bf16) in the
 // backward. The pieces every rank holds but computes part of (the embedding, norm and lm_head
 // weights, B/C norm weights, the angle rows, replicated B/C rows) are summed once before the
 // optimizer. Data parallel: gradients are averaged over the DP group, block by
 // block on a stream of their own while the backward goes on with the blocks below (the last
-// micro-batch of a step; set_overlapped_gradient_reduction; with tensor parallelism beside it,
-// after the backward), and the loss a step returns is the group's mean. The model's host mirror,
+// micro-batch of a step; set_overlapped_gradient_reduction), and the loss a step returns is the
+// group's mean. The model's host mirror,
 // uploads, downloads and checkpoints stay global.
 //
 // The communicators are borrowed: each must outlive every model built on it (the model's
@@ -161,8 +161,8 @@ class CudaModel {
   // gradients over the DP group during its backward; earlier calls leave that to later.
   double forward_backward(const int32_t* tokens, double grad_scale, bool last_micro_batch = true);
   // Data parallel: the gradients averaged during the last micro-batch's backward (on, the
-  // default; only without tensor parallelism beside it) or after it, in one all-reduce before
-  // the optimizer (off: for comparisons).
+  // default; with tensor parallelism beside it too) or after it, in one all-reduce before the
+  // optimizer (off: for comparisons).
   void set_overlapped_gradient_reduction(bool on);
   // Global gradient norm, clipping at the optimizer config's grad_clip and one AdamW update
   // with learning rate `lr` (the step counter advances first). Returns the norm before clipping.

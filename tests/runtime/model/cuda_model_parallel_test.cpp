@@ -384,16 +384,15 @@ TEST_P(CudaModelParallelStep, DataParallelOverEveryGpuEqualsOneGpuWithTheWholeBa
   expect_mesh_equals_one_gpu(GetParam(), gpu_world(), 1, kDataParallelGradient);
 }
 
-// Data parallel, two micro-batches a step: the gradients averaged block by block during the last
-// micro-batch's backward (the default) against one all-reduce after it. The same sums of the same
-// values; only NCCL's chunking differs, which at two ranks (one addition per element) changes no
-// bit, and at more may change the order of the sum: the bound is the DP one, the bits are
-// reported. The profiled ops show which way each run reduced.
-TEST_P(CudaModelParallelStep, DataParallelOverlappedReductionEqualsTheOneAfterTheBackward) {
-  MEGACPP_REQUIRE_GPUS(2);
-  const ParallelCase& c = GetParam();
-  const int world = gpu_world();
-  CaseStart start(c, world, 2 * world * c.batch, 41);
+// Data parallel (beside tensor parallelism of degree `tp`), two micro-batches a step: the
+// gradients averaged block by block during the last micro-batch's backward (the default) against
+// one all-reduce after it. The same sums of the same values; only NCCL's chunking differs, which
+// at two replicas (one addition per element) changes no bit, and at more may change the order of
+// the sum: the bound is the DP one, the bits are reported. The profiled ops show which way each
+// run reduced.
+void expect_overlapped_reduction_equals_the_one_after(const ParallelCase& c, int world, int tp) {
+  const int replicas = world / tp;
+  CaseStart start(c, world, 2 * replicas * c.batch, 41);
   Model<float>& host = start.host;
   const std::vector<int32_t>& tokens = start.tokens;
   const size_t micro_rows = static_cast<size_t>(c.batch) * (c.seqlen + 1);
@@ -401,14 +400,15 @@ TEST_P(CudaModelParallelStep, DataParallelOverlappedReductionEqualsTheOneAfterTh
   double losses[2] = {0, 0};
   for (const bool overlap : {true, false}) {
     std::vector<std::vector<float>> per_rank(static_cast<size_t>(world));
-    run_ranks(world, 1, [&](int rank, const CudaModelParallel& p) {
+    run_ranks(world, tp, [&](int rank, const CudaModelParallel& p) {
       CudaModel gpu(host, c.batch, c.seqlen, OptimizerConfig{}, rank, p);
       gpu.set_overlapped_gradient_reduction(overlap);
       AdamW<float> fresh(host.parameters(), OptimizerConfig{});
       gpu.upload(host.parameters(), &fresh);
       gpu.zero_grad();
       gpu.set_profiling(true);
-      const int32_t* mine = tokens.data() + static_cast<size_t>(2 * rank) * micro_rows;
+      // A replica's tensor-parallel ranks take its rows together.
+      const int32_t* mine = tokens.data() + static_cast<size_t>(2 * (rank / tp)) * micro_rows;
       double loss = gpu.forward_backward(mine, 0.5, false);
       loss += gpu.forward_backward(mine + micro_rows, 0.5, true);
       per_rank[static_cast<size_t>(rank)] = gpu.download_gradients();
@@ -420,7 +420,7 @@ TEST_P(CudaModelParallelStep, DataParallelOverlappedReductionEqualsTheOneAfterTh
       EXPECT_EQ(overlapped, overlap) << "rank " << rank;
       if (rank == 0) losses[overlap ? 0 : 1] = loss;
     });
-    if (HasFailure()) return;
+    if (::testing::Test::HasFailure()) return;
     for (int rank = 1; rank < world; ++rank) {
       EXPECT_TRUE(bitwise_equal(per_rank[static_cast<size_t>(rank)], per_rank[0]))
           << "overlap " << overlap << ": rank " << rank << "'s averaged gradients differ";
@@ -428,10 +428,23 @@ TEST_P(CudaModelParallelStep, DataParallelOverlappedReductionEqualsTheOneAfterTh
     grads[overlap ? 0 : 1] = per_rank[0];
   }
   EXPECT_EQ(losses[0], losses[1]);
+  const std::string mesh = fmt::format("DP={} TP={}", replicas, tp);
   expect_close(host, grads[0], grads[1], kDataParallelGradient,
-               c.name + " DP overlapped vs after the backward");
-  std::printf("[ %s ] DP=%d overlapped reduction bitwise equal to the one after the backward: %s\n",
-              c.name.c_str(), world, bitwise_equal(grads[0], grads[1]) ? "yes" : "no");
+               c.name + " " + mesh + " overlapped vs after the backward");
+  std::printf("[ %s ] %s overlapped reduction bitwise equal to the one after the backward: %s\n",
+              c.name.c_str(), mesh.c_str(), bitwise_equal(grads[0], grads[1]) ? "yes" : "no");
+}
+
+TEST_P(CudaModelParallelStep, DataParallelOverlappedReductionEqualsTheOneAfterTheBackward) {
+  MEGACPP_REQUIRE_GPUS(2);
+  expect_overlapped_reduction_equals_the_one_after(GetParam(), gpu_world(), 1);
+}
+
+// The same beside tensor parallelism: DP = 2 × TP = n/2, the DP group's all-reduces running
+// while the TP group's collectives run on tp_stream.
+TEST_P(CudaModelParallelStep, DataTimesTensorParallelOverlappedReductionEqualsTheOneAfter) {
+  MEGACPP_REQUIRE_GPUS(4);
+  expect_overlapped_reduction_equals_the_one_after(GetParam(), gpu_world(), gpu_world() / 2);
 }
 
 // Two tensor-parallel steps over every GPU from the case's tokens (seed), with options `a` and
