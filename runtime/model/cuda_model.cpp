@@ -127,6 +127,9 @@ struct CudaModel::Impl {
   // lm_head), averaged over the DP group on reduce_stream as soon as the backward is done with
   // them, while it goes on with the blocks below (forward_backward's last micro-batch).
   bool overlap_dp = true;
+  // Beside tensor parallelism, only on a GPU with room for two NCCL kernels of the most blocks
+  // NCCL gives one (plan_gradient_buckets; see forward_backward).
+  bool overlap_beside_tp = false;
   bool overlap_now = false;  // this forward_backward averages its buckets as it goes
   bool dp_reduced = false;   // the gradients since zero_grad were averaged in the backward
   std::vector<std::vector<Range>> buckets;
@@ -454,6 +457,17 @@ void CudaModel::Impl::plan_gradient_buckets() {
       list.back().count += e.size;
     } else {
       list.push_back({e.offset, e.size});
+    }
+  }
+  if (sharded()) {
+    int sms = 0;
+    MEGACPP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    overlap_beside_tp = sms >= 2 * parallel::GroupOptions::kMaxCtas;
+    if (!overlap_beside_tp) {
+      spdlog::info(
+          "CudaModel: device {} has {} SMs, fewer than two NCCL kernels of {} blocks need: the "
+          "data-parallel gradients are averaged after the backward, not beside it",
+          device, sms, parallel::GroupOptions::kMaxCtas);
     }
   }
   MEGACPP_CUDA_CHECK(cudaStreamCreateWithFlags(&reduce_stream, cudaStreamNonBlocking));
@@ -1476,13 +1490,16 @@ double CudaModel::forward_backward(const int32_t* tokens, double grad_scale,
     MEGACPP_CUDA_CHECK(cudaGraphLaunch(m.graph_exec, m.stream));
   } else {
     // Beside tensor parallelism the DP group's all-reduces on reduce_stream run at the same time
-    // as the TP group's collectives on tp_stream and the compute stream, which NCCL leaves to the
-    // user to keep deadlock-free (its "multiple communicators" notes): each rank launches both
-    // groups' collectives in one order, one DP all-reduce at a time, and each NCCL kernel holds
-    // at most GroupOptions::kMaxCtas blocks of the GPU's (132 on an H100 or H200), so every group's
-    // kernel can always become resident beside the others and none waits on an SM held by a kernel
-    // that waits on it.
-    m.overlap_now = m.par.data_group != nullptr && m.overlap_dp && last_micro_batch;
+    // as the TP group's collectives on tp_stream, which NCCL leaves to the user to keep
+    // deadlock-free (its "multiple communicators" notes). Here: every rank launches both groups'
+    // collectives in one order; nothing on the compute stream or tp_stream waits on reduce_stream
+    // until the backward is done; at most two NCCL kernels run at once (one DP all-reduce, one TP
+    // collective, each stream's in order), and each holds at most kMaxCtas blocks (NCCL's
+    // MAXCHANNELS), so on a GPU of 2 · kMaxCtas SMs or more both can always be resident and
+    // neither waits on an SM held by a kernel that waits on it. With fewer SMs (an A100's 108) the
+    // reduction runs after the backward (overlap_beside_tp).
+    m.overlap_now = m.par.data_group != nullptr && m.overlap_dp && last_micro_batch &&
+                    (!m.sharded() || m.overlap_beside_tp);
     m.lap(nullptr);
     m.forward_backward_body(scale);
   }

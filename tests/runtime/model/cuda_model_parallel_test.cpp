@@ -384,13 +384,15 @@ TEST_P(CudaModelParallelStep, DataParallelOverEveryGpuEqualsOneGpuWithTheWholeBa
   expect_mesh_equals_one_gpu(GetParam(), gpu_world(), 1, kDataParallelGradient);
 }
 
-// Data parallel (beside tensor parallelism of degree `tp`), two micro-batches a step: the
-// gradients averaged block by block during the last micro-batch's backward (the default) against
-// one all-reduce after it. The same sums of the same values; only NCCL's chunking differs, which
-// at two replicas (one addition per element) changes no bit, and at more may change the order of
-// the sum: the bound is the DP one, the bits are reported. The profiled ops show which way each
-// run reduced.
-void expect_overlapped_reduction_equals_the_one_after(const ParallelCase& c, int world, int tp) {
+// Data parallel (beside tensor parallelism of degree `tp`, its all-gathers on the copy engines
+// where asked), two micro-batches a step: the gradients averaged block by block during the last
+// micro-batch's backward (the default) against one all-reduce after it. The same sums of the same
+// values; only NCCL's chunking differs, which at two replicas (one addition per element) changes
+// no bit, so there the bits must be equal (a gradient reduced before the backward had finished it
+// would show); at more replicas it may change the order of the sum: the bound is the DP one, the
+// bits are reported. The profiled ops show which way each run reduced.
+void expect_overlapped_reduction_equals_the_one_after(const ParallelCase& c, int world, int tp,
+                                                      bool copy_engines = false) {
   const int replicas = world / tp;
   CaseStart start(c, world, 2 * replicas * c.batch, 41);
   Model<float>& host = start.host;
@@ -400,26 +402,30 @@ void expect_overlapped_reduction_equals_the_one_after(const ParallelCase& c, int
   double losses[2] = {0, 0};
   for (const bool overlap : {true, false}) {
     std::vector<std::vector<float>> per_rank(static_cast<size_t>(world));
-    run_ranks(world, tp, [&](int rank, const CudaModelParallel& p) {
-      CudaModel gpu(host, c.batch, c.seqlen, OptimizerConfig{}, rank, p);
-      gpu.set_overlapped_gradient_reduction(overlap);
-      AdamW<float> fresh(host.parameters(), OptimizerConfig{});
-      gpu.upload(host.parameters(), &fresh);
-      gpu.zero_grad();
-      gpu.set_profiling(true);
-      // A replica's tensor-parallel ranks take its rows together.
-      const int32_t* mine = tokens.data() + static_cast<size_t>(2 * (rank / tp)) * micro_rows;
-      double loss = gpu.forward_backward(mine, 0.5, false);
-      loss += gpu.forward_backward(mine + micro_rows, 0.5, true);
-      per_rank[static_cast<size_t>(rank)] = gpu.download_gradients();
-      gpu.optimizer_step(kLearningRate);  // harvests the profiled laps
-      bool overlapped = false;
-      for (const OpTime& t : gpu.op_times()) {
-        overlapped |= t.op == "data-parallel gradient all-reduce (not hidden)";
-      }
-      EXPECT_EQ(overlapped, overlap) << "rank " << rank;
-      if (rank == 0) losses[overlap ? 0 : 1] = loss;
-    });
+    run_ranks(
+        world, tp,
+        [&](int rank, const CudaModelParallel& p) {
+          CudaModel gpu(host, c.batch, c.seqlen, OptimizerConfig{}, rank, p, nullptr,
+                        {.tensor_parallel_copy_engines = copy_engines});
+          gpu.set_overlapped_gradient_reduction(overlap);
+          AdamW<float> fresh(host.parameters(), OptimizerConfig{});
+          gpu.upload(host.parameters(), &fresh);
+          gpu.zero_grad();
+          gpu.set_profiling(true);
+          // A replica's tensor-parallel ranks take its rows together.
+          const int32_t* mine = tokens.data() + static_cast<size_t>(2 * (rank / tp)) * micro_rows;
+          double loss = gpu.forward_backward(mine, 0.5, false);
+          loss += gpu.forward_backward(mine + micro_rows, 0.5, true);
+          per_rank[static_cast<size_t>(rank)] = gpu.download_gradients();
+          gpu.optimizer_step(kLearningRate);  // harvests the profiled laps
+          bool overlapped = false;
+          for (const OpTime& t : gpu.op_times()) {
+            overlapped |= t.op == "data-parallel gradient all-reduce (not hidden)";
+          }
+          EXPECT_EQ(overlapped, overlap) << "rank " << rank;
+          if (rank == 0) losses[overlap ? 0 : 1] = loss;
+        },
+        copy_engines);
     if (::testing::Test::HasFailure()) return;
     for (int rank = 1; rank < world; ++rank) {
       EXPECT_TRUE(bitwise_equal(per_rank[static_cast<size_t>(rank)], per_rank[0]))
@@ -428,9 +434,13 @@ void expect_overlapped_reduction_equals_the_one_after(const ParallelCase& c, int
     grads[overlap ? 0 : 1] = per_rank[0];
   }
   EXPECT_EQ(losses[0], losses[1]);
-  const std::string mesh = fmt::format("DP={} TP={}", replicas, tp);
+  const std::string mesh =
+      fmt::format("DP={} TP={}{}", replicas, tp, copy_engines ? " (copy engines)" : "");
   expect_close(host, grads[0], grads[1], kDataParallelGradient,
                c.name + " " + mesh + " overlapped vs after the backward");
+  if (replicas == 2) {
+    EXPECT_TRUE(bitwise_equal(grads[0], grads[1])) << mesh;
+  }
   std::printf("[ %s ] %s overlapped reduction bitwise equal to the one after the backward: %s\n",
               c.name.c_str(), mesh.c_str(), bitwise_equal(grads[0], grads[1]) ? "yes" : "no");
 }
@@ -441,10 +451,14 @@ TEST_P(CudaModelParallelStep, DataParallelOverlappedReductionEqualsTheOneAfterTh
 }
 
 // The same beside tensor parallelism: DP = 2 × TP = n/2, the DP group's all-reduces running
-// while the TP group's collectives run on tp_stream.
+// while the TP group's collectives run on tp_stream (with NCCL's kernels, then with the
+// all-gathers on the copy engines).
 TEST_P(CudaModelParallelStep, DataTimesTensorParallelOverlappedReductionEqualsTheOneAfter) {
   MEGACPP_REQUIRE_GPUS(4);
-  expect_overlapped_reduction_equals_the_one_after(GetParam(), gpu_world(), gpu_world() / 2);
+  for (const bool copy_engines : {false, true}) {
+    expect_overlapped_reduction_equals_the_one_after(GetParam(), gpu_world(), gpu_world() / 2,
+                                                     copy_engines);
+  }
 }
 
 // Two tensor-parallel steps over every GPU from the case's tokens (seed), with options `a` and

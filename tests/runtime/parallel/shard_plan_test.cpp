@@ -392,6 +392,38 @@ TEST(ShardPlan, IllegalGeometriesAreRefusedNamingTheRule) {
   }
 }
 
+// The benchmark presets split as far as their kv heads allow: bench-1.3b (8 kv heads, issue 13's
+// strong-scaling model) to TP = 8, bench-350m (4) to TP = 4, at their benchmark micro-batches'
+// rows, each rank holding less the more ranks share the model; one step further is refused,
+// naming the kv heads.
+TEST(ShardPlan, TheBenchmarkPresetsSplitAsFarAsTheirKvHeads) {
+  struct Preset {
+    std::string name;
+    int64_t rows;
+    int widest;
+  };
+  for (const Preset& p : {Preset{"bench-350m", 4 * 8192, 4}, Preset{"bench-1.3b", 2 * 8192, 8}}) {
+    const ModelConfig m = model_preset(p.name);
+    int64_t held_before = ShardPlan(m, {1, 1}).local_numel(0);
+    for (int tp = 2; tp <= p.widest; tp *= 2) {
+      SCOPED_TRACE(p.name + " tp=" + std::to_string(tp));
+      const ShardPlan plan(m, {tp, tp});
+      for (int rank = 0; rank < tp; ++rank) {
+        EXPECT_EQ(sequence_split(p.rows, tp, rank).rows, p.rows / tp);
+        EXPECT_EQ(plan.local_numel(rank), plan.local_numel(0));
+      }
+      EXPECT_LT(plan.local_numel(0), held_before);
+      held_before = plan.local_numel(0);
+    }
+    try {
+      check_tensor_parallel(m, {2 * p.widest, 2 * p.widest});
+      ADD_FAILURE() << p.name << " split over " << 2 * p.widest << " ranks";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("attn_cfg.num_heads_kv"), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(ShardPlan, TensorParallelOneKeepsEveryParameterWhole) {
   json j = base_config();
   j["tie_embeddings"] = false;
