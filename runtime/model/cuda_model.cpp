@@ -119,6 +119,7 @@ struct CudaModel::Impl {
   AttentionEngine attention_engine = AttentionEngine::kCudnn;
   bool deterministic = true;
   int reserved_sms = 0;  // CudaModelOptions::tensor_parallel_reserved_sms
+  int sm_count = 0;      // the device's, read once by the constructor
   // Tensor parallel: the all-gathers' buffers. Where the tensor group was split for copy engines
   // (CudaCommunicator::split), its symmetric memory, so that they run on the copy engines.
   DeviceArena gathered_arena;
@@ -460,14 +461,12 @@ void CudaModel::Impl::plan_gradient_buckets() {
     }
   }
   if (sharded()) {
-    int sms = 0;
-    MEGACPP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    overlap_beside_tp = sms >= 2 * parallel::GroupOptions::kMaxCtas;
+    overlap_beside_tp = sm_count >= 2 * parallel::GroupOptions::kMaxCtas;
     if (!overlap_beside_tp) {
       spdlog::info(
           "CudaModel: device {} has {} SMs, fewer than two NCCL kernels of {} blocks need: the "
           "data-parallel gradients are averaged after the backward, not beside it",
-          device, sms, parallel::GroupOptions::kMaxCtas);
+          device, sm_count, parallel::GroupOptions::kMaxCtas);
     }
   }
   MEGACPP_CUDA_CHECK(cudaStreamCreateWithFlags(&reduce_stream, cudaStreamNonBlocking));
@@ -647,6 +646,7 @@ CudaModel::CudaModel(const Model<float>& host, int batch, int seqlen,
   m.seqlen = seqlen;
   m.rows = batch * seqlen;
   MEGACPP_CUDA_CHECK(cudaSetDevice(device));
+  MEGACPP_CUDA_CHECK(cudaDeviceGetAttribute(&m.sm_count, cudaDevAttrMultiProcessorCount, device));
   m.free_before = free_device_bytes();
   MEGACPP_CUDA_CHECK(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking));
 
@@ -925,15 +925,13 @@ void CudaModel::Impl::allocate_and_build(cuda::GemmPlanCache* plan_cache) {
   // Tensor parallel: the weight-gradient GEMMs leave reserved_sms SMs to tp_stream's kernels.
   int wgrad_sms = 0;
   if (m.sharded() && m.reserved_sms > 0) {
-    int sms = 0;
-    MEGACPP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, m.device));
-    if (m.reserved_sms >= sms) {
+    if (m.reserved_sms >= m.sm_count) {
       fail(ErrorKind::kInvalidArgument,
            "CudaModelOptions.tensor_parallel_reserved_sms={} leaves the weight-gradient GEMMs no "
            "SM of device {}'s {}",
-           m.reserved_sms, m.device, sms);
+           m.reserved_sms, m.device, m.sm_count);
     }
-    wgrad_sms = sms - m.reserved_sms;
+    wgrad_sms = m.sm_count - m.reserved_sms;
   }
   for (Impl::Block& b : m.blocks) {
     if (b.attention) {

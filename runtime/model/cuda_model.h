@@ -52,8 +52,7 @@ class GemmPlanCache;
 // optimizer. Data parallel: gradients are averaged over the DP group, block by
 // block on a stream of their own while the backward goes on with the blocks below (the last
 // micro-batch of a step; set_overlapped_gradient_reduction), and the loss a step returns is the
-// group's mean. The model's host mirror,
-// uploads, downloads and checkpoints stay global.
+// group's mean. The model's host mirror, uploads, downloads and checkpoints stay global.
 //
 // The communicators are borrowed: each must outlive every model built on it (the model's
 // destructor gives its symmetric memory back to the tensor group; runtime/trainer declares them

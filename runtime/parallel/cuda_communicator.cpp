@@ -322,29 +322,34 @@ void* CudaCommunicator::allocate_symmetric(size_t bytes) {
   Impl::Symmetric s;
   s.bytes = bytes;
   const auto release = [&] {
+    if (s.memory == nullptr) return;
     std::lock_guard lock(m.call_mutex);
     std::lock_guard state(m.state_mutex);
     m.release(s);
+  };
+  // How many ranks failed a step, this rank's own `failed` counted; what it made is released
+  // when the vote itself throws (an abort).
+  const auto ranks_failing = [&](bool failed) {
+    try {
+      return sum_over_ranks(failed ? 1 : 0);
+    } catch (...) {
+      release();
+      throw;
+    }
   };
   ncclResult_t allocated = ncclSuccess;
   {
     std::lock_guard lock(m.call_mutex);
     if (m.abort_requested.load()) fail_aborted(m.group_name(), m.reason());
     allocated = ncclMemAlloc(&s.memory, bytes);
+    if (allocated != ncclSuccess) s.memory = nullptr;
   }
-  int64_t ranks_without_memory = 0;
-  try {
-    ranks_without_memory = sum_over_ranks(allocated == ncclSuccess ? 0 : 1);
-  } catch (...) {
-    if (allocated == ncclSuccess) release();
-    throw;
-  }
-  if (ranks_without_memory != 0) {
-    if (allocated == ncclSuccess) release();
+  if (const int64_t failing = ranks_failing(allocated != ncclSuccess); failing != 0) {
+    release();
     fail(ErrorKind::kFailedPrecondition,
          "{} of the {}'s {} ranks could not allocate {} bytes of symmetric memory (this rank: "
          "{}); free device memory or run without copy engines",
-         ranks_without_memory, m.group_name(), size_, bytes,
+         failing, m.group_name(), size_, bytes,
          allocated == ncclSuccess ? "allocated" : ncclGetErrorString(allocated));
   }
   ncclResult_t registered = ncclSuccess;
@@ -361,20 +366,13 @@ void* CudaCommunicator::allocate_symmetric(size_t bytes) {
   // NCCL answers success without a window where the group cannot have symmetric memory (a GPU
   // pair without peer access, cuMem off): its collectives would quietly stay kernels.
   const bool has_window = registered == ncclSuccess && s.window != nullptr;
-  int64_t ranks_without_window = 0;
-  try {
-    ranks_without_window = sum_over_ranks(has_window ? 0 : 1);
-  } catch (...) {
-    release();
-    throw;
-  }
-  if (ranks_without_window != 0) {
+  if (const int64_t failing = ranks_failing(!has_window); failing != 0) {
     release();
     fail(ErrorKind::kFailedPrecondition,
          "the {} cannot have symmetric memory ({} of its {} ranks got no NCCL window; this rank: "
          "{}): every pair of its GPUs needs peer access and NCCL's cuMem support; run it without "
          "copy engines",
-         m.group_name(), ranks_without_window, size_,
+         m.group_name(), failing, size_,
          registered != ncclSuccess
              ? fmt::format("ncclCommWindowRegister failed: {}", ncclGetErrorString(registered))
          : has_window ? std::string("registered")

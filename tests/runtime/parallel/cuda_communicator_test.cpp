@@ -19,6 +19,7 @@
 #include "base/error.h"
 #include "runtime/parallel/collective_watchdog.h"
 #include "runtime/parallel/cuda_communicator.h"
+#include "tests/support/expect_error.h"
 #include "tests/support/gpu.h"
 
 namespace megacpp::parallel {
@@ -141,16 +142,10 @@ TEST(CudaCommunicator, ASymmetricAllocationOneRankCannotMakeFailsOnEveryRank) {
   run_two([](int rank, CudaCommunicator& world) {
     constexpr size_t kMiB = size_t{1} << 20;
     const size_t beyond_any_gpu = size_t{1} << 50;  // a PiB
-    try {
-      world.allocate_symmetric(rank == 1 ? beyond_any_gpu : kMiB);
-      ADD_FAILURE() << "rank " << rank << ": the allocation succeeded";
-    } catch (const Error& e) {
-      EXPECT_EQ(e.kind(), ErrorKind::kFailedPrecondition);
-      const std::string message = e.what();
-      EXPECT_NE(message.find("1 of the world group (world ranks 0-1)'s 2 ranks could not allocate"),
-                std::string::npos)
-          << message;
-    }
+    testing::expect_error([&] { world.allocate_symmetric(rank == 1 ? beyond_any_gpu : kMiB); },
+                          ErrorKind::kFailedPrecondition,
+                          "1 of the world group (world ranks 0-1)'s 2 ranks could not allocate",
+                          "rank " + std::to_string(rank));
     void* memory = world.allocate_symmetric(kMiB);
     EXPECT_NE(memory, nullptr);
     world.free_symmetric(memory);
@@ -166,15 +161,9 @@ TEST(CudaCommunicator, GroupsSplitWithAMinimumOfBlocksAreTakenAndSum) {
   MEGACPP_REQUIRE_GPUS(2);
   run_two([](int rank, CudaCommunicator& world) {
     for (const int bad : {-1, GroupOptions::kMaxCtas + 1}) {
-      try {
-        world.split(0, rank, {.min_ctas = bad});
-        ADD_FAILURE() << "min_ctas " << bad << " was taken";
-      } catch (const Error& e) {
-        EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
-        EXPECT_NE(std::string(e.what()).find("GroupOptions.min_ctas=" + std::to_string(bad)),
-                  std::string::npos)
-            << e.what();
-      }
+      testing::expect_error(
+          [&] { world.split(0, rank, {.min_ctas = bad}); }, ErrorKind::kInvalidArgument,
+          "GroupOptions.min_ctas=" + std::to_string(bad), "min_ctas " + std::to_string(bad));
     }
     std::unique_ptr<CudaCommunicator> group =
         world.split(0, rank, {.min_ctas = kTensorParallelMinCtas});

@@ -14,6 +14,7 @@
 #include "base/error.h"
 #include "kernels/contracts/mamba3_preprocess.h"
 #include "runtime/model/model.h"
+#include "tests/support/expect_error.h"
 
 namespace megacpp::parallel {
 namespace {
@@ -415,12 +416,12 @@ TEST(ShardPlan, TheBenchmarkPresetsSplitAsFarAsTheirKvHeads) {
       EXPECT_LT(plan.local_numel(0), held_before);
       held_before = plan.local_numel(0);
     }
-    try {
-      check_tensor_parallel(m, {2 * p.widest, 2 * p.widest});
-      ADD_FAILURE() << p.name << " split over " << 2 * p.widest << " ranks";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("attn_cfg.num_heads_kv"), std::string::npos) << e.what();
-    }
+    testing::expect_error(
+        [&] {
+          check_tensor_parallel(m, {2 * p.widest, 2 * p.widest});
+        },
+        ErrorKind::kInvalidArgument, "attn_cfg.num_heads_kv",
+        p.name + " split over " + std::to_string(2 * p.widest) + " ranks");
   }
 }
 
