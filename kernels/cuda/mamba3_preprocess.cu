@@ -44,19 +44,23 @@ struct FwdOut {
   bf16 *z, *x, *k, *q, *adt, *dt, *trap, *angles;
 };
 
-// One block per row.
+// One warp per row, kWarps rows a block: a row's loads, its norms' reductions and its stores
+// form one short chain, and a block per row left most of the GPU waiting on them (a quarter of
+// the rows' bytes a second, at bench-1.3b's TP = 4 share of the heads).
 __global__ void __launch_bounds__(kThreads)
     forward_kernel(Dims d, const bf16* __restrict__ proj, const float* __restrict__ dt_bias,
                    const float* __restrict__ b_weight, const float* __restrict__ c_weight,
                    FwdOut out, float* __restrict__ rstd) {
-  const int row = blockIdx.x;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int row = blockIdx.x * kWarps + warp;
+  if (row >= d.rows) return;
   const bf16* p = proj + static_cast<int64_t>(row) * d.cols;
   const int64_t row_di = static_cast<int64_t>(row) * d.d_inner;
-  for (int i = threadIdx.x; i < d.d_inner; i += blockDim.x) {
+  for (int i = lane; i < d.d_inner; i += 32) {
     out.z[row_di + i] = p[i];
     out.x[row_di + i] = p[d.col_x + i];
   }
-  for (int h = threadIdx.x; h < d.heads; h += blockDim.x) {
+  for (int h = lane; h < d.heads; h += 32) {
     const int64_t o = static_cast<int64_t>(row) * d.heads + h;
     const float a = fminf(-heavy_tail(to_f(p[d.col_dd_a + h])), -d.a_floor);
     const float dt = softplus(to_f(p[d.col_dd_dt + h]) + dt_bias[h]);
@@ -64,13 +68,12 @@ __global__ void __launch_bounds__(kThreads)
     out.adt[o] = __float2bfloat16(a * dt);
     out.trap[o] = p[d.col_trap + h];
   }
-  for (int j = threadIdx.x; j < d.angles; j += blockDim.x) {
+  for (int j = lane; j < d.angles; j += 32) {
     out.angles[static_cast<int64_t>(row) * d.angles + j] = p[d.col_angles + j];
   }
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const float inv_n = 1.f / static_cast<float>(d.state);
   // Vector u < vecs is B's vector u, else C's vector u − vecs: the bc_rstd order.
-  for (int u = warp; u < 2 * d.vecs; u += kWarps) {
+  for (int u = 0; u < 2 * d.vecs; ++u) {
     const bool is_c = u >= d.vecs;
     const int offset = (is_c ? u - d.vecs : u) * d.state;
     const bf16* in = p + (is_c ? d.col_c : d.col_b) + offset;
@@ -93,9 +96,10 @@ struct BwdIn {
   const bf16 *z, *x, *k, *q, *adt, *dt, *trap, *angles;
 };
 
-// One block per tile of rows. Shared memory: the dt_bias partial [H] (entry h owned by
-// thread h mod blockDim), then per warp the B and C norm-weight partials [2N] (entry i of
-// each half owned by lane i mod 32 of that warp). Owners add rows in increasing order, and
+// One block per tile of rows, one warp per row at a time (warp w takes the tile's rows w,
+// w + kWarps, ...), so that the rows' chains of loads run side by side. Shared memory, per warp:
+// the dt_bias partial [H, padded to 4], then the B and C norm-weight partials [N] each; entry i
+// of each is owned by lane i mod 32 of its warp. Each warp adds its rows in increasing order and
 // the tile's partial sums the warps in increasing order: a fixed order throughout.
 __global__ void __launch_bounds__(kThreads)
     backward_kernel(Dims d, const bf16* __restrict__ proj, const float* __restrict__ dt_bias,
@@ -104,25 +108,26 @@ __global__ void __launch_bounds__(kThreads)
                     float* __restrict__ partials) {
   extern __shared__ float smem[];
   const int heads_padded = (d.heads + 3) / 4 * 4;
-  float* s_dt_bias = smem;
+  const int warp_width = heads_padded + 2 * d.state;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  float* s_weight = smem + heads_padded + warp * 2 * d.state;
-  for (int h = threadIdx.x; h < d.heads; h += blockDim.x) s_dt_bias[h] = 0.f;
+  float* s_dt_bias = smem + warp * warp_width;
+  float* s_weight = s_dt_bias + heads_padded;
+  for (int h = lane; h < d.heads; h += 32) s_dt_bias[h] = 0.f;
   for (int i = lane; i < 2 * d.state; i += 32) s_weight[i] = 0.f;
-  __syncthreads();
+  __syncwarp();  // C's half starts at N, which need not be a multiple of 32: other owners
 
   const int row_begin = blockIdx.x * Mamba3PreprocessCuda::kRowsPerTile;
   const int row_end = min(d.rows, row_begin + Mamba3PreprocessCuda::kRowsPerTile);
   const float inv_n = 1.f / static_cast<float>(d.state);
-  for (int row = row_begin; row < row_end; ++row) {
+  for (int row = row_begin + warp; row < row_end; row += kWarps) {
     const bf16* p = proj + static_cast<int64_t>(row) * d.cols;
     bf16* dp = dproj + static_cast<int64_t>(row) * d.cols;
     const int64_t row_di = static_cast<int64_t>(row) * d.d_inner;
-    for (int i = threadIdx.x; i < d.d_inner; i += blockDim.x) {
+    for (int i = lane; i < d.d_inner; i += 32) {
       dp[i] = g.z[row_di + i];
       dp[d.col_x + i] = g.x[row_di + i];
     }
-    for (int h = threadIdx.x; h < d.heads; h += blockDim.x) {
+    for (int h = lane; h < d.heads; h += 32) {
       const int64_t o = static_cast<int64_t>(row) * d.heads + h;
       const float dd_a = to_f(p[d.col_dd_a + h]);
       const float f = heavy_tail(dd_a);
@@ -139,10 +144,10 @@ __global__ void __launch_bounds__(kThreads)
           __float2bfloat16(f > d.a_floor ? -g_adt * dt * heavy_tail_derivative(dd_a) : 0.f);
       dp[d.col_trap + h] = g.trap[o];
     }
-    for (int j = threadIdx.x; j < d.angles; j += blockDim.x) {
+    for (int j = lane; j < d.angles; j += 32) {
       dp[d.col_angles + j] = g.angles[static_cast<int64_t>(row) * d.angles + j];
     }
-    for (int u = warp; u < 2 * d.vecs; u += kWarps) {
+    for (int u = 0; u < 2 * d.vecs; ++u) {
       const bool is_c = u >= d.vecs;
       const int offset = (is_c ? u - d.vecs : u) * d.state;
       const int column = (is_c ? d.col_c : d.col_b) + offset;
@@ -164,26 +169,35 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
   float* out = partials + static_cast<int64_t>(blockIdx.x) * d.partial_width;
-  const float* warp_parts = smem + heads_padded;
   for (int c = threadIdx.x; c < d.partial_width; c += blockDim.x) {
-    if (c < d.heads) {
-      out[c] = s_dt_bias[c];
-    } else {
-      float sum = 0.f;
-      for (int w = 0; w < kWarps; ++w) sum += warp_parts[w * 2 * d.state + c - d.heads];
-      out[c] = sum;
-    }
+    const int at = c < d.heads ? c : heads_padded + c - d.heads;
+    float sum = 0.f;
+    for (int w = 0; w < kWarps; ++w) sum += smem[w * warp_width + at];
+    out[c] = sum;
   }
 }
 
-// One thread per parameter-gradient entry: the tiles' partials summed in tile order.
-__global__ void reduce_kernel(Dims d, const float* __restrict__ partials, float* d_dt_bias,
-                              float* d_b_weight, float* d_c_weight) {
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= d.partial_width) return;
+// A block per 32 parameter-gradient entries, a warp per slice of the tiles: warp s sums the
+// tiles t ≡ s (mod kWarps) in increasing order, then the slices are added in increasing order
+// (the latency of one long chain of loads per entry was most of this kernel's time).
+__global__ void __launch_bounds__(kThreads)
+    reduce_kernel(Dims d, const float* __restrict__ partials, float* d_dt_bias, float* d_b_weight,
+                  float* d_c_weight) {
+  __shared__ double slices[kWarps][32];
+  const int slice = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int c = blockIdx.x * 32 + lane;
   double sum = 0.0;
-  for (int t = 0; t < d.tiles; ++t) sum += partials[static_cast<int64_t>(t) * d.partial_width + c];
-  const float total = static_cast<float>(sum);
+  if (c < d.partial_width) {
+    for (int t = slice; t < d.tiles; t += kWarps) {
+      sum += partials[static_cast<int64_t>(t) * d.partial_width + c];
+    }
+  }
+  slices[slice][lane] = sum;
+  __syncthreads();
+  if (slice != 0 || c >= d.partial_width) return;
+  double whole = 0.0;
+  for (int w = 0; w < kWarps; ++w) whole += slices[w][lane];
+  const float total = static_cast<float>(whole);
   if (c < d.heads) {
     d_dt_bias[c] = total;
   } else if (c < d.heads + d.state) {
@@ -278,7 +292,8 @@ Dims dims_of(const ops::Mamba3PreprocessShape& s) {
 
 size_t backward_shared_bytes(const Dims& d) {
   const size_t heads_padded = static_cast<size_t>(d.heads + 3) / 4 * 4;
-  return (heads_padded + static_cast<size_t>(kWarps) * 2 * d.state) * sizeof(float);
+  return static_cast<size_t>(kWarps) * (heads_padded + 2 * static_cast<size_t>(d.state)) *
+         sizeof(float);
 }
 
 size_t aligned(size_t bytes) {
@@ -327,6 +342,12 @@ Mamba3PreprocessCuda::Mamba3PreprocessCuda(const ops::Mamba3PreprocessShape& sha
   rstd_ = static_cast<float*>(arena_);
   partials_ = reinterpret_cast<float*>(static_cast<unsigned char*>(arena_) + rstd_bytes);
   MEGACPP_CUDA_CHECK(cudaMemset(arena_, 0, workspace_bytes_));
+  // Past 48 KB (heads and state near their maxima) the backward's partials need the opt-in.
+  const size_t shared = backward_shared_bytes(dims_of(shape));
+  if (shared > 48 * 1024) {
+    MEGACPP_CUDA_CHECK(cudaFuncSetAttribute(
+        backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
+  }
 }
 
 Mamba3PreprocessCuda::~Mamba3PreprocessCuda() {
@@ -349,7 +370,8 @@ void Mamba3PreprocessCuda::forward(const uint16_t* proj, const PreprocessDeviceP
   const Dims d = dims_of(shape_);
   const FwdOut o{as_bf16(out.z),   as_bf16(out.x),  as_bf16(out.k),    as_bf16(out.q),
                  as_bf16(out.adt), as_bf16(out.dt), as_bf16(out.trap), as_bf16(out.angles)};
-  forward_kernel<<<d.rows, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+  forward_kernel<<<(d.rows + kWarps - 1) / kWarps, kThreads, 0,
+                   static_cast<cudaStream_t>(stream)>>>(
       d, as_bf16(proj), params.dt_bias, params.b_norm_weight, params.c_norm_weight, o, rstd_);
   MEGACPP_CUDA_CHECK_LAUNCH("forward_kernel");
   has_forward_ = true;
@@ -385,9 +407,8 @@ void Mamba3PreprocessCuda::backward(const uint16_t* proj, const PreprocessDevice
       d, as_bf16(proj), params.dt_bias, params.b_norm_weight, params.c_norm_weight, rstd_, g,
       as_bf16(dproj), partials_);
   MEGACPP_CUDA_CHECK_LAUNCH("backward_kernel");
-  const int blocks = (d.partial_width + kThreads - 1) / kThreads;
-  reduce_kernel<<<blocks, kThreads, 0, s>>>(d, partials_, param_grads.dt_bias,
-                                            param_grads.b_norm_weight, param_grads.c_norm_weight);
+  reduce_kernel<<<(d.partial_width + 31) / 32, kThreads, 0, s>>>(
+      d, partials_, param_grads.dt_bias, param_grads.b_norm_weight, param_grads.c_norm_weight);
   MEGACPP_CUDA_CHECK_LAUNCH("reduce_kernel");
 }
 

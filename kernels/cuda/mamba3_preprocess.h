@@ -9,15 +9,17 @@
 // kernels/contracts/mamba3_scan.h (rows = batch · seqlen); the parameters and their gradients are
 // fp32. Arithmetic is fp32.
 //
-//   forward   one block per row: z, x, trap and angles are copied out of the row, A, DT and
-//             ADT computed per head, and every (r, g) vector of B and C normalized by one
-//             warp (a butterfly sum, so the order is fixed); the norm scales (rstd) stay in
-//             the workspace for backward().
-//   backward  one block per tile of rows: dproj row by row; each warp keeps its share of the
-//             norm-weight gradients in shared memory, and each thread the dt_bias gradient
-//             of its heads, so the tile's partial is a fixed-order sum; a second kernel sums
-//             the tiles' partials in tile order. No floating-point atomics: results are
-//             bitwise reproducible.
+//   forward   one warp per row: z, x, trap and angles are copied out of the row, A, DT and
+//             ADT computed per head, and every (r, g) vector of B and C normalized in turn
+//             (a butterfly sum, so the order is fixed); the norm scales (rstd) stay in the
+//             workspace for backward().
+//   backward  one block per tile of rows, one warp per row at a time: dproj; each warp keeps
+//             its rows' share of the dt_bias and norm-weight gradients in shared memory, so
+//             the tile's partial is a fixed-order sum; a second kernel sums the tiles'
+//             partials in a fixed order. No floating-point atomics: results are bitwise
+//             reproducible. (A row's work is a short chain of loads, reductions and stores:
+//             a block per row, or a block walking its rows one by one, kept the GPU waiting
+//             on those chains where the heads are few, as in a tensor-parallel share.)
 #include <cstddef>
 #include <cstdint>
 
