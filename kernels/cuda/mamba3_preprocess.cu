@@ -1,6 +1,7 @@
 // CUDA Mamba-3 preprocessing: see mamba3_preprocess.h for the structure. The formulas are
 // those of kernels/cpu/mamba3_preprocess.h, evaluated in fp32 from bf16 inputs.
 #include <climits>
+#include <cstdint>
 #include <cmath>
 
 #include "kernels/cuda/common.cuh"
@@ -24,6 +25,20 @@ struct Dims {
 
 // ---------------------------------------------------------------------------------
 // Device helpers.
+
+// n elements of a row's z or x part, between the in_proj row and its own [d_inner] row: 16
+// bytes a lane where `wide` (both ends 16-byte aligned on every row: checked on the host), else
+// an element a lane. These copies are most of the kernels' bytes.
+__device__ __forceinline__ void copy_span(const bf16* __restrict__ from, bf16* __restrict__ to,
+                                          int n, bool wide, int lane) {
+  if (wide) {
+    for (int i = 8 * lane; i < n; i += 8 * 32) {
+      *reinterpret_cast<uint4*>(to + i) = *reinterpret_cast<const uint4*>(from + i);
+    }
+    return;
+  }
+  for (int i = lane; i < n; i += 32) to[i] = from[i];
+}
 
 __device__ __forceinline__ float heavy_tail(float v) {
   return v >= 0.f ? 1.f + v : 1.f / (1.f - v);
@@ -50,16 +65,14 @@ struct FwdOut {
 __global__ void __launch_bounds__(kThreads)
     forward_kernel(Dims d, const bf16* __restrict__ proj, const float* __restrict__ dt_bias,
                    const float* __restrict__ b_weight, const float* __restrict__ c_weight,
-                   FwdOut out, float* __restrict__ rstd) {
+                   FwdOut out, float* __restrict__ rstd, bool wide) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row = blockIdx.x * kWarps + warp;
   if (row >= d.rows) return;
   const bf16* p = proj + static_cast<int64_t>(row) * d.cols;
   const int64_t row_di = static_cast<int64_t>(row) * d.d_inner;
-  for (int i = lane; i < d.d_inner; i += 32) {
-    out.z[row_di + i] = p[i];
-    out.x[row_di + i] = p[d.col_x + i];
-  }
+  copy_span(p, out.z + row_di, d.d_inner, wide, lane);
+  copy_span(p + d.col_x, out.x + row_di, d.d_inner, wide, lane);
   for (int h = lane; h < d.heads; h += 32) {
     const int64_t o = static_cast<int64_t>(row) * d.heads + h;
     const float a = fminf(-heavy_tail(to_f(p[d.col_dd_a + h])), -d.a_floor);
@@ -105,7 +118,7 @@ __global__ void __launch_bounds__(kThreads)
     backward_kernel(Dims d, const bf16* __restrict__ proj, const float* __restrict__ dt_bias,
                     const float* __restrict__ b_weight, const float* __restrict__ c_weight,
                     const float* __restrict__ rstd, BwdIn g, bf16* __restrict__ dproj,
-                    float* __restrict__ partials) {
+                    float* __restrict__ partials, bool wide) {
   extern __shared__ float smem[];
   const int heads_padded = (d.heads + 3) / 4 * 4;
   const int warp_width = heads_padded + 2 * d.state;
@@ -123,10 +136,8 @@ __global__ void __launch_bounds__(kThreads)
     const bf16* p = proj + static_cast<int64_t>(row) * d.cols;
     bf16* dp = dproj + static_cast<int64_t>(row) * d.cols;
     const int64_t row_di = static_cast<int64_t>(row) * d.d_inner;
-    for (int i = lane; i < d.d_inner; i += 32) {
-      dp[i] = g.z[row_di + i];
-      dp[d.col_x + i] = g.x[row_di + i];
-    }
+    copy_span(g.z + row_di, dp, d.d_inner, wide, lane);
+    copy_span(g.x + row_di, dp + d.col_x, d.d_inner, wide, lane);
     for (int h = lane; h < d.heads; h += 32) {
       const int64_t o = static_cast<int64_t>(row) * d.heads + h;
       const float dd_a = to_f(p[d.col_dd_a + h]);
@@ -296,6 +307,16 @@ size_t backward_shared_bytes(const Dims& d) {
          sizeof(float);
 }
 
+// Whether copy_span may move 16 bytes a lane: every row of the in_proj buffer and of z and x,
+// and x's column offset, start on a 16-byte boundary.
+bool wide_rows(const Dims& d, const void* rows, const void* z, const void* x) {
+  const auto address = [](const void* p) {
+    return reinterpret_cast<uintptr_t>(p);
+  };
+  return d.cols % 8 == 0 && d.d_inner % 8 == 0 &&
+         (address(rows) | address(z) | address(x)) % 16 == 0;
+}
+
 size_t aligned(size_t bytes) {
   return (bytes + 255) / 256 * 256;
 }
@@ -371,8 +392,9 @@ void Mamba3PreprocessCuda::forward(const uint16_t* proj, const PreprocessDeviceP
   const FwdOut o{as_bf16(out.z),   as_bf16(out.x),  as_bf16(out.k),    as_bf16(out.q),
                  as_bf16(out.adt), as_bf16(out.dt), as_bf16(out.trap), as_bf16(out.angles)};
   forward_kernel<<<(d.rows + kWarps - 1) / kWarps, kThreads, 0,
-                   static_cast<cudaStream_t>(stream)>>>(
-      d, as_bf16(proj), params.dt_bias, params.b_norm_weight, params.c_norm_weight, o, rstd_);
+                   static_cast<cudaStream_t>(stream)>>>(d, as_bf16(proj), params.dt_bias,
+                                                        params.b_norm_weight, params.c_norm_weight,
+                                                        o, rstd_, wide_rows(d, proj, out.z, out.x));
   MEGACPP_CUDA_CHECK_LAUNCH("forward_kernel");
   has_forward_ = true;
 }
@@ -405,7 +427,7 @@ void Mamba3PreprocessCuda::backward(const uint16_t* proj, const PreprocessDevice
                 as_bf16(grads.adt), as_bf16(grads.dt), as_bf16(grads.trap), as_bf16(grads.angles)};
   backward_kernel<<<d.tiles, kThreads, backward_shared_bytes(d), s>>>(
       d, as_bf16(proj), params.dt_bias, params.b_norm_weight, params.c_norm_weight, rstd_, g,
-      as_bf16(dproj), partials_);
+      as_bf16(dproj), partials_, wide_rows(d, dproj, grads.z, grads.x));
   MEGACPP_CUDA_CHECK_LAUNCH("backward_kernel");
   reduce_kernel<<<(d.partial_width + 31) / 32, kThreads, 0, s>>>(
       d, partials_, param_grads.dt_bias, param_grads.b_norm_weight, param_grads.c_norm_weight);
