@@ -1,8 +1,8 @@
 // CUDA Mamba-3 preprocessing: see mamba3_preprocess.h for the structure. The formulas are
 // those of kernels/cpu/mamba3_preprocess.h, evaluated in fp32 from bf16 inputs.
 #include <climits>
-#include <cstdint>
 #include <cmath>
+#include <cstdint>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/mamba3_preprocess.h"
@@ -12,6 +12,7 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
+constexpr size_t kSharedWithoutOptIn = 48 * 1024;  // dynamic shared memory a block gets by default
 
 // Shape constants and column offsets every kernel needs, passed by value.
 struct Dims {
@@ -357,18 +358,24 @@ Mamba3PreprocessCuda::Mamba3PreprocessCuda(const ops::Mamba3PreprocessShape& sha
     : shape_(shape) {
   validate(shape);
   MEGACPP_CUDA_CHECK(cudaGetDevice(&device_));
+  // The backward's per-warp partials: up to kWarps · (kMaxHeads + 2 · kMaxState) floats (96 KB),
+  // past the 48 KB a block gets without opting in (backward() opts in per launch).
+  const size_t shared = backward_shared_bytes(dims_of(shape));
+  int opt_in = 0;
+  MEGACPP_CUDA_CHECK(
+      cudaDeviceGetAttribute(&opt_in, cudaDevAttrMaxSharedMemoryPerBlockOptin, device_));
+  if (shared > static_cast<size_t>(opt_in)) {
+    refuse(ErrorKind::kInvalidArgument,
+           "Mamba3PreprocessCuda: Mamba3PreprocessShape heads={} and state={} need {} bytes of "
+           "shared memory a block for the backward's partials; device {} allows {}",
+           shape.heads, shape.state, shared, device_, opt_in);
+  }
   const size_t rstd_bytes = rstd_bytes_of(dims_of(shape));
   workspace_bytes_ = workspace_bytes(shape);
   MEGACPP_CUDA_CHECK(cudaMalloc(&arena_, workspace_bytes_));
   rstd_ = static_cast<float*>(arena_);
   partials_ = reinterpret_cast<float*>(static_cast<unsigned char*>(arena_) + rstd_bytes);
   MEGACPP_CUDA_CHECK(cudaMemset(arena_, 0, workspace_bytes_));
-  // Past 48 KB (heads and state near their maxima) the backward's partials need the opt-in.
-  const size_t shared = backward_shared_bytes(dims_of(shape));
-  if (shared > 48 * 1024) {
-    MEGACPP_CUDA_CHECK(cudaFuncSetAttribute(
-        backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
-  }
 }
 
 Mamba3PreprocessCuda::~Mamba3PreprocessCuda() {
@@ -425,7 +432,14 @@ void Mamba3PreprocessCuda::backward(const uint16_t* proj, const PreprocessDevice
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   const BwdIn g{as_bf16(grads.z),   as_bf16(grads.x),  as_bf16(grads.k),    as_bf16(grads.q),
                 as_bf16(grads.adt), as_bf16(grads.dt), as_bf16(grads.trap), as_bf16(grads.angles)};
-  backward_kernel<<<d.tiles, kThreads, backward_shared_bytes(d), s>>>(
+  const size_t shared = backward_shared_bytes(d);
+  if (shared > kSharedWithoutOptIn) {
+    // The attribute is the function's on this device, not this op's: another op of a smaller
+    // shape may have set it lower since, so it is set before every such launch.
+    MEGACPP_CUDA_CHECK(cudaFuncSetAttribute(
+        backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
+  }
+  backward_kernel<<<d.tiles, kThreads, shared, s>>>(
       d, as_bf16(proj), params.dt_bias, params.b_norm_weight, params.c_norm_weight, rstd_, g,
       as_bf16(dproj), partials_, wide_rows(d, dproj, grads.z, grads.x));
   MEGACPP_CUDA_CHECK_LAUNCH("backward_kernel");

@@ -72,7 +72,8 @@ class Mamba3PreprocessCuda {
  public:
   // Rows of one backward tile: the number of per-tile partials is ceil(rows / this).
   static constexpr int kRowsPerTile = 32;
-  // The widest shapes the kernels take (their shared memory is sized by them).
+  // The widest shapes the kernels take: the backward's shared memory, sized by the shape, is
+  // at most 96 KB there (a GPU that allows less a block refuses such shapes).
   static constexpr int kMaxState = 512;
   static constexpr int kMaxHeads = 2048;
 

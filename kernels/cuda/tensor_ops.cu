@@ -65,16 +65,19 @@ void copy_ranges(const char* op, const int64_t* table, int ranges, int64_t longe
     refuse(ErrorKind::kInvalidArgument, "{}: the table and both buffers must be set for {} ranges",
            op, ranges);
   }
-  if (ranges > 65535) {
-    refuse(ErrorKind::kInvalidArgument, "{}: ranges={} exceeds a grid's 65535 rows", op, ranges);
-  }
   // Up to 128 blocks a range (the longest's need): with a range a grid row, the long ranges'
-  // rows keep every SM busy while the short ones' blocks end at once.
+  // rows keep every SM busy while the short ones' blocks end at once. A grid has at most 65535
+  // rows: more ranges take more launches.
   const auto per_range =
       static_cast<unsigned>(std::clamp<int64_t>((longest + kThreads - 1) / kThreads, 1, 128));
-  ranges_kernel<<<dim3(per_range, static_cast<unsigned>(ranges)), kThreads, 0,
-                  static_cast<cudaStream_t>(stream)>>>(table, to_packed, from, to);
-  MEGACPP_CUDA_CHECK_LAUNCH("ranges_kernel");
+  constexpr int kMaxRows = 65535;
+  for (int first = 0; first < ranges; first += kMaxRows) {
+    const int rows = std::min(kMaxRows, ranges - first);
+    ranges_kernel<<<dim3(per_range, static_cast<unsigned>(rows)), kThreads, 0,
+                    static_cast<cudaStream_t>(stream)>>>(table + 3 * static_cast<int64_t>(first),
+                                                         to_packed, from, to);
+    MEGACPP_CUDA_CHECK_LAUNCH("ranges_kernel");
+  }
 }
 
 }  // namespace

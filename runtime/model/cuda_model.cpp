@@ -941,8 +941,10 @@ void CudaModel::Impl::allocate_and_build(cuda::GemmPlanCache* plan_cache) {
       table.insert(table.end(), {r.offset, r.count, start});
       start += r.count;
     }
-    MEGACPP_CUDA_CHECK(cudaMemcpy(m.tp_pack_table, table.data(), table.size() * sizeof(int64_t),
-                                  cudaMemcpyHostToDevice));
+    MEGACPP_CUDA_CHECK(cudaMemcpyAsync(m.tp_pack_table, table.data(),
+                                       table.size() * sizeof(int64_t), cudaMemcpyHostToDevice,
+                                       m.stream));
+    MEGACPP_CUDA_CHECK(cudaStreamSynchronize(m.stream));  // `table` goes out of scope
   }
   for (Impl::Block& b : m.blocks) {
     if (b.mamba && m.recompute_in_proj) b.mamba->proj = m.shared_proj;

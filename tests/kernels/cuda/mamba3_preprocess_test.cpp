@@ -64,6 +64,9 @@ struct Mamba3Preprocess {
     }
     // A partial backward tile, N not a multiple of the warp, no angles (null angle pointers).
     add(make_shape(77, 6, 32, 48, 2, 2, 0));
+    // Heads and state at their maxima: the backward's partials take 96 KB of shared memory, past
+    // the 48 KB a block gets without opting in.
+    add(make_shape(40, 2048, 4, 512, 1, 1, 0));
     return out;
   }
 

@@ -22,15 +22,21 @@ using oracle::DType;
 using oracle::Role;
 
 // The ranges packed for a buffer of n: out of order, with gaps, one ending at n (one range
-// covering all of a short buffer).
-std::vector<std::array<int64_t, 2>> ranges_for(int64_t n) {
+// covering all of a short buffer); or every other element, a range each (more ranges than a grid
+// has rows: several launches).
+std::vector<std::array<int64_t, 2>> ranges_for(int64_t n, bool every_other) {
+  if (every_other) {
+    std::vector<std::array<int64_t, 2>> out;
+    for (int64_t i = 0; i < n; i += 2) out.push_back({i, 1});
+    return out;
+  }
   if (n < 7) return {{0, n}};
   return {{n / 2, n / 5}, {0, n / 3}, {n - n / 7, n / 7}};
 }
 
-int64_t packed_size(int64_t n) {
+int64_t packed_size(int64_t n, bool every_other) {
   int64_t total = 0;
-  for (const auto& r : ranges_for(n)) total += r[1];
+  for (const auto& r : ranges_for(n, every_other)) total += r[1];
   return total;
 }
 
@@ -43,11 +49,16 @@ struct TensorOps {
     std::string name;
     int64_t n;
     std::vector<Variant> variants;
+    bool every_other = false;  // the packing's ranges (ranges_for)
   };
 
   static std::vector<Case> cases() {
-    // One element, a partial block, and more elements than the largest grid covers in one pass.
-    return {{"n1", 1, {}}, {"n777", 777, {}}, {"n5000000", 5000000, {}}};
+    // One element, a partial block, more elements than the largest grid covers in one pass, and
+    // more packed ranges than a grid has rows.
+    return {{"n1", 1, {}},
+            {"n777", 777, {}},
+            {"n5000000", 5000000, {}},
+            {"n140001_every_other_element_packed", 140001, {}, true}};
   }
 
   static void declare(const Case& c, oracle::Problem& p) {
@@ -57,7 +68,8 @@ struct TensorOps {
     p.input("dst_in", DType::kF32, n, [&] { return normal(p.rng()); });
     p.output("copy", DType::kBf16, n, Role::kOutput);
     p.output("sum", DType::kF32, n, Role::kGradient);
-    p.output("packed", DType::kF32, static_cast<size_t>(packed_size(c.n)), Role::kOutput);
+    p.output("packed", DType::kF32, static_cast<size_t>(packed_size(c.n, c.every_other)),
+             Role::kOutput);
     p.output("unpacked", DType::kF32, n, Role::kOutput);  // dst_in, the ranges taken from src
   }
 
@@ -68,7 +80,7 @@ struct TensorOps {
       p.out("unpacked")[i] = p.in("dst_in")[i];
     }
     int64_t start = 0;
-    for (const auto& [offset, count] : ranges_for(c.n)) {
+    for (const auto& [offset, count] : ranges_for(c.n, c.every_other)) {
       for (int64_t i = 0; i < count; ++i) {
         p.out("packed")[start + i] = p.in("src")[offset + i];
         p.out("unpacked")[offset + i] = p.in("src")[offset + i];
@@ -87,7 +99,7 @@ struct TensorOps {
     const int64_t n = c.n;
     std::vector<int64_t> table;
     int64_t start = 0, longest = 0;
-    for (const auto& [offset, count] : ranges_for(n)) {
+    for (const auto& [offset, count] : ranges_for(n, c.every_other)) {
       table.insert(table.end(), {offset, count, start});
       start += count;
       longest = std::max(longest, count);
