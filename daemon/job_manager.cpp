@@ -70,6 +70,9 @@ struct JobManager::Entry {
   int64_t first_event_seq = 0;  // sequence number of events.front()
   size_t history_bytes = 0;
   int64_t evicted_through_step = 0;  // no dropped step event had a larger step
+  // No dropped eval had a larger step. An eval follows its step's event, so the history may have
+  // dropped a step and still hold its eval: a replay from the store stops its evals here.
+  int64_t evicted_through_eval = 0;
 };
 
 // Where one watch() stream is: in the history, and in what it has sent (which store replays
@@ -182,7 +185,9 @@ void JobManager::push_event(Entry& e, v1::JobEvent event) {
     while (e.history_bytes > config_.limits.job_event_history_bytes && e.events.size() > 1) {
       const auto& front = e.events.front();
       if (front.event.has_step()) {
-        e.evicted_through_step = std::max(e.evicted_through_step, front.event.step().step());
+        int64_t& through =
+            front.event.step().val_loss() < 0 ? e.evicted_through_step : e.evicted_through_eval;
+        through = std::max(through, front.event.step().step());
       }
       e.history_bytes -= front.bytes;
       e.events.pop_front();
@@ -448,13 +453,14 @@ void JobManager::release_watch_stream() {
 }
 
 bool JobManager::replay_steps(const receipts::Store& store, const v1::Job& job, WatchCursor& cursor,
-                              int64_t through_step,
+                              int64_t through_step, int64_t evals_through,
                               const std::function<bool(const v1::JobEvent&)>& send) const {
   const auto evals = store.evals(job.id());
   size_t next_eval = 0;
   double loss = job.loss();
   // As live: an eval follows the step it was run at.
   auto send_evals_through = [&](int64_t step) {
+    step = std::min(step, evals_through);
     for (; next_eval < evals.size() && evals[next_eval].step <= step; ++next_eval) {
       const auto& r = evals[next_eval];
       if (r.step <= cursor.last_eval_step) continue;
@@ -518,7 +524,7 @@ void JobManager::watch(const std::string& id, const std::function<bool(const v1:
       const v1::Job job = e.job;
       lock.unlock();
       const auto& receipts = open_store();
-      if (!replay_steps(receipts, job, cursor, INT64_MAX, send)) return;
+      if (!replay_steps(receipts, job, cursor, INT64_MAX, INT64_MAX, send)) return;
       if (!cursor.summary_sent) {
         if (auto summary = receipts.run_summary(job.id())) {
           v1::JobEvent event;
@@ -537,6 +543,7 @@ void JobManager::watch(const std::string& id, const std::function<bool(const v1:
       // The history dropped events this stream had not sent. Their receipts were enqueued when
       // they were pushed: once flushed, the store has every step up to evicted_through_step.
       const int64_t through = e.evicted_through_step;
+      const int64_t evals_through = e.evicted_through_eval;
       const int64_t resume = e.first_event_seq;
       const v1::Job job = e.job;
       lock.unlock();
@@ -549,7 +556,9 @@ void JobManager::watch(const std::string& id, const std::function<bool(const v1:
       } catch (const std::exception& failure) {
         spdlog::warn("watch {}: receipt store flush: {}", id, failure.what());
       }
-      if (!replay_steps(open_store(), job, cursor, through, send)) return;
+      // Evals only as far as the history dropped them: one it still holds (the eval of the
+      // last dropped step) comes from it, and sent from the store as well it came twice.
+      if (!replay_steps(open_store(), job, cursor, through, evals_through, send)) return;
       cursor.seq = resume;
       lock.lock();
       continue;

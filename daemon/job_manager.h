@@ -135,10 +135,11 @@ class JobManager {
   std::chrono::seconds restart_delay(int restart) const;  // restart: 1 for the first
   void push_event(Entry& entry, megacpp::v1::JobEvent event);
   void free_history(Entry& entry);
-  // Sends what the store holds of the job's steps (with their evals) in
-  // (cursor.last_step, through_step]; false when `send` failed.
+  // Sends what the store holds of the job's steps in (cursor.last_step, through_step], each
+  // followed by its eval where one was run and its step is at most evals_through; false when
+  // `send` failed.
   bool replay_steps(const receipts::Store& store, const megacpp::v1::Job& job, WatchCursor& cursor,
-                    int64_t through_step,
+                    int64_t through_step, int64_t evals_through,
                     const std::function<bool(const megacpp::v1::JobEvent&)>& send) const;
   void record_job(const Entry& entry);
   void record_job(const megacpp::v1::Job& job, int64_t last_checkpoint_step);

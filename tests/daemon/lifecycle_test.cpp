@@ -2,6 +2,7 @@
 // executors, restart backoff, bounded event history and watch streams. Real daemons and
 // executors; deadlines are generous (a busy 2-core machine), timeouts configured small only
 // where a test waits for them.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <httplib.h>
 #include <sqlite3.h>
@@ -9,6 +10,7 @@
 #include <atomic>
 #include <map>
 #include <set>
+#include <string>
 #include <thread>
 
 #include "receipts/store.h"
@@ -96,6 +98,17 @@ Watched watch_to_end(const Daemon& d, const std::string& id) {
   while (reader->Read(&event)) w.add(event);
   w.status = reader->Finish();
   return w;
+}
+
+// Where `got` first departs from 1, 2, ..., n (for a failure message).
+std::string first_difference(const std::vector<int64_t>& got, int64_t n) {
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (got[i] != static_cast<int64_t>(i) + 1) {
+      return fmt::format("{} events; at index {}: {} (then {})", got.size(), i, got[i],
+                         i + 1 < got.size() ? std::to_string(got[i + 1]) : "end");
+    }
+  }
+  return fmt::format("{} events, 1..{} in order", got.size(), std::min<int64_t>(n, got.size()));
 }
 
 std::vector<int64_t> one_to(int64_t n) {
@@ -403,6 +416,40 @@ TEST(Lifecycle, LateAndSlowWatchersGetEveryStepFromTheStore) {
     EXPECT_EQ(w->evals, evals) << name;
     EXPECT_EQ(w->summaries, 1) << name;
     EXPECT_EQ(w->last, v1::JOB_STATE_SUCCEEDED) << name;
+  }
+}
+
+// Item: a watcher that attaches mid-run, when the history has dropped a step but still holds
+// its eval, gets that eval once (the replay from the store sent it too, before the mend). With an
+// eval every step and the smallest history (4 KB: a few events), about half of the attach points
+// fall there: eight watchers attach at steps 40, 80, ..., and each gets every step and every
+// eval once, in order. A watcher that attaches after the end reads the store: the same.
+TEST(Lifecycle, WatchersAttachingMidRunGetEveryEvalOnce) {
+  Daemon d([](json& c) { c["limits"] = {{"job_event_history_bytes", 4096}}; });
+  ASSERT_EQ(d.start(), -1) << d.log();
+  constexpr int64_t kSteps = 400;
+  v1::JobSpec spec = d.small_job(kSteps);
+  spec.set_eval_interval(1);
+  spec.set_eval_batches(1);
+  spec.set_checkpoint_interval(0);
+  v1::Job job;
+  ASSERT_TRUE(submit(d, spec, &job).ok());
+  std::vector<Watched> watched(8);
+  std::vector<std::thread> watchers;
+  for (size_t i = 0; i < watched.size(); ++i) {
+    const auto at = static_cast<int64_t>(40 * (i + 1));
+    wait_for(d, job.id(), [&](const v1::Job& j) { return j.step() >= at || ended(j); });
+    watchers.emplace_back([&, i] { watched[i] = watch_to_end(d, job.id()); });
+  }
+  for (std::thread& t : watchers) t.join();
+  for (size_t i = 0; i < watched.size(); ++i) {
+    const Watched& w = watched[i];
+    EXPECT_TRUE(w.status.ok()) << "watcher " << i << ": " << w.status.error_message();
+    EXPECT_EQ(w.steps, one_to(kSteps)) << "watcher " << i;
+    EXPECT_EQ(w.evals, one_to(kSteps))
+        << "watcher " << i << ": " << first_difference(w.evals, kSteps);
+    EXPECT_EQ(w.summaries, 1) << "watcher " << i;
+    EXPECT_EQ(w.last, v1::JOB_STATE_SUCCEEDED) << "watcher " << i;
   }
 }
 
