@@ -235,6 +235,57 @@ TEST(AdamWCudaCopy, Bf16CopyIsTheRoundedMasterWeight) {
   }
 }
 
+// A tensor whose buffers are 16-byte aligned steps four elements a thread; the same values one
+// float further on (misaligned) step one at a time. The same arithmetic either way: the same
+// bits for the parameters, both moments and the bf16 copy.
+TEST(AdamWCudaCopy, FourWideAndElementwiseStepsGiveTheSameBits) {
+  MEGACPP_REQUIRE_GPU();
+  const int64_t n = 50001;
+  std::mt19937_64 rng(9);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::vector<float> param(static_cast<size_t>(n)), grad(param.size()), m(param.size()),
+      v(param.size());
+  for (size_t i = 0; i < param.size(); ++i) {
+    param[i] = normal(rng);
+    grad[i] = 0.01f * normal(rng);
+    m[i] = 0.01f * normal(rng);
+    v[i] = 1e-4f * std::abs(normal(rng));
+  }
+  std::vector<std::vector<uint8_t>> results[2];
+  for (const int shift : {0, 1}) {  // elements: 0 keeps 16-byte alignment, 1 breaks it
+    const size_t bytes = (param.size() + 1) * sizeof(float);
+    oracle::DeviceBuffer d_param(bytes), d_grad(bytes), d_m(bytes), d_v(bytes),
+        d_copy((param.size() + 1) * sizeof(uint16_t));
+    const auto at = [&](oracle::DeviceBuffer& b) {
+      return static_cast<float*>(b.get()) + shift;
+    };
+    for (auto [buffer, values] : {std::pair{&d_param, &param}, std::pair{&d_grad, &grad},
+                                  std::pair{&d_m, &m}, std::pair{&d_v, &v}}) {
+      MEGACPP_CUDA_CHECK(cudaMemcpy(at(*buffer), values->data(), values->size() * sizeof(float),
+                                    cudaMemcpyHostToDevice));
+    }
+    uint16_t* copy = static_cast<uint16_t*>(d_copy.get()) + shift;
+    const std::vector<AdamWTensorRef> tensors{
+        {at(d_param), at(d_grad), at(d_m), at(d_v), copy, n, true}};
+    oracle::DeviceBuffer work(AdamWCuda::workspace_bytes(tensors));
+    AdamWCuda op(tensors, work.get(), work.bytes());
+    op.step(kHyper, 5, nullptr);
+    MEGACPP_CUDA_CHECK(cudaDeviceSynchronize());
+    for (oracle::DeviceBuffer* b : {&d_param, &d_m, &d_v}) {
+      const std::vector<uint8_t> all = b->download();
+      results[shift].emplace_back(all.begin() + shift * static_cast<int64_t>(sizeof(float)),
+                                  all.begin() + (shift + n) * static_cast<int64_t>(sizeof(float)));
+    }
+    const std::vector<uint8_t> all = d_copy.download();
+    results[shift].emplace_back(all.begin() + shift * static_cast<int64_t>(sizeof(uint16_t)),
+                                all.begin() + (shift + n) * static_cast<int64_t>(sizeof(uint16_t)));
+  }
+  const char* names[] = {"param", "exp_avg", "exp_avg_sq", "param_bf16"};
+  for (size_t k = 0; k < 4; ++k) {
+    EXPECT_TRUE(results[0][k] == results[1][k]) << names[k] << " differs";
+  }
+}
+
 TEST(AdamWCudaTensors, RefusesBadTensorsStepAndWorkspace) {
   MEGACPP_REQUIRE_GPU();
   oracle::DeviceBuffer buffer(4096);
