@@ -119,11 +119,11 @@ struct CudaModel::Impl {
   // summed one by one (even batched) bench-1.3b's 139 of them, 78 MB (a Mamba in_proj's
   // replicated B, C and angle rows, the norms' weights), took 1.0 ms a step at TP = 4.
   static constexpr int64_t kDirectSumElements = int64_t{1} << 22;
-  std::vector<Range> tp_direct;
-  int tp_packed_ranges = 0;
-  int64_t tp_packed = 0, tp_packed_longest = 0;
+  std::vector<Range> tp_direct, tp_packed_ranges;
+  int64_t tp_packed = 0, tp_packed_longest = 0;  // tp_packed_ranges' elements, largest count
   float* tp_pack = nullptr;
   int64_t* tp_pack_table = nullptr;  // (offset, count, start) per packed range
+  int packed_range_count() const { return static_cast<int>(tp_packed_ranges.size()); }
   // CudaModelOptions: how the step runs.
   bool recompute_in_proj = false;
   AttentionEngine attention_engine = AttentionEngine::kCudnn;
@@ -853,17 +853,15 @@ void CudaModel::Impl::plan_buffers(const CudaModelOptions& options) {
   a.reserve(&m.square_sum, 1, "gradient square sum");
   if (m.sharded()) {
     for (const Impl::Range& r : m.tp_summed) {
-      if (r.count >= Impl::kDirectSumElements) {
-        m.tp_direct.push_back(r);
-      } else {
-        ++m.tp_packed_ranges;
-        m.tp_packed += r.count;
-        m.tp_packed_longest = std::max(m.tp_packed_longest, r.count);
-      }
+      (r.count >= Impl::kDirectSumElements ? m.tp_direct : m.tp_packed_ranges).push_back(r);
+    }
+    for (const Impl::Range& r : m.tp_packed_ranges) {
+      m.tp_packed += r.count;
+      m.tp_packed_longest = std::max(m.tp_packed_longest, r.count);
     }
     a.reserve(&m.tp_pack, static_cast<size_t>(std::max<int64_t>(m.tp_packed, 1)),
               "tensor-parallel gradient sums, packed");
-    a.reserve(&m.tp_pack_table, static_cast<size_t>(std::max(m.tp_packed_ranges, 1)) * 3,
+    a.reserve(&m.tp_pack_table, std::max<size_t>(m.tp_packed_ranges.size(), 1) * 3,
               "tensor-parallel gradient sums' ranges");
     int64_t largest = 1;
     for (const parallel::ParameterPlan& p : m.plan->parameters()) {
@@ -933,11 +931,10 @@ void CudaModel::Impl::allocate_and_build(cuda::GemmPlanCache* plan_cache) {
   }
   m.arena.allocate();
   m.gathered_arena.allocate(m.symmetric_arena);
-  if (m.tp_packed_ranges > 0) {
+  if (!m.tp_packed_ranges.empty()) {
     std::vector<int64_t> table;
     int64_t start = 0;
-    for (const Impl::Range& r : m.tp_summed) {
-      if (r.count >= Impl::kDirectSumElements) continue;
+    for (const Impl::Range& r : m.tp_packed_ranges) {
       table.insert(table.end(), {r.offset, r.count, start});
       start += r.count;
     }
@@ -1196,7 +1193,7 @@ void CudaModel::reduce_gradients() {
                                  parallel::ReduceOp::kAverage, m.stream);
   }
   if (m.sharded() && !m.tp_summed.empty()) {
-    cuda::pack_ranges_f32(m.grads, m.tp_pack_table, m.tp_packed_ranges, m.tp_packed_longest,
+    cuda::pack_ranges_f32(m.grads, m.tp_pack_table, m.packed_range_count(), m.tp_packed_longest,
                           m.tp_pack, m.stream);
     parallel::CudaCommunicator::Batch together(*m.par.tensor_group);
     if (m.tp_packed > 0) {
@@ -1208,7 +1205,7 @@ void CudaModel::reduce_gradients() {
                                      parallel::ReduceOp::kSum, m.stream);
     }
     together.end();
-    cuda::unpack_ranges_f32(m.tp_pack, m.tp_pack_table, m.tp_packed_ranges, m.tp_packed_longest,
+    cuda::unpack_ranges_f32(m.tp_pack, m.tp_pack_table, m.packed_range_count(), m.tp_packed_longest,
                             m.grads, m.stream);
   }
   m.lap("gradient all-reduce");
