@@ -107,14 +107,15 @@ cublasLtHandle_t handle_for(int device) {
 // ---------------------------------------------------------------------------------------------
 // Kernels
 
-// y [rows, out] bf16 += bias [out], in fp32, rounded once more.
+// y [rows, out] bf16 (rows `stride` elements apart) += bias [out], in fp32, rounded once more.
 __global__ void __launch_bounds__(kThreads)
-    bias_add_kernel(int rows, int out, const float* __restrict__ bias, bf16* __restrict__ y) {
+    bias_add_kernel(int rows, int out, int stride, const float* __restrict__ bias,
+                    bf16* __restrict__ y) {
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= out) return;
   const float b = bias[c];
   for (int row = blockIdx.y; row < rows; row += gridDim.y) {
-    bf16* p = y + static_cast<int64_t>(row) * out + c;
+    bf16* p = y + static_cast<int64_t>(row) * stride + c;
     *p = __float2bfloat16(to_f(*p) + b);
   }
 }
@@ -158,6 +159,11 @@ void validate(const LinearShape& s) {
   positive(s.rows, "rows");
   positive(s.in, "in");
   positive(s.out, "out");
+  if (s.y_stride != 0 && s.y_stride < s.out) {
+    refuse(ErrorKind::kInvalidArgument,
+           "LinearCuda: LinearShape.y_stride={} must be 0 (dense) or at least out={}", s.y_stride,
+           s.out);
+  }
 }
 
 template <class T>
@@ -527,19 +533,19 @@ LinearCuda::LinearCuda(const LinearShape& shape, void* workspace, size_t bytes,
   }
   auto plans = std::make_unique<Plans>();
   plans->handle = handle_for(device_);
-  const int64_t rows = shape.rows, in = shape.in, out = shape.out;
+  const int64_t rows = shape.rows, in = shape.in, out = shape.out, y_ld = shape.y_row_stride();
   const Matrix w{CUDA_R_16BF, in, out, in};      // W [out, in] row-major
   const Matrix x{CUDA_R_16BF, in, rows, in};     // x [rows, in] row-major
   const Matrix dy{CUDA_R_16BF, out, rows, out};  // dy [rows, out] row-major
   for (const bool f32 : {false, true}) {
     const cudaDataType_t type = f32 ? CUDA_R_32F : CUDA_R_16BF;
     plan_gemm(*plans, f32 ? kForwardF32 : kForwardBf16, shape, CUBLAS_OP_T, w, CUBLAS_OP_N, x,
-              Matrix{type, out, rows, out}, false, cache);
+              Matrix{type, out, rows, y_ld}, false, cache);
     plan_gemm(*plans, f32 ? kDxF32 : kDxBf16, shape, CUBLAS_OP_N, w, CUBLAS_OP_N, dy,
               Matrix{type, in, rows, in}, false, cache);
   }
   plan_gemm(*plans, kForwardF32Bias, shape, CUBLAS_OP_T, w, CUBLAS_OP_N, x,
-            Matrix{CUDA_R_32F, out, rows, out}, true, cache);
+            Matrix{CUDA_R_32F, out, rows, y_ld}, true, cache);
   plan_gemm(*plans, kDweight, shape, CUBLAS_OP_N, x, CUBLAS_OP_T, dy,
             Matrix{CUDA_R_32F, in, out, in}, false, cache, weight_gradient_sms);
   plans_ = plans.release();
@@ -575,7 +581,7 @@ void LinearCuda::forward(const uint16_t* x, const uint16_t* weight, const float*
   if (bias != nullptr) {
     const dim3 grid(static_cast<unsigned>(blocks_for(shape_.out)),
                     static_cast<unsigned>(shape_.rows < kMaxGridY ? shape_.rows : kMaxGridY));
-    bias_add_kernel<<<grid, kThreads, 0, s>>>(shape_.rows, shape_.out, bias,
+    bias_add_kernel<<<grid, kThreads, 0, s>>>(shape_.rows, shape_.out, shape_.y_row_stride(), bias,
                                               reinterpret_cast<bf16*>(y.bf16));
     MEGACPP_CUDA_CHECK_LAUNCH("bias_add_kernel");
   }

@@ -28,6 +28,10 @@ struct LinearShape {
   int rows = 0;  // batch · seqlen (or a chunk of it)
   int in = 0;    // input features
   int out = 0;   // output features
+  // forward()'s y: elements from one row to the next, 0 for `out` (dense). More leaves columns
+  // past `out` in each row unwritten (rows padded to an alignment their readers want).
+  int y_stride = 0;
+  int y_row_stride() const { return y_stride == 0 ? out : y_stride; }
 };
 
 // A [rows, columns] result written either in bf16 or in fp32: exactly one pointer is set.
@@ -58,7 +62,8 @@ class LinearCuda {
   LinearCuda& operator=(const LinearCuda&) = delete;
 
   // y = x · Wᵀ (+ bias; bias may be null). x bf16 [rows, in], weight bf16 [out, in], bias fp32
-  // [out]. stream: a cudaStream_t, or null. Asynchronous.
+  // [out], y [rows, out] with rows shape().y_row_stride() apart. stream: a cudaStream_t, or
+  // null. Asynchronous.
   void forward(const uint16_t* x, const uint16_t* weight, const float* bias, RowsOut y,
                void* stream = nullptr) const;
   // dy bf16 [rows, out]. dx [rows, in] = dy · W, overwritten (both pointers null: not computed).

@@ -18,6 +18,7 @@ constexpr size_t kSharedWithoutOptIn = 48 * 1024;  // dynamic shared memory a bl
 struct Dims {
   int rows, heads, state, angles;
   int cols, d_inner, bc_width, vecs;  // vecs = R·G vectors of B (and of C) per row
+  int proj_stride;                    // elements from one of proj's rows to the next (≥ cols)
   int col_x, col_b, col_c, col_dd_dt, col_dd_a, col_trap, col_angles;
   int tiles;          // backward tiles of Mamba3PreprocessCuda::kRowsPerTile rows
   int partial_width;  // H + 2·N floats per tile
@@ -70,10 +71,12 @@ __global__ void __launch_bounds__(kThreads)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row = blockIdx.x * kWarps + warp;
   if (row >= d.rows) return;
-  const bf16* p = proj + static_cast<int64_t>(row) * d.cols;
+  const bf16* p = proj + static_cast<int64_t>(row) * d.proj_stride;
   const int64_t row_di = static_cast<int64_t>(row) * d.d_inner;
-  copy_span(p, out.z + row_di, d.d_inner, wide, lane);
-  copy_span(p + d.col_x, out.x + row_di, d.d_inner, wide, lane);
+  if (out.z != nullptr) {  // else the scan reads z and x in place
+    copy_span(p, out.z + row_di, d.d_inner, wide, lane);
+    copy_span(p + d.col_x, out.x + row_di, d.d_inner, wide, lane);
+  }
   for (int h = lane; h < d.heads; h += 32) {
     const int64_t o = static_cast<int64_t>(row) * d.heads + h;
     const float a = fminf(-heavy_tail(to_f(p[d.col_dd_a + h])), -d.a_floor);
@@ -134,7 +137,7 @@ __global__ void __launch_bounds__(kThreads)
   const int row_end = min(d.rows, row_begin + Mamba3PreprocessCuda::kRowsPerTile);
   const float inv_n = 1.f / static_cast<float>(d.state);
   for (int row = row_begin + warp; row < row_end; row += kWarps) {
-    const bf16* p = proj + static_cast<int64_t>(row) * d.cols;
+    const bf16* p = proj + static_cast<int64_t>(row) * d.proj_stride;
     bf16* dp = dproj + static_cast<int64_t>(row) * d.cols;
     const int64_t row_di = static_cast<int64_t>(row) * d.d_inner;
     copy_span(g.z + row_di, dp, d.d_inner, wide, lane);
@@ -295,6 +298,7 @@ Dims dims_of(const ops::Mamba3PreprocessShape& s) {
   d.col_trap = d.col_dd_a + s.heads;
   d.col_angles = d.col_trap + s.heads;
   d.cols = d.col_angles + s.angles;
+  d.proj_stride = d.cols;
   d.tiles = (s.rows + Mamba3PreprocessCuda::kRowsPerTile - 1) / Mamba3PreprocessCuda::kRowsPerTile;
   d.partial_width = s.heads + 2 * s.state;
   d.a_floor = static_cast<float>(s.a_floor);
@@ -314,7 +318,7 @@ bool wide_rows(const Dims& d, const void* rows, const void* z, const void* x) {
   const auto address = [](const void* p) {
     return reinterpret_cast<uintptr_t>(p);
   };
-  return d.cols % 8 == 0 && d.d_inner % 8 == 0 &&
+  return d.cols % 8 == 0 && d.proj_stride % 8 == 0 && d.d_inner % 8 == 0 &&
          (address(rows) | address(z) | address(x)) % 16 == 0;
 }
 
@@ -354,9 +358,15 @@ size_t Mamba3PreprocessCuda::workspace_bytes(const ops::Mamba3PreprocessShape& s
   return rstd_bytes_of(d) + aligned(static_cast<size_t>(d.tiles) * d.partial_width * sizeof(float));
 }
 
-Mamba3PreprocessCuda::Mamba3PreprocessCuda(const ops::Mamba3PreprocessShape& shape)
-    : shape_(shape) {
+Mamba3PreprocessCuda::Mamba3PreprocessCuda(const ops::Mamba3PreprocessShape& shape, int proj_stride)
+    : shape_(shape), proj_stride_(proj_stride == 0 ? shape.columns() : proj_stride) {
   validate(shape);
+  if (proj_stride != 0 && proj_stride < shape.columns()) {
+    refuse(ErrorKind::kInvalidArgument,
+           "Mamba3PreprocessCuda: proj_stride={} must be 0 (dense) or at least the shape's "
+           "columns()={}",
+           proj_stride, shape.columns());
+  }
   MEGACPP_CUDA_CHECK(cudaGetDevice(&device_));
   // The backward's per-warp partials: up to kWarps · (kMaxHeads + 2 · kMaxState) floats (96 KB),
   // past the 48 KB a block gets without opting in (backward() opts in per launch).
@@ -386,8 +396,11 @@ void Mamba3PreprocessCuda::forward(const uint16_t* proj, const PreprocessDeviceP
                                    const PreprocessDeviceOutputs& out, void* stream) {
   require(proj, "forward: proj");
   require_params(params);
-  require(out.z, "PreprocessDeviceOutputs.z");
-  require(out.x, "PreprocessDeviceOutputs.x");
+  if ((out.z == nullptr) != (out.x == nullptr)) {
+    refuse(ErrorKind::kInvalidArgument,
+           "Mamba3PreprocessCuda: PreprocessDeviceOutputs.z and .x must be both set or both null "
+           "(z and x read in place in proj)");
+  }
   require(out.k, "PreprocessDeviceOutputs.k");
   require(out.q, "PreprocessDeviceOutputs.q");
   require(out.adt, "PreprocessDeviceOutputs.adt");
@@ -395,7 +408,8 @@ void Mamba3PreprocessCuda::forward(const uint16_t* proj, const PreprocessDeviceP
   require(out.trap, "PreprocessDeviceOutputs.trap");
   if (shape_.angles > 0) require(out.angles, "PreprocessDeviceOutputs.angles");
   MEGACPP_CUDA_CHECK(cudaSetDevice(device_));
-  const Dims d = dims_of(shape_);
+  Dims d = dims_of(shape_);
+  d.proj_stride = proj_stride_;
   const FwdOut o{as_bf16(out.z),   as_bf16(out.x),  as_bf16(out.k),    as_bf16(out.q),
                  as_bf16(out.adt), as_bf16(out.dt), as_bf16(out.trap), as_bf16(out.angles)};
   forward_kernel<<<(d.rows + kWarps - 1) / kWarps, kThreads, 0,
@@ -428,7 +442,8 @@ void Mamba3PreprocessCuda::backward(const uint16_t* proj, const PreprocessDevice
   require(param_grads.b_norm_weight, "PreprocessDeviceParamGrads.b_norm_weight");
   require(param_grads.c_norm_weight, "PreprocessDeviceParamGrads.c_norm_weight");
   MEGACPP_CUDA_CHECK(cudaSetDevice(device_));
-  const Dims d = dims_of(shape_);
+  Dims d = dims_of(shape_);
+  d.proj_stride = proj_stride_;
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   const BwdIn g{as_bf16(grads.z),   as_bf16(grads.x),  as_bf16(grads.k),    as_bf16(grads.q),
                 as_bf16(grads.adt), as_bf16(grads.dt), as_bf16(grads.trap), as_bf16(grads.angles)};

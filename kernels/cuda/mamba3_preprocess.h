@@ -80,15 +80,19 @@ class Mamba3PreprocessCuda {
   // Validates the shape (throws megacpp::Error kInvalidArgument naming the field and value
   // otherwise), then allocates the device workspace once: the norm scales [rows, 2·R·G]
   // and the backward tiles' partials.
-  explicit Mamba3PreprocessCuda(const ops::Mamba3PreprocessShape& shape);
+  // proj_stride: elements from one of proj's rows to the next, 0 for columns() (dense); more
+  // where in_proj's rows are padded (dproj stays dense).
+  explicit Mamba3PreprocessCuda(const ops::Mamba3PreprocessShape& shape, int proj_stride = 0);
   // The bytes the constructor allocates for `shape` (throws like it on a bad shape).
   static size_t workspace_bytes(const ops::Mamba3PreprocessShape& shape);
   ~Mamba3PreprocessCuda();
   Mamba3PreprocessCuda(const Mamba3PreprocessCuda&) = delete;
   Mamba3PreprocessCuda& operator=(const Mamba3PreprocessCuda&) = delete;
 
-  // proj: in_proj's output [rows, columns()] bf16. Keeps the norm scales for backward().
-  // stream: a cudaStream_t, or null for the default stream. Asynchronous.
+  // proj: in_proj's output [rows, columns()] bf16, rows proj_stride apart. Keeps the norm scales
+  // for backward(). out.z and out.x both null: they are not copied out (a scan reading them in
+  // place in proj, with ScanDeviceInputs::zv_row_stride = columns()). stream: a cudaStream_t, or
+  // null for the default stream. Asynchronous.
   void forward(const uint16_t* proj, const PreprocessDeviceParams& params,
                const PreprocessDeviceOutputs& out, void* stream = nullptr);
   // Needs a forward() on the same proj and params first (throws kFailedPrecondition
@@ -106,6 +110,7 @@ class Mamba3PreprocessCuda {
 
  private:
   ops::Mamba3PreprocessShape shape_;
+  int proj_stride_ = 0;
   bool has_forward_ = false;
   int device_ = 0;
   void* arena_ = nullptr;

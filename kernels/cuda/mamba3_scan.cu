@@ -128,7 +128,8 @@ ops::ScanShape planned_shape(const ops::ScanShape& s, const SharedMemoryLimits& 
   return planned;
 }
 
-DevInputs dev_inputs(const ScanDeviceInputs& in, int angles) {
+DevInputs dev_inputs(const ScanDeviceInputs& in, const Dims& dims) {
+  const int angles = dims.angles;
   const auto need = [](const uint16_t* p, const char* field) {
     if (p == nullptr) refuse(ErrorKind::kInvalidArgument, "ScanDeviceInputs.{} is null", field);
     return reinterpret_cast<const bf16*>(p);
@@ -148,6 +149,14 @@ DevInputs dev_inputs(const ScanDeviceInputs& in, int angles) {
   d.mimo_z = need(in.mimo_z, "mimo_z");
   d.mimo_o = need(in.mimo_o, "mimo_o");
   d.d = need(in.d, "d");
+  const int64_t dense = static_cast<int64_t>(dims.heads) * dims.headdim;
+  if (in.zv_row_stride != 0 && (in.zv_row_stride < dense || in.zv_row_stride % 8 != 0)) {
+    refuse(ErrorKind::kInvalidArgument,
+           "ScanDeviceInputs.zv_row_stride={} must be 0 (dense) or at least heads · headdim = {} "
+           "and a multiple of 8 (the scan moves z's and v's rows 16 bytes at a time)",
+           in.zv_row_stride, dense);
+  }
+  d.zv_stride = static_cast<size_t>(in.zv_row_stride == 0 ? dense : in.zv_row_stride);
   return d;
 }
 
@@ -443,7 +452,7 @@ void Mamba3ScanCuda::forward(const ScanDeviceInputs& in, uint16_t* y, void* stre
   require_aligned_rows("Mamba3ScanCuda::forward", in, {{"y", y}});
   MEGACPP_CUDA_CHECK(cudaSetDevice(device_));
   const Dims& d = buffers_->dims;
-  scan_detail::DevInputs din = scan_detail::dev_inputs(in, d.angles);
+  scan_detail::DevInputs din = scan_detail::dev_inputs(in, d);
   stage_parameters(din, d, buffers_->staged_parameters, static_cast<cudaStream_t>(stream));
   scan_detail::run_forward(buffers_->forward, tensor_cores_, psiv_cache_, d, din, buffers_->work,
                            reinterpret_cast<bf16*>(y), static_cast<cudaStream_t>(stream));
@@ -461,7 +470,7 @@ void Mamba3ScanCuda::backward(const ScanDeviceInputs& in, const uint16_t* dy,
                        {{"dy", dy}, {"the gradient v", grads.v}, {"the gradient z", grads.z}});
   MEGACPP_CUDA_CHECK(cudaSetDevice(device_));
   const Dims& d = buffers_->dims;
-  scan_detail::DevInputs din = scan_detail::dev_inputs(in, d.angles);
+  scan_detail::DevInputs din = scan_detail::dev_inputs(in, d);
   stage_parameters(din, d, buffers_->staged_parameters, static_cast<cudaStream_t>(stream));
   const scan_detail::DevGrads dg = scan_detail::dev_grads(grads, d.angles);
   scan_detail::run_backward(buffers_->backward, tensor_cores_, psiv_cache_, d, din, buffers_->work,

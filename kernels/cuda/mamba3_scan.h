@@ -49,6 +49,10 @@ struct ScanDeviceInputs {
   const uint16_t* mimo_z = nullptr;
   const uint16_t* mimo_o = nullptr;
   const uint16_t* d = nullptr;
+  // Elements from one token's z row to the next, and v's: 0 for heads · headdim (each its own
+  // dense tensor), or more where both are read in place inside a wider row, such as in_proj's
+  // output [rows, columns] (z and v at their columns' offsets). A multiple of 8 (16-byte rows).
+  int64_t zv_row_stride = 0;
 };
 
 // Device pointers for the 14 gradients; backward() overwrites them. Per-token tensors

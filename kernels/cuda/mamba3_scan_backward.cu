@@ -84,8 +84,9 @@ struct DOutLoader {
         loaded = {load_row<W>(staged_z_dy + at), load_row<W>(in.mimo_z + wr),
                   load_row<W>(staged_z_dy + d.chunk * P + at), load_row<W>(in.mimo_o + wr)};
       } else {
-        loaded = {load_row<W>(in.z + th * P + p), load_row<W>(in.mimo_z + wr),
-                  load_row<W>(dy + th * P + p), load_row<W>(in.mimo_o + wr)};
+        loaded = {load_row<W>(in.z + zv_row(d, in, pos.b, pos.t0 + i, pos.h) + p),
+                  load_row<W>(in.mimo_z + wr), load_row<W>(dy + th * P + p),
+                  load_row<W>(in.mimo_o + wr)};
       }
     }
     return loaded;
@@ -165,8 +166,9 @@ __global__ void chunk_dstate_kernel(D d, SmemPlan plan, DevInputs in, Work w, co
     constexpr int kSpace = D::rows * (D::headdim + 4) * sizeof(float) / sizeof(bf16);
     static_assert(kZDy <= kSpace);
     staged_z_dy = reinterpret_cast<bf16*>(smem + plan.d_out);
-    stage_tokens(d, in.z, pos, staged_z_dy);
-    stage_tokens(d, dy, pos, staged_z_dy + D::chunk * D::headdim);
+    stage_tokens(d, in.z, in.zv_stride, pos, staged_z_dy);
+    stage_tokens(d, dy, static_cast<size_t>(d.heads) * D::headdim, pos,
+                 staged_z_dy + D::chunk * D::headdim);
     if constexpr (kZDy + kQ <= kSpace) {
       staged_q = staged_z_dy + kZDy;
       stage_rows(d, in.q, pos, staged_q);
@@ -497,7 +499,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
   // when the plan has the space and the tensors' rows allow it (not at the fixed SISO shape:
   // kLeanRegisters).
   const bool aligned = ((reinterpret_cast<uintptr_t>(in.v) | reinterpret_cast<uintptr_t>(in.z) |
-                         reinterpret_cast<uintptr_t>(dy)) %
+                         reinterpret_cast<uintptr_t>(dy) | in.zv_stride * sizeof(bf16)) %
                         16) == 0;
   bf16* staged = kAsyncCopies && !kLeanRegisters<D> && plan.staged_tokens != 0 && aligned
                      ? reinterpret_cast<bf16*>(smem + plan.staged_tokens)
@@ -510,8 +512,10 @@ __global__ void __launch_bounds__(kBackwardThreads)
       const int which = row / C, i = row % C;
       const bf16* src = which == 0 ? in.v : which == 1 ? in.z : dy;
       const bool valid = i < at.len;  // padded tokens are zeros
-      const size_t th = token_head(d, at.b, at.t0 + (valid ? i : 0), at.h);
-      copy_16_async(staged + row * P + piece * kPiece, src + th * P + piece * kPiece, valid);
+      const int t = at.t0 + (valid ? i : 0);
+      const size_t from =
+          which == 2 ? token_head(d, at.b, t, at.h) * P : zv_row(d, in, at.b, t, at.h);
+      copy_16_async(staged + row * P + piece * kPiece, src + from + piece * kPiece, valid);
     }
     commit_copies();
   };
@@ -843,7 +847,8 @@ __global__ void __launch_bounds__(kBackwardThreads)
     for (int idx = threadIdx.x; idx < (gating_in_tiles ? 0 : pos.len * P / W); idx += blockDim.x) {
       const auto [i, p] = headdim_item<W>(d, idx);
       const size_t th = token_head(d, pos.b, pos.t0 + i, h);
-      const Bf16Row<W> zs = load_row<W>(z_dy != nullptr ? z_dy + i * P + p : in.z + th * P + p);
+      const Bf16Row<W> zs = load_row<W>(
+          z_dy != nullptr ? z_dy + i * P + p : in.z + zv_row(d, in, pos.b, pos.t0 + i, h) + p);
       const Bf16Row<W> dys =
           load_row<W>(z_dy != nullptr ? z_dy + (C + i) * P + p : dy + th * P + p);
       float dz[W] = {};
@@ -926,7 +931,8 @@ __global__ void __launch_bounds__(kBackwardThreads)
       } else {
         gating_sums([&](int i, int p) {
           const size_t th = token_head(d, pos.b, pos.t0 + i, h);
-          return make_float2(to_f(in.z[th * P + p]), to_f(dy[th * P + p]));
+          return make_float2(to_f(in.z[zv_row(d, in, pos.b, pos.t0 + i, h) + p]),
+                             to_f(dy[th * P + p]));
         });
       }
       for (int idx = threadIdx.x; idx < M * P / W; idx += blockDim.x) {
@@ -1156,7 +1162,8 @@ __global__ void __launch_bounds__(kBackwardThreads)
                     *reinterpret_cast<__nv_bfloat162*>(grads.v + th * P + p) =
                         __floats2bfloat162_rn(d_v0 * mimo.x, d_v1 * mimo.y);
                     v_pair = *reinterpret_cast<const __nv_bfloat162*>(
-                        v_early != nullptr ? v_early + token * P + p : in.v + th * P + p);
+                        v_early != nullptr ? v_early + token * P + p
+                                           : in.v + zv_row(d, in, pos.b, pos.t0 + token, h) + p);
                   }
                   const float m0 = d_v0 * __low2float(v_pair), m1 = d_v1 * __high2float(v_pair);
                   mimo_x_term[half][0] = upper == 0 ? m0 : mimo_x_term[half][0] + m0;
@@ -1227,7 +1234,9 @@ __global__ void __launch_bounds__(kBackwardThreads)
                         const size_t th = token_head(d, pos.b, pos.t0 + token, h);
                         const float2 v =
                             __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(
-                                v_early != nullptr ? v_early + token * P + p : in.v + th * P + p));
+                                v_early != nullptr
+                                    ? v_early + token * P + p
+                                    : in.v + zv_row(d, in, pos.b, pos.t0 + token, h) + p));
                         mimo_x_sums[half][0] += value.x * v.x;
                         mimo_x_sums[half][1] += value.y * v.y;
                       }
@@ -1371,7 +1380,10 @@ __global__ void __launch_bounds__(kBackwardThreads)
           for (int w = 0; w < W; ++w) dx[w] += d_psiv_r[w] * mimo_x_r[w];
         }
         store_row(grads.v + th * P + p, round_row<W>(dx));
-        if (v_in_scores) store_row(v_tokens + i * P + p, load_row<W>(in.v + th * P + p));
+        if (v_in_scores) {
+          store_row(v_tokens + i * P + p,
+                    load_row<W>(in.v + zv_row(d, in, pos.b, pos.t0 + i, h) + p));
+        }
       }
       if (v_in_scores) __syncthreads();
       // v from shared memory or global memory, chosen once outside the sums' loops.
@@ -1388,7 +1400,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
         mimo_x_sums([&](int i, int p) { return to_f(v_tokens[i * P + p]); });
       } else {
         mimo_x_sums(
-            [&](int i, int p) { return to_f(in.v[token_head(d, pos.b, pos.t0 + i, h) * P + p]); });
+            [&](int i, int p) { return to_f(in.v[zv_row(d, in, pos.b, pos.t0 + i, h) + p]); });
       }
     }
     // Per-token coefficient gradients; dL/dADT_u = Σ_{i ≥ u} dL/dl_i inside the chunk.

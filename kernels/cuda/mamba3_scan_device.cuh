@@ -350,6 +350,7 @@ inline size_t least_backward_bytes(const Dims& d) {
 struct DevInputs {
   const bf16 *q, *k, *v, *z, *adt, *dt, *trap, *angles, *q_bias, *k_bias, *mimo_x, *mimo_z, *mimo_o,
       *d;
+  size_t zv_stride;  // elements from a token's z (and v) row to the next (zv_row)
 };
 
 struct DevGrads {
@@ -487,6 +488,16 @@ static __device__ ChunkPos chunk_pos(const D& d, int bh_or_bg, bool by_group, in
 template <class D>
 static __device__ __forceinline__ size_t token_head(const D& d, int b, int t, int h) {
   return (static_cast<size_t>(b) * d.seqlen + t) * d.heads + h;
+}
+
+// Where head h's row of z and of v begins for token t of batch b: z and v may be read in place
+// inside a wider row (in_proj's output: ScanDeviceInputs::zv_row_stride), so their tokens lie
+// in.zv_stride elements apart rather than heads · headdim.
+template <class D>
+static __device__ __forceinline__ size_t zv_row(const D& d, const DevInputs& in, int b, int t,
+                                                int h) {
+  return (static_cast<size_t>(b) * d.seqlen + t) * in.zv_stride +
+         static_cast<size_t>(h) * d.headdim;
 }
 
 // The block's elements 0 … items−1, thread-strided as in `for (idx = threadIdx.x; idx < items;
@@ -960,15 +971,18 @@ static __device__ __forceinline__ void stage_rows(const D& d, const bf16* src, c
 // The chunk's tokens of head pos.h of a [B, T, H, P] tensor (z, dy) as [C][P], unpadded.
 template <class D>
 static __device__ __forceinline__ void stage_tokens(const D& d, const bf16* src,
-                                                    const ChunkPos& pos, bf16* staged) {
+                                                    size_t token_stride, const ChunkPos& pos,
+                                                    bf16* staged) {
   static_assert(D::kFixed && D::headdim % kStagePiece == 0);
   constexpr int kPieces = D::headdim / kStagePiece;
   for (int idx = threadIdx.x; idx < D::chunk * kPieces; idx += blockDim.x) {
     const int i = idx / kPieces, piece = idx % kPieces;
     const bool valid = i < pos.len;
-    const size_t th = token_head(d, pos.b, pos.t0 + (valid ? i : 0), pos.h);
-    copy_16_async(staged + i * D::headdim + piece * kStagePiece,
-                  src + th * D::headdim + piece * kStagePiece, valid);
+    const size_t row =
+        (static_cast<size_t>(pos.b) * d.seqlen + pos.t0 + (valid ? i : 0)) * token_stride +
+        static_cast<size_t>(pos.h) * D::headdim;
+    copy_16_async(staged + i * D::headdim + piece * kStagePiece, src + row + piece * kStagePiece,
+                  valid);
   }
 }
 
@@ -1135,8 +1149,10 @@ struct PsivLoader {
         loaded.v = load_row<W>(cache + (th * R + r) * P + p);
         if (mimo_x_copy != nullptr && i == 0) loaded.mimo_x = load_row<W>(in.mimo_x + wr);
       } else {
-        loaded = {load_row<W>(staged_v != nullptr ? staged_v + i * P + p : in.v + th * P + p),
-                  load_row<W>(in.mimo_x + wr)};
+        loaded = {
+            load_row<W>(staged_v != nullptr ? staged_v + i * P + p
+                                            : in.v + zv_row(d, in, pos.b, pos.t0 + i, pos.h) + p),
+            load_row<W>(in.mimo_x + wr)};
       }
     }
     return loaded;

@@ -108,7 +108,7 @@ static __device__ __forceinline__ void write_gated_output(const D& d, const DevI
   for (int idx = threadIdx.x; idx < pos.len * P / W; idx += blockDim.x) {
     const auto [i, p] = headdim_item<W>(d, idx);
     const size_t th = token_head(d, pos.b, pos.t0 + i, pos.h);
-    const Bf16Row<W> z = load_row<W>(in.z + th * P + p);
+    const Bf16Row<W> z = load_row<W>(in.z + zv_row(d, in, pos.b, pos.t0 + i, pos.h) + p);
     float sum[W] = {};
     for (int r = 0; r < R; ++r) {
       const size_t wr = (static_cast<size_t>(pos.h) * R + r) * P + p;
@@ -328,9 +328,9 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
         const int p = j0 + half * 8 + 2 * t;
         const float2 v =
             __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(psiv + row * ld_pv + p));
-        const float2 z =
-            valid ? __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(in.z + th * P + p))
-                  : make_float2(0.f, 0.f);
+        const float2 z = valid ? __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(
+                                     in.z + zv_row(d, in, pos.b, pos.t0 + token, pos.h) + p))
+                               : make_float2(0.f, 0.f);
         const float2 mimo_z =
             __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(in.mimo_z + wr + p));
         const float2 mimo_o =

@@ -37,6 +37,9 @@ size_t free_device_bytes() {
   return free;
 }
 
+// in_proj's output rows, where the scan reads z and x in them, padded to 128 bytes.
+constexpr int kProjRowAlignment = 64;
+
 }  // namespace
 
 struct CudaModel::Impl {
@@ -50,6 +53,13 @@ struct CudaModel::Impl {
   struct MambaLayer {
     Param in_proj, dt_bias, b_bias, c_bias, b_norm, c_norm, mimo_x, mimo_z, mimo_o, d, out_proj;
     ops::Mamba3PreprocessShape shape;
+    // The scan reads z and x in place in proj (ScanDeviceInputs::zv_row_stride), not as copies
+    // in scan_in, where their columns allow 16-byte rows; proj's rows are then padded to
+    // kProjRowAlignment elements. (bench-1.3b at TP = 1, 8,912 columns: from 17,824-byte rows the
+    // scan's backward took 1.2-1.7% longer than from the copies, from 17,920-byte rows 0.6-0.8%;
+    // bench/RESULTS.md, session 26.)
+    bool zx_in_place = false;
+    int proj_stride = 0;  // elements from one of proj's rows to the next
     std::unique_ptr<cuda::LinearCuda> in_linear, out_linear;
     std::unique_ptr<cuda::Mamba3PreprocessCuda> preprocess;
     std::unique_ptr<cuda::Mamba3ScanCuda> scan;
@@ -266,8 +276,14 @@ struct CudaModel::Impl {
     cuda::ScanDeviceInputs s;
     s.q = in.q;
     s.k = in.k;
-    s.v = in.x;
-    s.z = in.z;
+    if (l.zx_in_place) {
+      s.z = l.proj;
+      s.v = l.proj + l.shape.col_x();
+      s.zv_row_stride = l.proj_stride;
+    } else {
+      s.v = in.x;
+      s.z = in.z;
+    }
     s.adt = in.adt;
     s.dt = in.dt;
     s.trap = in.trap;
@@ -356,15 +372,16 @@ struct CudaModel::Impl {
 
 namespace {
 
-// The scan's inputs carved out of one buffer, in the preprocessing's output order.
+// The scan's inputs carved out of one buffer, in the preprocessing's output order; without z and
+// x (null) where the scan reads them in place in in_proj's output.
 cuda::PreprocessDeviceOutputs carve_scan_inputs(uint16_t* base, const ops::Mamba3PreprocessShape& s,
-                                                size_t rows) {
+                                                size_t rows, bool with_zx = true) {
   cuda::PreprocessDeviceOutputs o;
   const size_t di = static_cast<size_t>(s.d_inner()), bc = static_cast<size_t>(s.bc_width());
   const size_t h = static_cast<size_t>(s.heads);
-  o.z = base;
-  o.x = o.z + rows * di;
-  o.k = o.x + rows * di;
+  o.z = with_zx ? base : nullptr;
+  o.x = with_zx ? base + rows * di : nullptr;
+  o.k = with_zx ? base + 2 * rows * di : base;
   o.q = o.k + rows * bc;
   o.adt = o.q + rows * bc;
   o.dt = o.adt + rows * h;
@@ -373,9 +390,10 @@ cuda::PreprocessDeviceOutputs carve_scan_inputs(uint16_t* base, const ops::Mamba
   return o;
 }
 
-size_t scan_input_elements(const ops::Mamba3PreprocessShape& s, size_t rows) {
-  return rows * (2 * static_cast<size_t>(s.d_inner()) + 2 * static_cast<size_t>(s.bc_width()) +
-                 3 * static_cast<size_t>(s.heads) + static_cast<size_t>(s.angles));
+size_t scan_input_elements(const ops::Mamba3PreprocessShape& s, size_t rows, bool with_zx = true) {
+  return rows * ((with_zx ? 2 * static_cast<size_t>(s.d_inner()) : 0) +
+                 2 * static_cast<size_t>(s.bc_width()) + 3 * static_cast<size_t>(s.heads) +
+                 static_cast<size_t>(s.angles));
 }
 
 }  // namespace
@@ -774,13 +792,20 @@ void CudaModel::Impl::plan_buffers(const CudaModelOptions& options) {
       const ops::Mamba3PreprocessShape& s = layer->shape;
       const size_t cols = static_cast<size_t>(s.columns());
       const size_t di = static_cast<size_t>(s.d_inner());
+      // 16-byte rows, z and x at 16-byte offsets: the scan moves their rows 16 bytes at a time.
+      layer->zx_in_place = cols % 8 == 0 && di % 8 == 0;
+      layer->proj_stride =
+          static_cast<int>(layer->zx_in_place ? (cols + kProjRowAlignment - 1) / kProjRowAlignment *
+                                                    kProjRowAlignment
+                                              : cols);
+      const size_t proj_size = row_count * static_cast<size_t>(layer->proj_stride);
       if (options.recompute_in_proj) {
-        shared_proj_size =
-            std::max(shared_proj_size, row_count * cols);  // pointed at after allocate()
+        shared_proj_size = std::max(shared_proj_size, proj_size);  // pointed at after allocate()
       } else {
-        a.reserve(&layer->proj, row_count * cols, q + "proj");
+        a.reserve(&layer->proj, proj_size, q + "proj");
       }
-      a.reserve(&layer->scan_in, scan_input_elements(s, row_count), q + "scan inputs");
+      a.reserve(&layer->scan_in, scan_input_elements(s, row_count, !layer->zx_in_place),
+                q + "scan inputs");
       a.reserve(&layer->y, row_count * di, q + "y");
       scratch_a_size = std::max(scratch_a_size, row_count * di);    // dy of the scan
       scratch_b_size = std::max(scratch_b_size, row_count * cols);  // dproj
@@ -999,10 +1024,11 @@ void CudaModel::Impl::allocate_and_build(cuda::GemmPlanCache* plan_cache) {
     if (b.mamba) {
       Impl::MambaLayer& l = *b.mamba;
       l.in_linear = std::make_unique<cuda::LinearCuda>(
-          cuda::LinearShape{m.rows, c.d_model, l.shape.columns()}, ws, wsb, plan_cache, wgrad_sms);
+          cuda::LinearShape{m.rows, c.d_model, l.shape.columns(), l.proj_stride}, ws, wsb,
+          plan_cache, wgrad_sms);
       l.out_linear = std::make_unique<cuda::LinearCuda>(
           cuda::LinearShape{m.rows, l.shape.d_inner(), c.d_model}, ws, wsb, plan_cache, wgrad_sms);
-      l.preprocess = std::make_unique<cuda::Mamba3PreprocessCuda>(l.shape);
+      l.preprocess = std::make_unique<cuda::Mamba3PreprocessCuda>(l.shape, l.proj_stride);
       // The layers' backwards run one after another: they share the scan's temporaries.
       l.scan = std::make_unique<cuda::Mamba3ScanCuda>(
           l.shape.scan_shape(m.batch, m.seqlen, c.ssm.chunk_size), false, true,
@@ -1312,7 +1338,7 @@ void CudaModel::Impl::mamba_forward(MambaLayer& l, const uint16_t* x) {
   l.in_linear->forward(x, m.bf16(l.in_proj), nullptr, cuda::RowsOut{l.proj, nullptr}, m.s());
   m.lap("mamba in_proj forward");
   const cuda::PreprocessDeviceOutputs in =
-      carve_scan_inputs(l.scan_in, l.shape, static_cast<size_t>(m.rows));
+      carve_scan_inputs(l.scan_in, l.shape, static_cast<size_t>(m.rows), !l.zx_in_place);
   l.preprocess->forward(l.proj, {m.value(l.dt_bias), m.value(l.b_norm), m.value(l.c_norm)}, in,
                         m.s());
   m.lap("mamba preprocess forward");
@@ -1400,7 +1426,14 @@ void CudaModel::Impl::mamba_backward(MambaLayer& l, const uint16_t* x) {
   // out_proj's weight gradient waits until dnormed is being summed (start_input_gradient_sum).
   l.out_linear->backward_input(m.bf16(l.out_proj), m.ddelta, cuda::RowsOut{dy, nullptr}, m.s());
   m.lap("mamba out_proj input gradient");
-  const cuda::PreprocessDeviceOutputs in = carve_scan_inputs(l.scan_in, l.shape, row_count);
+  if (m.recompute_in_proj) {
+    // The same GEMM on the same input as the forward's: the same bits, before the scan's
+    // backward, which may read z and x in them.
+    l.in_linear->forward(x, m.bf16(l.in_proj), nullptr, cuda::RowsOut{l.proj, nullptr}, m.s());
+    m.lap("mamba in_proj recompute");
+  }
+  const cuda::PreprocessDeviceOutputs in =
+      carve_scan_inputs(l.scan_in, l.shape, row_count, !l.zx_in_place);
   const cuda::PreprocessDeviceOutputs gin = carve_scan_inputs(m.scratch_c, l.shape, row_count);
   const cuda::ScanDeviceInputs s = m.scan_inputs(l, in);
   const ops::Mamba3PreprocessShape& sh = l.shape;
@@ -1437,11 +1470,6 @@ void CudaModel::Impl::mamba_backward(MambaLayer& l, const uint16_t* x) {
   m.lap("mamba parameter-gradient adds");
   float* pre = g.d + h;
   cuda::PreprocessDeviceParamGrads pre_grads{pre, pre + h, pre + h + sh.state};
-  if (m.recompute_in_proj) {
-    // The same GEMM on the same input as the forward's: the same bits.
-    l.in_linear->forward(x, m.bf16(l.in_proj), nullptr, cuda::RowsOut{l.proj, nullptr}, m.s());
-    m.lap("mamba in_proj recompute");
-  }
   l.preprocess->backward(l.proj, {m.value(l.dt_bias), m.value(l.b_norm), m.value(l.c_norm)},
                          {gin.z, gin.x, gin.k, gin.q, gin.adt, gin.dt, gin.trap, gin.angles}, dproj,
                          pre_grads, m.s());

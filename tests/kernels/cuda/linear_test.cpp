@@ -77,6 +77,14 @@ struct Linear {
                    false,
                    true,
                    {{"wgrad_on_16_sms", -1}}});
+    // y's rows padded (LinearShape::y_stride): the forward leaves the columns past out alone.
+    for (auto [shape, f32] : {std::pair{LinearShape{2048, 1024, 3072, 3136}, false},
+                              std::pair{LinearShape{77, 70, 33, 40}, true}}) {
+      std::ostringstream name;
+      name << "rows" << shape.rows << "_in" << shape.in << "_out" << shape.out << "_bias"
+           << (f32 ? "_f32" : "_bf16") << "_y_stride" << shape.y_stride;
+      out.push_back({name.str(), shape, true, false, f32, true, {{"op", -1}}});
+    }
     return out;
   }
 
@@ -142,9 +150,39 @@ struct Linear {
     const size_t dweight_bytes = static_cast<size_t>(s.out) * s.in * sizeof(float);
     const size_t dbias_bytes = static_cast<size_t>(s.out) * sizeof(float);
     oracle::Gpu g;
-    g.passes.push_back({"forward", [=] {
-                          op->forward(x, weight, bias, y);
-                        }});
+    if (s.y_stride != 0) {
+      // y written into padded rows (the padding NaNs, which must stay), then copied out dense.
+      const size_t element = c.f32 ? sizeof(float) : sizeof(uint16_t);
+      const size_t rows = static_cast<size_t>(s.rows);
+      const auto padded = std::make_shared<oracle::DeviceBuffer>(rows * s.y_stride * element);
+      g.passes.push_back({"forward", [=] {
+                            MEGACPP_CUDA_CHECK(cudaMemset(padded->get(), 0xff, padded->bytes()));
+                            RowsOut wide;
+                            if (c.f32) {
+                              wide.f32 = static_cast<float*>(padded->get());
+                            } else {
+                              wide.bf16 = static_cast<uint16_t*>(padded->get());
+                            }
+                            op->forward(x, weight, bias, wide);
+                            void* dense = c.f32 ? static_cast<void*>(y.f32) : y.bf16;
+                            MEGACPP_CUDA_CHECK(cudaMemcpy2D(dense, s.out * element, padded->get(),
+                                                            s.y_stride * element, s.out * element,
+                                                            rows, cudaMemcpyDeviceToDevice));
+                            std::vector<unsigned char> tail(rows * s.y_stride * element);
+                            MEGACPP_CUDA_CHECK(cudaMemcpy(tail.data(), padded->get(), tail.size(),
+                                                          cudaMemcpyDeviceToHost));
+                            for (size_t r = 0; r < rows; ++r) {
+                              for (size_t b = s.out * element; b < s.y_stride * element; ++b) {
+                                ASSERT_EQ(tail[r * s.y_stride * element + b], 0xff)
+                                    << "row " << r << " written past out";
+                              }
+                            }
+                          }});
+    } else {
+      g.passes.push_back({"forward", [=] {
+                            op->forward(x, weight, bias, y);
+                          }});
+    }
     g.passes.push_back({"backward", [=] {
                           (void)workspace;  // alive as long as the op
                           if (accumulate) {
@@ -172,6 +210,7 @@ TEST(LinearCudaShapes, RefusesShapesItDoesNotCover) {
   refused({0, 8, 8}, "rows=0");
   refused({4, 0, 8}, "in=0");
   refused({4, 8, -1}, "out=-1");
+  refused({4, 8, 8, 7}, "y_stride=7");
 }
 
 TEST(LinearCudaShapes, RefusesNullPointersAmbiguousOutputsAndMisalignment) {

@@ -55,7 +55,9 @@ struct Mamba3Preprocess {
       std::ostringstream name;
       name << "rows" << s.rows << "_H" << s.heads << "_P" << s.headdim << "_N" << s.state << "_G"
            << s.groups << "_R" << s.rank << "_A" << s.angles;
-      out.push_back({name.str(), s, {}});
+      // z and x left in proj (a scan reading them in place): the other outputs' bits unchanged.
+      // proj's rows padded (proj_stride): the same bits as from dense rows.
+      out.push_back({name.str(), s, {{"copies", -1}, {"z-x-in-place", 0}, {"padded-proj", 0}}});
     };
     // rows = 4·2048, H 16, P 64, R 4, A_n = N/4; (N, G).
     for (const auto& [n, g] :
@@ -156,8 +158,10 @@ struct Mamba3Preprocess {
         p.out("d_b_norm_weight"), p.out("d_c_norm_weight"), row_scratch.data());
   }
 
-  static oracle::Gpu gpu(const Case& c, const Variant&, oracle::DeviceTensors& t) {
-    const auto pre = std::make_shared<Mamba3PreprocessCuda>(c.shape);
+  static oracle::Gpu gpu(const Case& c, const Variant& v, oracle::DeviceTensors& t) {
+    const bool padded = v.name == "padded-proj";
+    const int columns = c.shape.columns(), stride = padded ? columns + 24 : columns;
+    const auto pre = std::make_shared<Mamba3PreprocessCuda>(c.shape, padded ? stride : 0);
     const megacpp::cuda::PreprocessDeviceParams params{t.f32("dt_bias"), t.f32("b_norm_weight"),
                                                        t.f32("c_norm_weight")};
     // angles is null where the shape has none (t gives null for an empty tensor).
@@ -169,17 +173,44 @@ struct Mamba3Preprocess {
         t.bf16("dadt"), t.bf16("ddt"), t.bf16("dtrap"), t.bf16("dangles")};
     const megacpp::cuda::PreprocessDeviceParamGrads param_grads{
         t.f32("d_dt_bias"), t.f32("d_b_norm_weight"), t.f32("d_c_norm_weight")};
-    const uint16_t* const proj = t.bf16("proj");
+    const uint16_t* proj = t.bf16("proj");
+    std::shared_ptr<oracle::DeviceBuffer> wide;
+    if (padded) {
+      // proj's rows `stride` apart, the padding NaNs.
+      const size_t rows = static_cast<size_t>(c.shape.rows);
+      wide = std::make_shared<oracle::DeviceBuffer>(rows * stride * sizeof(uint16_t));
+      MEGACPP_CUDA_CHECK(cudaMemset(wide->get(), 0xff, wide->bytes()));
+      MEGACPP_CUDA_CHECK(cudaMemcpy2D(wide->get(), stride * sizeof(uint16_t), proj,
+                                      columns * sizeof(uint16_t), columns * sizeof(uint16_t), rows,
+                                      cudaMemcpyDeviceToDevice));
+      proj = static_cast<const uint16_t*>(wide->get());
+    }
     uint16_t* const dproj = t.bf16("dproj");
     float* const rstd = t.f32("rstd");
     const size_t rstd_bytes =
         static_cast<size_t>(c.shape.rows) * 2 * c.shape.rank * c.shape.groups * sizeof(float);
+    const bool in_place = v.name == "z-x-in-place";
+    const Mamba3PreprocessShape shape = c.shape;
     return {{{"forward",
               [=] {
-                pre->forward(proj, params, outs);
+                if (!in_place) {
+                  pre->forward(proj, params, outs);
+                  return;
+                }
+                megacpp::cuda::PreprocessDeviceOutputs rest = outs;
+                rest.z = rest.x = nullptr;
+                pre->forward(proj, params, rest);
+                // What a scan reading them in place sees, into z and x for the comparison.
+                const size_t pitch = static_cast<size_t>(shape.columns()) * sizeof(uint16_t);
+                const size_t width = static_cast<size_t>(shape.d_inner()) * sizeof(uint16_t);
+                MEGACPP_CUDA_CHECK(cudaMemcpy2D(outs.z, width, proj, pitch, width, shape.rows,
+                                                cudaMemcpyDeviceToDevice));
+                MEGACPP_CUDA_CHECK(cudaMemcpy2D(outs.x, width, proj + shape.col_x(), pitch, width,
+                                                shape.rows, cudaMemcpyDeviceToDevice));
               }},
              {"backward",
               [=] {
+                (void)wide;
                 pre->backward(proj, params, grads, dproj, param_grads);
               }}},
             // The norm scales stay in the op's workspace for backward(): copied out to compare.
@@ -223,6 +254,29 @@ TEST(Mamba3PreprocessCudaShapes, RefusesShapesItDoesNotCover) {
   refused([](Mamba3PreprocessShape& s) { s.groups = 0; }, "groups=0");
   refused([](Mamba3PreprocessShape& s) { s.norm_eps = 0; }, "norm_eps");
   refused([](Mamba3PreprocessShape& s) { s.a_floor = -1; }, "a_floor");
+  oracle::expect_error([&] { Mamba3PreprocessCuda pre(good, good.columns() - 1); },
+                       megacpp::ErrorKind::kInvalidArgument,
+                       "proj_stride=" + std::to_string(good.columns() - 1),
+                       "a proj stride below the columns");
+}
+
+// z and x are copied out or both read in place: one of them alone is refused.
+TEST(Mamba3PreprocessCudaShapes, RefusesZWithoutXOrTheReverse) {
+  MEGACPP_REQUIRE_GPU();
+  Mamba3PreprocessCuda pre(make_shape(4, 2, 4, 8, 1, 1, 1));
+  uint16_t dummy = 0;
+  float param = 0.f;
+  for (const bool z_set : {true, false}) {
+    megacpp::cuda::PreprocessDeviceOutputs out{&dummy, &dummy, &dummy, &dummy,
+                                               &dummy, &dummy, &dummy, &dummy};
+    (z_set ? out.x : out.z) = nullptr;
+    oracle::expect_error(
+        [&] {
+          pre.forward(&dummy, {&param, &param, &param}, out);
+        },
+        megacpp::ErrorKind::kInvalidArgument, "both set or both null",
+        z_set ? "z without x" : "x without z");
+  }
 }
 
 }  // namespace

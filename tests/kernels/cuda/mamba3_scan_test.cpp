@@ -78,6 +78,10 @@ struct Mamba3Scan {
     bool unaligned_parameters = false;
     // The chunk chains forced on or off (ScanChains): the two ways must give the same bits.
     megacpp::cuda::ScanChains chains = megacpp::cuda::ScanChains::kWherePaying;
+    // z and v read in place inside one wider row a token (as the model reads them in in_proj's
+    // output: ScanDeviceInputs::zv_row_stride), with columns between and after them: the same
+    // bits as from their own tensors.
+    bool zv_in_a_wider_row = false;
   };
   struct Case {
     std::string name;
@@ -192,6 +196,29 @@ struct Mamba3Scan {
          {.name = "tensor-core chains", .same_bits_as = 0, .chains = ScanChains::kAlways},
          {.name = "tensor-core no chains", .same_bits_as = 0, .chains = ScanChains::kNever}},
         "_Chains");
+    // z and v in a wider row: at both fixed shapes (MIMO at 64 pairs, its forward chained, with
+    // the PsiV cache too; SISO ragged), at MIMO's 32 pairs (the separate forward passes) and at a
+    // runtime shape; on the tensor cores and CUDA cores.
+    const auto in_a_wider_row = [](bool cuda_cores) {
+      const std::string way = cuda_cores ? "cuda-core" : "tensor-core";
+      return std::vector<Variant>{{.name = way, .tensor_cores = !cuda_cores},
+                                  {.name = way + " zv-in-a-wider-row",
+                                   .same_bits_as = 0,
+                                   .tensor_cores = !cuda_cores,
+                                   .zv_in_a_wider_row = true}};
+    };
+    for (const ScanShape& shape : {sized(64, 64, 4, 16, 4, 1000), sized(64, 64, 1, 64, 2, 1000),
+                                   sized(64, 64, 4, 16, 2, 1001), sized(32, 64, 4, 16, 2, 1001)}) {
+      add(shape, in_a_wider_row(false), "_ZvInAWiderRow");
+      add(shape, in_a_wider_row(true), "_ZvInAWiderRowCudaCores");
+    }
+    add(sized(64, 64, 4, 16, 4, 1000),
+        {{.name = "tensor-core psiv-cache", .psiv_cache = true},
+         {.name = "tensor-core psiv-cache zv-in-a-wider-row",
+          .same_bits_as = 0,
+          .psiv_cache = true,
+          .zv_in_a_wider_row = true}},
+        "_ZvInAWiderRowPsivCache");
     return out;
   }
 
@@ -341,6 +368,23 @@ struct Mamba3Scan {
                                                .d = t.f32("dD")};
     uint16_t* const y = t.bf16("y");
     const uint16_t* const dy = t.bf16("dy");
+    std::shared_ptr<oracle::DeviceBuffer> wide;
+    if (v.zv_in_a_wider_row) {
+      // A token's row: 8 columns, z, 16 columns, v, 8 columns.
+      const size_t dense = static_cast<size_t>(sh.heads) * sh.headdim;
+      const size_t stride = 2 * dense + 32, tokens = static_cast<size_t>(sh.batch) * sh.seqlen;
+      wide = std::make_shared<oracle::DeviceBuffer>(tokens * stride * sizeof(uint16_t));
+      MEGACPP_CUDA_CHECK(cudaMemset(wide->get(), 0xff, wide->bytes()));  // NaNs around them
+      uint16_t* row = static_cast<uint16_t*>(wide->get());
+      const std::pair<const uint16_t**, size_t> placed[] = {{&in.z, 8}, {&in.v, dense + 24}};
+      for (const auto& [tensor, column] : placed) {
+        MEGACPP_CUDA_CHECK(cudaMemcpy2D(row + column, stride * sizeof(uint16_t), *tensor,
+                                        dense * sizeof(uint16_t), dense * sizeof(uint16_t), tokens,
+                                        cudaMemcpyDeviceToDevice));
+        *tensor = row + column;
+      }
+      in.zv_row_stride = static_cast<int64_t>(stride);
+    }
     std::shared_ptr<oracle::DeviceBuffer> unaligned;
     if (v.unaligned_parameters) {
       // Each parameter copied to 2 bytes past a 256-byte slot of its own.
@@ -365,6 +409,7 @@ struct Mamba3Scan {
       return {{{"forward",
                 [=] {
                   (void)unaligned;
+                  (void)wide;
                   scan->forward(in, y);
                 }},
                {"backward",
@@ -557,7 +602,8 @@ TEST(Mamba3ScanCudaShapes, RefusesAMisalignedSharedBackwardWorkspace) {
 
 // The chunk kernels move rows 16 bytes at a time: a per-token tensor 2 bytes past an allocation is
 // refused, by name, before anything runs (the per-head parameters are staged instead: the
-// _UnalignedParameters case).
+// _UnalignedParameters case); so is a z/v row stride (ScanDeviceInputs::zv_row_stride) shorter
+// than their dense rows or not a multiple of 8.
 TEST(Mamba3ScanCudaShapes, RefusesMisalignedInputRows) {
   MEGACPP_REQUIRE_GPU();
   const ScanShape s = grid_shape(64, 64, 4, 16);
@@ -565,13 +611,24 @@ TEST(Mamba3ScanCudaShapes, RefusesMisalignedInputRows) {
   oracle::DeviceBuffer buffer(4096);
   uint16_t* aligned = static_cast<uint16_t*>(buffer.get());
   megacpp::cuda::ScanDeviceInputs in;
-  in.q = in.k = in.v = in.z = aligned;
+  for (const uint16_t** tensor :
+       {&in.q, &in.k, &in.v, &in.z, &in.adt, &in.dt, &in.trap, &in.angles, &in.q_bias, &in.k_bias,
+        &in.mimo_x, &in.mimo_z, &in.mimo_o, &in.d}) {
+    *tensor = aligned;
+  }
   in.v = aligned + 1;
   oracle::expect_error([&] { scan.forward(in, aligned); }, megacpp::ErrorKind::kInvalidArgument,
                        "v at", "v 2 bytes past an allocation");
   in.v = aligned;
   oracle::expect_error([&] { scan.forward(in, aligned + 3); }, megacpp::ErrorKind::kInvalidArgument,
                        "y at", "y 6 bytes past an allocation");
+  const int64_t dense = static_cast<int64_t>(s.heads) * s.headdim;
+  for (const int64_t stride : {dense - 8, dense + 4}) {
+    in.zv_row_stride = stride;
+    oracle::expect_error([&] { scan.forward(in, aligned); }, megacpp::ErrorKind::kInvalidArgument,
+                         "zv_row_stride=" + std::to_string(stride),
+                         "a z/v row stride of " + std::to_string(stride));
+  }
 }
 
 // The backward's own tensors likewise, after a forward of all-zero inputs at a small fixed shape.

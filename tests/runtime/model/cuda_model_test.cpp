@@ -361,7 +361,10 @@ TEST(CudaModelOptionsPlan, Bench350mFitsAnH100AndTheGateFreesTheInProjOutputs) {
   int mamba_layers = 0;
   for (int i = 0; i < config.n_layer; ++i) mamba_layers += !config.is_attention_layer(i);
   const ops::Mamba3PreprocessShape shape = mamba3_preprocess_shape(config, batch * seqlen);
-  const uint64_t proj_bytes = static_cast<uint64_t>(batch) * seqlen * shape.columns() * 2;
+  // Its rows padded to 64 elements (128 bytes): the scan reads z and x in them.
+  ASSERT_EQ(shape.columns() % 8, 0);
+  const uint64_t row = (static_cast<uint64_t>(shape.columns()) + 63) / 64 * 64;
+  const uint64_t proj_bytes = static_cast<uint64_t>(batch) * seqlen * row * 2;
   EXPECT_EQ(kept.arena - lean.arena, static_cast<uint64_t>(mamba_layers - 1) * proj_bytes);
   EXPECT_EQ(kept.layer_workspaces, lean.layer_workspaces);
   std::printf(
