@@ -91,7 +91,7 @@ class Mamba3PreprocessCuda {
 
   // proj: in_proj's output [rows, columns()] bf16, rows proj_stride apart. Keeps the norm scales
   // for backward(). out.z and out.x both null: they are not copied out (a scan reading them in
-  // place in proj, with ScanDeviceInputs::zv_row_stride = columns()). stream: a cudaStream_t, or
+  // place in proj, with ScanDeviceInputs::zv_row_stride = proj_stride). stream: a cudaStream_t, or
   // null for the default stream. Asynchronous.
   void forward(const uint16_t* proj, const PreprocessDeviceParams& params,
                const PreprocessDeviceOutputs& out, void* stream = nullptr);

@@ -1231,7 +1231,6 @@ __global__ void __launch_bounds__(kBackwardThreads)
                       dx[half][0] = value.x * mimo.x;
                       dx[half][1] = value.y * mimo.y;
                       if (valid) {
-                        const size_t th = token_head(d, pos.b, pos.t0 + token, h);
                         const float2 v =
                             __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(
                                 v_early != nullptr

@@ -54,7 +54,7 @@ struct CudaModel::Impl {
     Param in_proj, dt_bias, b_bias, c_bias, b_norm, c_norm, mimo_x, mimo_z, mimo_o, d, out_proj;
     ops::Mamba3PreprocessShape shape;
     // The scan reads z and x in place in proj (ScanDeviceInputs::zv_row_stride), not as copies
-    // in scan_in, where their columns allow 16-byte rows; proj's rows are then padded to
+    // in scan_in, where x's column offset allows 16-byte rows; proj's rows are then padded to
     // kProjRowAlignment elements. (bench-1.3b at TP = 1, 8,912 columns: from 17,824-byte rows the
     // scan's backward took 1.2-1.7% longer than from the copies, from 17,920-byte rows 0.6-0.8%;
     // bench/RESULTS.md, session 26.)
@@ -792,8 +792,9 @@ void CudaModel::Impl::plan_buffers(const CudaModelOptions& options) {
       const ops::Mamba3PreprocessShape& s = layer->shape;
       const size_t cols = static_cast<size_t>(s.columns());
       const size_t di = static_cast<size_t>(s.d_inner());
-      // 16-byte rows, z and x at 16-byte offsets: the scan moves their rows 16 bytes at a time.
-      layer->zx_in_place = cols % 8 == 0 && di % 8 == 0;
+      // z and x at 16-byte offsets in rows padded to 128 bytes: the scan moves their rows 16
+      // bytes at a time.
+      layer->zx_in_place = di % 8 == 0;
       layer->proj_stride =
           static_cast<int>(layer->zx_in_place ? (cols + kProjRowAlignment - 1) / kProjRowAlignment *
                                                     kProjRowAlignment
