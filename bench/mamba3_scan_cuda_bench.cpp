@@ -6,11 +6,14 @@
 // registers, shared memory and occupancy, and the PsiV cache on versus off.
 //
 // Usage: mamba3_scan_cuda_bench [--repeats N] [--batch B] [--heads H] [--chains always|never]
-//                               [--profile-once [--siso | --small R C N]]
+//                               [--zv-row COLUMNS] [--profile-once [--siso | --small R C N]]
 //   --batch B, --heads H: M3-ref (and its SISO variant) at B sequences and H heads (a
 //     tensor-parallel rank's share of a model's heads: bench-1.3b at TP = 4 is batch 2, heads 16);
 //   --chains always|never: the chunk chains forced on or off (ScanChains; by default they run
 //     where the (batch, head) pairs are many enough for them to pay);
+//   --zv-row COLUMNS: z and v read in place in rows of COLUMNS elements (z at column 0, v at
+//     heads · headdim), as the model reads them in in_proj's output
+//     (ScanDeviceInputs::zv_row_stride); without it, each its own dense tensor;
 //   --profile-once: one forward + backward at M3-ref and exit (for ncu); MIMO R = 4 chunk 16,
 //     or with --siso R = 1 chunk 64;
 //   --small R C N: instead, at P 64 with rank R, chunk C and state N, batch 1, seqlen 128 and
@@ -250,7 +253,7 @@ struct Problem {
   megacpp::cuda::ScanDeviceGrads grads;
 };
 
-Problem make_problem(const ScanShape& s) {
+Problem make_problem(const ScanShape& s, int zv_row) {
   Problem pr;
   pr.shape = s;
   const size_t tokens = static_cast<size_t>(s.batch) * s.seqlen;
@@ -268,6 +271,22 @@ Problem make_problem(const ScanShape& s) {
   pr.in.k = add(random_bf16(qk, 0.f, 1.7f, 2));
   pr.in.v = add(random_bf16(xz, 0.f, 1.7f, 3));
   pr.in.z = add(random_bf16(xz, 0.f, 1.7f, 4));
+  if (zv_row > 0) {
+    // The same values, placed in rows of zv_row elements.
+    const size_t dense = static_cast<size_t>(s.heads) * s.headdim;
+    uint16_t* rows = scratch<uint16_t>(tokens * static_cast<size_t>(zv_row));
+    pr.tensors.push_back(rows);
+    ok(cudaMemset(rows, 0, tokens * static_cast<size_t>(zv_row) * sizeof(uint16_t)), "memset");
+    const std::pair<const uint16_t**, size_t> placed[] = {{&pr.in.z, 0}, {&pr.in.v, dense}};
+    for (const auto& [tensor, column] : placed) {
+      ok(cudaMemcpy2D(rows + column, static_cast<size_t>(zv_row) * sizeof(uint16_t), *tensor,
+                      dense * sizeof(uint16_t), dense * sizeof(uint16_t), tokens,
+                      cudaMemcpyDeviceToDevice),
+         "placing z and v");
+      *tensor = rows + column;
+    }
+    pr.in.zv_row_stride = zv_row;
+  }
   pr.in.adt = add(random_bf16(th, -0.1f, 0.09f, 5));
   pr.in.dt = add(random_bf16(th, 0.05f, 0.045f, 6));
   pr.in.trap = add(random_bf16(th, 0.f, 1.5f, 7));
@@ -353,6 +372,7 @@ static int run(int argc, char** argv) {
   bool small = false, siso = false;
   int small_rank = 0, small_chunk = 0, small_state = 0;
   int batch = 0, heads = 0;  // 0: M3-ref's
+  int zv_row = 0;            // 0: z and v dense
   megacpp::cuda::ScanChains chains = megacpp::cuda::ScanChains::kWherePaying;
   // A count flag's value: a whole positive number, or the bench refuses it naming the flag (atoi
   // would read "x" or "0" as 0, which means M3-ref's own batch or heads).
@@ -381,6 +401,8 @@ static int run(int argc, char** argv) {
       if (!positive("--batch", argv[++i], batch)) return 2;
     } else if (arg == "--heads" && i + 1 < argc) {
       if (!positive("--heads", argv[++i], heads)) return 2;
+    } else if (arg == "--zv-row" && i + 1 < argc) {
+      if (!positive("--zv-row", argv[++i], zv_row)) return 2;
     } else if (arg == "--chains" && i + 1 < argc) {
       const std::string way = argv[++i];
       if (way != "always" && way != "never") {
@@ -401,7 +423,7 @@ static int run(int argc, char** argv) {
       std::fprintf(stderr,
                    "mamba3_scan_cuda_bench: unknown or incomplete argument %s (usage: "
                    "[--repeats N] [--batch B] [--heads H] [--chains always|never] "
-                   "[--profile-once [--siso | --small R C N]])\n",
+                   "[--zv-row COLUMNS] [--profile-once [--siso | --small R C N]])\n",
                    arg.c_str());
       return 2;
     }
@@ -420,6 +442,17 @@ static int run(int argc, char** argv) {
   if (batch > 0 || heads > 0) {
     const ScanShape s = reshaped(m3_ref(4, 16));
     shape_note = " (batch " + std::to_string(s.batch) + ", heads " + std::to_string(s.heads) + ")";
+  }
+  if (zv_row > 0) {
+    const ScanShape s = reshaped(m3_ref(4, 16));
+    if (small || zv_row < 2 * s.heads * s.headdim) {
+      std::fprintf(stderr,
+                   "mamba3_scan_cuda_bench: --zv-row %d must hold z and v side by side (at least "
+                   "2 · heads · headdim = %d columns) and goes without --small\n",
+                   zv_row, 2 * s.heads * s.headdim);
+      return 2;
+    }
+    shape_note += " (z and v in rows of " + std::to_string(zv_row) + " columns)";
   }
   if (siso && (!profile_once || small)) {
     std::fprintf(stderr, "mamba3_scan_cuda_bench: --siso needs --profile-once and no --small\n");
@@ -443,7 +476,7 @@ static int run(int argc, char** argv) {
       shape.state = small_state;
       shape.angles = small_state / 4;
     }
-    Problem pr = make_problem(shape);
+    Problem pr = make_problem(shape, zv_row);
     // (tensor cores, PsiV cache): M3-ref runs the first only.
     const bool variants[3][2] = {{true, false}, {true, true}, {false, false}};
     for (const auto& v : variants) {
@@ -494,7 +527,7 @@ static int run(int argc, char** argv) {
     // The work (FLOPs, state traffic, floors) of what runs.
     ScanShape run_shape = c.shape;
     run_shape.chunk = chunk;
-    Problem pr = make_problem(c.shape);
+    Problem pr = make_problem(c.shape, zv_row);
     // Tensor cores with and without the PsiV cache, then the CUDA-core variant.
     const bool variants[3][2] = {{true, false}, {true, true}, {false, false}};
     for (const auto& v : variants) {

@@ -55,9 +55,8 @@ struct CudaModel::Impl {
     ops::Mamba3PreprocessShape shape;
     // The scan reads z and x in place in proj (ScanDeviceInputs::zv_row_stride), not as copies
     // in scan_in, where x's column offset allows 16-byte rows; proj's rows are then padded to
-    // kProjRowAlignment elements. (bench-1.3b at TP = 1, 8,912 columns: from 17,824-byte rows the
-    // scan's backward took 1.2-1.7% longer than from the copies, from 17,920-byte rows 0.6-0.8%;
-    // bench/RESULTS.md, session 26.)
+    // kProjRowAlignment elements (128 bytes: whole cache lines a row; the scan alone ran as fast
+    // at either stride, bench/RESULTS.md, session 26).
     bool zx_in_place = false;
     int proj_stride = 0;  // elements from one of proj's rows to the next
     std::unique_ptr<cuda::LinearCuda> in_linear, out_linear;
