@@ -281,7 +281,7 @@ void validate(const ops::Mamba3PreprocessShape& s) {
 
 // The split order of ops::Mamba3PreprocessShape: z, x, B, C, dd_dt, dd_A, trap, angles.
 // (validate() has bounded every offset by INT_MAX.)
-Dims dims_of(const ops::Mamba3PreprocessShape& s) {
+Dims dims_of(const ops::Mamba3PreprocessShape& s, int proj_stride = 0) {
   Dims d{};
   d.rows = s.rows;
   d.heads = s.heads;
@@ -298,7 +298,7 @@ Dims dims_of(const ops::Mamba3PreprocessShape& s) {
   d.col_trap = d.col_dd_a + s.heads;
   d.col_angles = d.col_trap + s.heads;
   d.cols = d.col_angles + s.angles;
-  d.proj_stride = d.cols;
+  d.proj_stride = proj_stride == 0 ? d.cols : proj_stride;
   d.tiles = (s.rows + Mamba3PreprocessCuda::kRowsPerTile - 1) / Mamba3PreprocessCuda::kRowsPerTile;
   d.partial_width = s.heads + 2 * s.state;
   d.a_floor = static_cast<float>(s.a_floor);
@@ -408,8 +408,7 @@ void Mamba3PreprocessCuda::forward(const uint16_t* proj, const PreprocessDeviceP
   require(out.trap, "PreprocessDeviceOutputs.trap");
   if (shape_.angles > 0) require(out.angles, "PreprocessDeviceOutputs.angles");
   MEGACPP_CUDA_CHECK(cudaSetDevice(device_));
-  Dims d = dims_of(shape_);
-  d.proj_stride = proj_stride_;
+  const Dims d = dims_of(shape_, proj_stride_);
   const FwdOut o{as_bf16(out.z),   as_bf16(out.x),  as_bf16(out.k),    as_bf16(out.q),
                  as_bf16(out.adt), as_bf16(out.dt), as_bf16(out.trap), as_bf16(out.angles)};
   forward_kernel<<<(d.rows + kWarps - 1) / kWarps, kThreads, 0,
@@ -442,8 +441,7 @@ void Mamba3PreprocessCuda::backward(const uint16_t* proj, const PreprocessDevice
   require(param_grads.b_norm_weight, "PreprocessDeviceParamGrads.b_norm_weight");
   require(param_grads.c_norm_weight, "PreprocessDeviceParamGrads.c_norm_weight");
   MEGACPP_CUDA_CHECK(cudaSetDevice(device_));
-  Dims d = dims_of(shape_);
-  d.proj_stride = proj_stride_;
+  const Dims d = dims_of(shape_, proj_stride_);
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   const BwdIn g{as_bf16(grads.z),   as_bf16(grads.x),  as_bf16(grads.k),    as_bf16(grads.q),
                 as_bf16(grads.adt), as_bf16(grads.dt), as_bf16(grads.trap), as_bf16(grads.angles)};

@@ -53,12 +53,12 @@ struct CudaModel::Impl {
   struct MambaLayer {
     Param in_proj, dt_bias, b_bias, c_bias, b_norm, c_norm, mimo_x, mimo_z, mimo_o, d, out_proj;
     ops::Mamba3PreprocessShape shape;
-    // The scan reads z and x in place in proj (ScanDeviceInputs::zv_row_stride), not as copies
-    // in scan_in, where x's column offset allows 16-byte rows; proj's rows are then padded to
-    // kProjRowAlignment elements (128 bytes: whole cache lines a row; the scan alone ran as fast
-    // at either stride, bench/RESULTS.md, session 26).
-    bool zx_in_place = false;
-    int proj_stride = 0;  // elements from one of proj's rows to the next
+    // Elements from one of proj's rows to the next: columns() padded to kProjRowAlignment. The
+    // scan reads z and x in place there (ScanDeviceInputs::zv_row_stride), not as copies in
+    // scan_in; it covers only head dimensions that are multiples of 16, so x's column offset
+    // (d_inner) keeps its 16-byte rows aligned. (128-byte rows: whole cache lines; the scan alone
+    // ran as fast at either stride, bench/RESULTS.md, session 26.)
+    int proj_stride = 0;
     std::unique_ptr<cuda::LinearCuda> in_linear, out_linear;
     std::unique_ptr<cuda::Mamba3PreprocessCuda> preprocess;
     std::unique_ptr<cuda::Mamba3ScanCuda> scan;
@@ -275,14 +275,9 @@ struct CudaModel::Impl {
     cuda::ScanDeviceInputs s;
     s.q = in.q;
     s.k = in.k;
-    if (l.zx_in_place) {
-      s.z = l.proj;
-      s.v = l.proj + l.shape.col_x();
-      s.zv_row_stride = l.proj_stride;
-    } else {
-      s.v = in.x;
-      s.z = in.z;
-    }
+    s.z = l.proj;
+    s.v = l.proj + l.shape.col_x();
+    s.zv_row_stride = l.proj_stride;
     s.adt = in.adt;
     s.dt = in.dt;
     s.trap = in.trap;
@@ -371,10 +366,11 @@ struct CudaModel::Impl {
 
 namespace {
 
-// The scan's inputs carved out of one buffer, in the preprocessing's output order; without z and
-// x (null) where the scan reads them in place in in_proj's output.
+// The scan's per-token tensors carved out of one buffer, in the preprocessing's output order:
+// its inputs without z and x (null: it reads them in place in in_proj's output), its input
+// gradients with them (with_zx).
 cuda::PreprocessDeviceOutputs carve_scan_inputs(uint16_t* base, const ops::Mamba3PreprocessShape& s,
-                                                size_t rows, bool with_zx = true) {
+                                                size_t rows, bool with_zx) {
   cuda::PreprocessDeviceOutputs o;
   const size_t di = static_cast<size_t>(s.d_inner()), bc = static_cast<size_t>(s.bc_width());
   const size_t h = static_cast<size_t>(s.heads);
@@ -389,7 +385,7 @@ cuda::PreprocessDeviceOutputs carve_scan_inputs(uint16_t* base, const ops::Mamba
   return o;
 }
 
-size_t scan_input_elements(const ops::Mamba3PreprocessShape& s, size_t rows, bool with_zx = true) {
+size_t scan_input_elements(const ops::Mamba3PreprocessShape& s, size_t rows, bool with_zx) {
   return rows * ((with_zx ? 2 * static_cast<size_t>(s.d_inner()) : 0) +
                  2 * static_cast<size_t>(s.bc_width()) + 3 * static_cast<size_t>(s.heads) +
                  static_cast<size_t>(s.angles));
@@ -791,25 +787,19 @@ void CudaModel::Impl::plan_buffers(const CudaModelOptions& options) {
       const ops::Mamba3PreprocessShape& s = layer->shape;
       const size_t cols = static_cast<size_t>(s.columns());
       const size_t di = static_cast<size_t>(s.d_inner());
-      // z and x at 16-byte offsets in rows padded to 128 bytes: the scan moves their rows 16
-      // bytes at a time.
-      layer->zx_in_place = di % 8 == 0;
       layer->proj_stride =
-          static_cast<int>(layer->zx_in_place ? (cols + kProjRowAlignment - 1) / kProjRowAlignment *
-                                                    kProjRowAlignment
-                                              : cols);
+          static_cast<int>((cols + kProjRowAlignment - 1) / kProjRowAlignment * kProjRowAlignment);
       const size_t proj_size = row_count * static_cast<size_t>(layer->proj_stride);
       if (options.recompute_in_proj) {
         shared_proj_size = std::max(shared_proj_size, proj_size);  // pointed at after allocate()
       } else {
         a.reserve(&layer->proj, proj_size, q + "proj");
       }
-      a.reserve(&layer->scan_in, scan_input_elements(s, row_count, !layer->zx_in_place),
-                q + "scan inputs");
+      a.reserve(&layer->scan_in, scan_input_elements(s, row_count, false), q + "scan inputs");
       a.reserve(&layer->y, row_count * di, q + "y");
       scratch_a_size = std::max(scratch_a_size, row_count * di);    // dy of the scan
       scratch_b_size = std::max(scratch_b_size, row_count * cols);  // dproj
-      scratch_c_size = std::max(scratch_c_size, scan_input_elements(s, row_count));
+      scratch_c_size = std::max(scratch_c_size, scan_input_elements(s, row_count, true));
       const size_t h = static_cast<size_t>(s.heads);
       const size_t rn = static_cast<size_t>(s.rank) * s.state;
       const size_t rp = static_cast<size_t>(s.rank) * s.headdim;
@@ -1338,7 +1328,7 @@ void CudaModel::Impl::mamba_forward(MambaLayer& l, const uint16_t* x) {
   l.in_linear->forward(x, m.bf16(l.in_proj), nullptr, cuda::RowsOut{l.proj, nullptr}, m.s());
   m.lap("mamba in_proj forward");
   const cuda::PreprocessDeviceOutputs in =
-      carve_scan_inputs(l.scan_in, l.shape, static_cast<size_t>(m.rows), !l.zx_in_place);
+      carve_scan_inputs(l.scan_in, l.shape, static_cast<size_t>(m.rows), false);
   l.preprocess->forward(l.proj, {m.value(l.dt_bias), m.value(l.b_norm), m.value(l.c_norm)}, in,
                         m.s());
   m.lap("mamba preprocess forward");
@@ -1432,9 +1422,9 @@ void CudaModel::Impl::mamba_backward(MambaLayer& l, const uint16_t* x) {
     l.in_linear->forward(x, m.bf16(l.in_proj), nullptr, cuda::RowsOut{l.proj, nullptr}, m.s());
     m.lap("mamba in_proj recompute");
   }
-  const cuda::PreprocessDeviceOutputs in =
-      carve_scan_inputs(l.scan_in, l.shape, row_count, !l.zx_in_place);
-  const cuda::PreprocessDeviceOutputs gin = carve_scan_inputs(m.scratch_c, l.shape, row_count);
+  const cuda::PreprocessDeviceOutputs in = carve_scan_inputs(l.scan_in, l.shape, row_count, false);
+  const cuda::PreprocessDeviceOutputs gin =
+      carve_scan_inputs(m.scratch_c, l.shape, row_count, true);
   const cuda::ScanDeviceInputs s = m.scan_inputs(l, in);
   const ops::Mamba3PreprocessShape& sh = l.shape;
   const size_t h = static_cast<size_t>(sh.heads);
