@@ -95,8 +95,8 @@ struct KernelAttributes {
 // previous chunk. A chain's links (a flag, a state through L2, a fence) follow one another, so
 // with few pairs the separate passes (chunk_state, state_pass, chunk_output; chunk_dstate, then
 // state_pass_backward) are faster. kWherePaying picks by the pair count at the crossovers measured
-// on an H200 (bench/RESULTS.md, session 22); kAlways and kNever force one way, for the benchmark's
-// comparison and the test that both give the same bits. Other shapes have no chains.
+// on an H200 (bench/RESULTS.md, sessions 22 and 27); kAlways and kNever force one way, for the
+// benchmark's comparison and the test that both give the same bits. Other shapes have no chains.
 enum class ScanChains { kWherePaying, kAlways, kNever };
 
 class Mamba3ScanCuda {

@@ -226,8 +226,9 @@ __global__ void chunk_dstate_kernel(D d, SmemPlan plan, DevInputs in, Work w, co
     float* exit_gradient = w.gstates + bhc * matrix;  // X_c: gstates[c]
     int* ready = chain_flags(w, d, static_cast<size_t>(pos.b) * d.heads + pos.h);
     const bool last = pos.c + 1 == d.chunks;
-    wait_ready(ready + pos.c, !last);  // its barrier: every thread's H_c is in `out`
+    // a_c is loaded before the wait: after it, its memory latency was on every link of the chain.
     const float decay = w.decay[bhc];
+    wait_ready(ready + pos.c, !last);  // its barrier: every thread's H_c is in `out`
     constexpr int kQuads = D::headdim * D::state / 4;
     for (int quad = threadIdx.x; quad < kQuads; quad += blockDim.x) {
       float4 x = make_float4(0.f, 0.f, 0.f, 0.f);

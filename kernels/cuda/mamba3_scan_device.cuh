@@ -390,12 +390,14 @@ inline void reset_chain(const Dims& d, const Work& w, cudaStream_t stream) {
   MEGACPP_CUDA_CHECK(cudaMemsetAsync(w.order, 0, chain_order_ints(d) * sizeof(int), stream));
 }
 // Whether a fixed shape's chunk chains run (ScanChains, mamba3_scan.h). Where paying: in the
-// forward from 48 (batch, head) pairs at MIMO and 32 at SISO, in the backward from 128 at MIMO and
-// 96 at SISO: the crossovers measured on an H200 at seqlen 8192 and 16 heads, batch 1 to 8
-// (bench/RESULTS.md, session 22). At MIMO the separate passes took 10% less time in the forward at
-// 32 pairs and 22% less in the backward; at 64 the forward's chain saved 19% and the separate
-// backward still 7%; at 96 the backward's two ways were within 0.5%. A chain's time grows with
-// its chunks as the passes' work does, so the pair count alone decides, whatever the length.
+// forward from 48 (batch, head) pairs at MIMO and 32 at SISO, in the backward from 96 at both:
+// the crossovers measured on an H200 at seqlen 8192, batch 2 to 8 of 16 heads and 2 of 32
+// (bench/RESULTS.md, sessions 22 and 27). Since the links poll with an acquire load and
+// chunk_dstate loads a_c before its wait (session 27), at MIMO the forward's chain and the
+// separate passes are within 1% at 32 pairs and the chain saves 19% from 64; the separate
+// backward still saves 19% at 32 pairs and 5% at 64, and the chain 1% at 96 and 3% at 128. A
+// chain's time grows with its chunks as the passes' work does, so the pair count alone decides,
+// whatever the length.
 inline bool chains_run(const Dims& d, ScanChains chains, int least_pairs) {
   if (chains != ScanChains::kWherePaying) return chains == ScanChains::kAlways;
   return static_cast<long>(d.batch) * d.heads >= least_pairs;
@@ -404,7 +406,7 @@ inline bool forward_chains_run(const Dims& d, ScanChains chains) {
   return chains_run(d, chains, d.rank == 1 ? 32 : 48);
 }
 inline bool backward_chains_run(const Dims& d, ScanChains chains) {
-  return chains_run(d, chains, d.rank == 1 ? 96 : 128);
+  return chains_run(d, chains, 96);
 }
 // The ready flags of one (batch, head) pair, one per chunk.
 static __device__ __forceinline__ int* chain_flags(const Work& w, const Dims& d, size_t pair) {
@@ -739,11 +741,21 @@ static __device__ __forceinline__ ChainSlot take_ticket(int* order, int pairs, i
 
 // When `wait`: thread 0 waits until `flag` is set, then orders the block's later loads after what
 // the setter published (those loads bypass L1: __ldcg). A barrier for the whole block either way.
+// The poll is an acquire load (sm_70 and later): the flag's read orders the loads after it, with
+// no fence of its own on the chain's critical path (with the fence after a volatile poll, MIMO's
+// forward chain took 2.6% longer at 128 pairs and 11% at 32: bench/RESULTS.md, session 27).
 static __device__ __forceinline__ void wait_ready(const int* flag, bool wait) {
   if (threadIdx.x == 0 && wait) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+    int ready = 0;
+    do {
+      asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(ready) : "l"(flag) : "memory");
+    } while (ready == 0);
+#else
     while (*reinterpret_cast<const volatile int*>(flag) == 0) {
     }
     __threadfence();
+#endif
   }
   __syncthreads();
 }

@@ -718,7 +718,7 @@ TEST(Mamba3ScanCudaShapes, RefusesMisalignedBackwardRows) {
 // shapes of a Hopper GPU where the (batch, head) pairs are many enough for its chunk chain to pay
 // (48 at MIMO, 32 at SISO), else three (chunk_state, state_pass, chunk_output), as on the CUDA
 // cores and at other shapes. At the fixed shapes chunk_dstate also does the reverse state pass
-// from 128 pairs at MIMO and 96 at SISO; otherwise state_pass_backward follows it.
+// from 96 pairs; otherwise state_pass_backward follows it.
 TEST(Mamba3ScanCudaShapes, ReportsEveryKernelItLaunches) {
   MEGACPP_REQUIRE_GPU();
   const auto names = [](const ScanShape& shape, bool tensor_cores) {
@@ -751,7 +751,8 @@ TEST(Mamba3ScanCudaShapes, ReportsEveryKernelItLaunches) {
   // three kernels.
   const size_t shared_per_sm = megacpp::cuda::current_shared_memory_limits().per_sm;
   for (const int rank : {4, 1}) {
-    // 4 × 16 = 64 pairs (the grid's), 8 × 16 = 128 and 1 × 16 = 16.
+    // 4 × 16 = 64 pairs (the grid's), 6 × 16 = 96 (the backward's crossover), 8 × 16 = 128 and
+    // 1 × 16 = 16.
     ScanShape fixed = grid_shape(64, 64, rank, rank == 4 ? 16 : 64);
     if (megacpp::cuda::planned_scan_chunk(fixed, device_shared_per_block()) != fixed.chunk) {
       // Run at a smaller chunk (a device with less shared memory than an A100), the shape is no
@@ -760,7 +761,7 @@ TEST(Mamba3ScanCudaShapes, ReportsEveryKernelItLaunches) {
       continue;
     }
     const bool two_forward_blocks = shared_per_sm >= 228 * 1024;
-    for (const int batch : {4, 8, 1}) {
+    for (const int batch : {4, 6, 8, 1}) {
       fixed.batch = batch;
       const int pairs = batch * fixed.heads;
       const bool forward_chain = two_forward_blocks && pairs >= (rank == 1 ? 32 : 48);
@@ -769,7 +770,7 @@ TEST(Mamba3ScanCudaShapes, ReportsEveryKernelItLaunches) {
       if (two_forward_blocks) {
         EXPECT_EQ(fused, forward_chain) << "rank " << rank << ", " << pairs << " pairs";
       }
-      const bool backward_chain = pairs >= (rank == 1 ? 96 : 128);
+      const bool backward_chain = pairs >= 96;
       EXPECT_EQ(
           got, with(fused ? chained : three, backward_chain ? chained_backward : separate_backward))
           << "rank " << rank << ", " << pairs << " pairs";
