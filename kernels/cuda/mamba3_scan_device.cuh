@@ -743,7 +743,7 @@ static __device__ __forceinline__ ChainSlot take_ticket(int* order, int pairs, i
 // the setter published (those loads bypass L1: __ldcg). A barrier for the whole block either way.
 // The poll is an acquire load (sm_70 and later): the flag's read orders the loads after it, with
 // no fence of its own on the chain's critical path (with the fence after a volatile poll, MIMO's
-// forward chain took 2.6% longer at 128 pairs and 11% at 32: bench/RESULTS.md, session 27).
+// forward chain took 2.6% longer at 128 pairs and 12% at 32: bench/RESULTS.md, session 27).
 static __device__ __forceinline__ void wait_ready(const int* flag, bool wait) {
   if (threadIdx.x == 0 && wait) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
