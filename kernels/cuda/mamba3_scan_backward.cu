@@ -513,9 +513,8 @@ __global__ void __launch_bounds__(kBackwardThreads)
       const int which = row / C, i = row % C;
       const bf16* src = which == 0 ? in.v : which == 1 ? in.z : dy;
       const bool valid = i < at.len;  // padded tokens are zeros
-      const int t = at.t0 + (valid ? i : 0);
-      const size_t from =
-          which == 2 ? token_head(d, at.b, t, at.h) * P : zv_row(d, in, at.b, t, at.h);
+      const size_t from = token_row(d, at.b, at.t0 + (valid ? i : 0), at.h,
+                                    which == 2 ? static_cast<size_t>(d.heads) * P : in.zv_stride);
       copy_16_async(staged + row * P + piece * kPiece, src + from + piece * kPiece, valid);
     }
     commit_copies();

@@ -492,14 +492,22 @@ static __device__ __forceinline__ size_t token_head(const D& d, int b, int t, in
   return (static_cast<size_t>(b) * d.seqlen + t) * d.heads + h;
 }
 
-// Where head h's row of z and of v begins for token t of batch b: z and v may be read in place
-// inside a wider row (in_proj's output: ScanDeviceInputs::zv_row_stride), so their tokens lie
-// in.zv_stride elements apart rather than heads · headdim.
+// Where head h's row of headdim elements begins for token t of batch b in a per-token tensor
+// whose tokens lie `token_stride` elements apart (heads · headdim when dense: token_head · P).
+template <class D>
+static __device__ __forceinline__ size_t token_row(const D& d, int b, int t, int h,
+                                                   size_t token_stride) {
+  return (static_cast<size_t>(b) * d.seqlen + t) * token_stride +
+         static_cast<size_t>(h) * d.headdim;
+}
+
+// token_row of z and of v: they may be read in place inside a wider row (in_proj's output:
+// ScanDeviceInputs::zv_row_stride), so their tokens lie in.zv_stride elements apart rather than
+// heads · headdim.
 template <class D>
 static __device__ __forceinline__ size_t zv_row(const D& d, const DevInputs& in, int b, int t,
                                                 int h) {
-  return (static_cast<size_t>(b) * d.seqlen + t) * in.zv_stride +
-         static_cast<size_t>(h) * d.headdim;
+  return token_row(d, b, t, h, in.zv_stride);
 }
 
 // The block's elements 0 … items−1, thread-strided as in `for (idx = threadIdx.x; idx < items;
@@ -990,9 +998,7 @@ static __device__ __forceinline__ void stage_tokens(const D& d, const bf16* src,
   for (int idx = threadIdx.x; idx < D::chunk * kPieces; idx += blockDim.x) {
     const int i = idx / kPieces, piece = idx % kPieces;
     const bool valid = i < pos.len;
-    const size_t row =
-        (static_cast<size_t>(pos.b) * d.seqlen + pos.t0 + (valid ? i : 0)) * token_stride +
-        static_cast<size_t>(pos.h) * D::headdim;
+    const size_t row = token_row(d, pos.b, pos.t0 + (valid ? i : 0), pos.h, token_stride);
     copy_16_async(staged + i * D::headdim + piece * kStagePiece, src + row + piece * kStagePiece,
                   valid);
   }
