@@ -6,11 +6,15 @@
 // registers, shared memory and occupancy, and the PsiV cache on versus off.
 //
 // Usage: mamba3_scan_cuda_bench [--repeats N] [--batch B] [--heads H] [--chains always|never]
-//                               [--zv-row COLUMNS] [--profile-once [--siso | --small R C N]]
+//                               [--head-split always|never] [--zv-row COLUMNS]
+//                               [--profile-once [--siso | --small R C N]]
 //   --batch B, --heads H: M3-ref (and its SISO variant) at B sequences and H heads (a
 //     tensor-parallel rank's share of a model's heads: bench-1.3b at TP = 4 is batch 2, heads 16);
 //   --chains always|never: the chunk chains forced on or off (ScanChains; by default they run
 //     where the (batch, head) pairs are many enough for them to pay);
+//   --head-split always|never: chunk_backward's units split into a block per head everywhere or
+//     nowhere (ScanHeadSplit; by default the units left over after the last whole wave, where
+//     that pays);
 //   --zv-row COLUMNS: z and v read in place in rows of COLUMNS elements (z at column 0, v at
 //     heads · headdim), as the model reads them in in_proj's output
 //     (ScanDeviceInputs::zv_row_stride); without it, each its own dense tensor;
@@ -327,12 +331,13 @@ void free_problem(Problem& pr) {
 }
 
 Measured measure(const std::string& name, Problem& pr, bool psiv, bool tensor,
-                 megacpp::cuda::ScanChains chains, int repeats) {
+                 megacpp::cuda::ScanChains chains, megacpp::cuda::ScanHeadSplit head_split,
+                 int repeats) {
   Measured m;
   m.name = name;
   m.psiv = psiv;
   m.tensor = tensor;
-  megacpp::cuda::Mamba3ScanCuda scan(pr.shape, psiv, tensor, nullptr, 0, chains);
+  megacpp::cuda::Mamba3ScanCuda scan(pr.shape, psiv, tensor, nullptr, 0, chains, head_split);
   m.workspace = scan.workspace_bytes();
   m.psiv_bytes = scan.psiv_bytes();
   m.kernels = scan.kernel_attributes();
@@ -374,6 +379,7 @@ static int run(int argc, char** argv) {
   int batch = 0, heads = 0;  // 0: M3-ref's
   int zv_row = 0;            // 0: z and v dense
   megacpp::cuda::ScanChains chains = megacpp::cuda::ScanChains::kWherePaying;
+  megacpp::cuda::ScanHeadSplit head_split = megacpp::cuda::ScanHeadSplit::kWherePaying;
   // A count flag's value: a whole positive number, or the bench refuses it naming the flag (atoi
   // would read "x" or "0" as 0, which means M3-ref's own batch or heads).
   const auto positive = [](const char* flag, const char* text, int& out) {
@@ -412,6 +418,15 @@ static int run(int argc, char** argv) {
       }
       chains =
           way == "always" ? megacpp::cuda::ScanChains::kAlways : megacpp::cuda::ScanChains::kNever;
+    } else if (arg == "--head-split" && i + 1 < argc) {
+      const std::string way = argv[++i];
+      if (way != "always" && way != "never") {
+        std::fprintf(stderr, "mamba3_scan_cuda_bench: --head-split takes always or never, not %s\n",
+                     way.c_str());
+        return 2;
+      }
+      head_split = way == "always" ? megacpp::cuda::ScanHeadSplit::kAlways
+                                   : megacpp::cuda::ScanHeadSplit::kNever;
     } else if (arg == "--small" && i + 3 < argc) {
       small = true;
       if (!positive("--small R", argv[++i], small_rank) ||
@@ -423,7 +438,8 @@ static int run(int argc, char** argv) {
       std::fprintf(stderr,
                    "mamba3_scan_cuda_bench: unknown or incomplete argument %s (usage: "
                    "[--repeats N] [--batch B] [--heads H] [--chains always|never] "
-                   "[--zv-row COLUMNS] [--profile-once [--siso | --small R C N]])\n",
+                   "[--head-split always|never] [--zv-row COLUMNS] "
+                   "[--profile-once [--siso | --small R C N]])\n",
                    arg.c_str());
       return 2;
     }
@@ -480,7 +496,7 @@ static int run(int argc, char** argv) {
     // (tensor cores, PsiV cache): M3-ref runs the first only.
     const bool variants[3][2] = {{true, false}, {true, true}, {false, false}};
     for (const auto& v : variants) {
-      megacpp::cuda::Mamba3ScanCuda scan(pr.shape, v[1], v[0], nullptr, 0, chains);
+      megacpp::cuda::Mamba3ScanCuda scan(pr.shape, v[1], v[0], nullptr, 0, chains, head_split);
       scan.forward(pr.in, pr.y);
       scan.backward(pr.in, pr.dy, pr.grads);
       ok(cudaDeviceSynchronize(), "profile run");
@@ -531,7 +547,7 @@ static int run(int argc, char** argv) {
     // Tensor cores with and without the PsiV cache, then the CUDA-core variant.
     const bool variants[3][2] = {{true, false}, {true, true}, {false, false}};
     for (const auto& v : variants) {
-      results.push_back(measure(name, pr, v[1], v[0], chains, repeats));
+      results.push_back(measure(name, pr, v[1], v[0], chains, head_split, repeats));
       works.push_back(work_of(run_shape));
     }
     free_problem(pr);

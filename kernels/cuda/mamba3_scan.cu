@@ -183,12 +183,52 @@ DevGrads dev_grads(const ScanDeviceGrads& g, int angles) {
   return d;
 }
 
+// The blocks of launch `l` an SM of the current device holds: the occupancy API's figure, lowered
+// where `shared` is capped (the API reads the GPU's own shared memory). Raises the kernel's dynamic
+// shared memory limit first where it needs more than 48 KiB.
+int resident_blocks(const Launch& l, const SharedMemoryLimits& shared) {
+  if (l.smem.total > 48 * 1024) {
+    MEGACPP_CUDA_CHECK(cudaFuncSetAttribute(l.function, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(l.smem.total)));
+  }
+  int blocks = 0;
+  MEGACPP_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &blocks, l.function, static_cast<int>(l.block.x * l.block.y * l.block.z), l.smem.total));
+  if (shared.capped) {
+    cudaFuncAttributes attr{};
+    MEGACPP_CUDA_CHECK(cudaFuncGetAttributes(&attr, l.function));
+    const size_t per_block = l.smem.total + attr.sharedSizeBytes + kSharedReservedPerBlock;
+    blocks = std::min(blocks, static_cast<int>(shared.per_sm / per_block));
+  }
+  return blocks;
+}
+
+// chunk_backward's units that run a block per head (HeadSplit) for one math variant on the current
+// device (its SMs, and the blocks of chunk_backward an SM holds under `shared`).
+int planned_split_units(const Dims& d, bool tensor_cores, const SharedMemoryLimits& shared,
+                        ScanHeadSplit head_split) {
+  const long units = static_cast<long>(d.chunks) * d.batch * d.groups;
+  if (head_split == ScanHeadSplit::kNever || d.heads_per_group < 2) return 0;
+  const Launch l =
+      backward_launches(d, tensor_cores, shared.per_block, ScanChains::kNever).chunk_backward;
+  if (l.smem.dq_acc == 0) return 0;  // the sums in the workspace: a unit's heads add in order
+  if (head_split == ScanHeadSplit::kAlways) return static_cast<int>(units);
+  int device = 0, multiprocessors = 0;
+  MEGACPP_CUDA_CHECK(cudaGetDevice(&device));
+  MEGACPP_CUDA_CHECK(
+      cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device));
+  return units_worth_splitting(units, d.heads_per_group,
+                               static_cast<long>(multiprocessors) * resident_blocks(l, shared));
+}
+
 // Every launch of one math variant, forward then backward, in launch order, as planned for a
 // device with `shared` (current_shared_memory_limits()).
 std::vector<Launch> all_launches(const Dims& d, bool tensor_cores, const SharedMemoryLimits& shared,
-                                 ScanChains chains) {
+                                 ScanChains chains, ScanHeadSplit head_split) {
   const ForwardLaunches f = forward_launches(d, tensor_cores, shared.per_sm, chains);
-  const BackwardLaunches b = backward_launches(d, tensor_cores, shared.per_block, chains);
+  const BackwardLaunches b =
+      backward_launches(d, tensor_cores, shared.per_block, chains,
+                        planned_split_units(d, tensor_cores, shared, head_split));
   std::vector<Launch> launches = {f.angle_prefix};
   if (f.fused) {
     launches.push_back(f.chunk_forward);
@@ -205,7 +245,7 @@ std::vector<Launch> all_launches(const Dims& d, bool tensor_cores, const SharedM
 // Kernels above 48 KiB of dynamic shared memory must opt in, per kernel and per device.
 void raise_shared_limits(const Dims& d, const SharedMemoryLimits& shared, ScanChains chains) {
   for (bool tensor_cores : {false, true}) {
-    for (const Launch& l : all_launches(d, tensor_cores, shared, chains)) {
+    for (const Launch& l : all_launches(d, tensor_cores, shared, chains, ScanHeadSplit::kNever)) {
       if (l.smem.total > 48 * 1024) {
         MEGACPP_CUDA_CHECK(cudaFuncSetAttribute(l.function,
                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -248,10 +288,11 @@ namespace {
 // (the chunk chains' tickets and flags, zeroed before each use by forward() and backward()), which
 // must not be shared: a scan sharing the temporaries may run its forward between this one's
 // forward and backward. The rest are backward()'s temporaries (several scans may share them).
-constexpr int kParts = 14;
+constexpr int kParts = 15;
 constexpr int kForwardParts = 4;
 
-std::array<size_t, kParts> part_sizes(const Dims& d) {
+// split_units: chunk_backward's units that run a block per head (planned_split_units).
+std::array<size_t, kParts> part_sizes(const Dims& d, int split_units) {
   const size_t B = static_cast<size_t>(d.batch), L = static_cast<size_t>(d.seqlen);
   const size_t H = static_cast<size_t>(d.heads), chunks = static_cast<size_t>(d.chunks);
   const size_t A = static_cast<size_t>(d.angles), matrix = static_cast<size_t>(d.headdim) * d.state;
@@ -271,6 +312,7 @@ std::array<size_t, kParts> part_sizes(const Dims& d) {
       B * L * H,
       B * L * H,                                              // per-token scalars
       H * B * chunks * static_cast<size_t>(d.partial_width),  // partials
+      scan_detail::split_qk_floats(d, split_units),           // split_qk
   };
 }
 
@@ -284,11 +326,22 @@ size_t bytes_of_parts(const std::array<size_t, kParts>& sizes, int first, int la
   return total;
 }
 
+// The split units the workspace holds q and k gradients for: the more of the two math variants'
+// (so that either may use a workspace sized for the shape).
+int workspace_split_units(const Dims& d, const SharedMemoryLimits& shared,
+                          ScanHeadSplit head_split) {
+  return std::max(scan_detail::planned_split_units(d, true, shared, head_split),
+                  scan_detail::planned_split_units(d, false, shared, head_split));
+}
+
 }  // namespace
 
-size_t Mamba3ScanCuda::backward_workspace_bytes(const ops::ScanShape& shape) {
-  const ops::ScanShape planned = scan_detail::planned_shape(shape, current_shared_memory_limits());
-  return bytes_of_parts(part_sizes(scan_detail::dims_of(planned)), kForwardParts, kParts);
+size_t Mamba3ScanCuda::backward_workspace_bytes(const ops::ScanShape& shape,
+                                                ScanHeadSplit head_split) {
+  const SharedMemoryLimits shared = current_shared_memory_limits();
+  const Dims d = scan_detail::dims_of(scan_detail::planned_shape(shape, shared));
+  return bytes_of_parts(part_sizes(d, workspace_split_units(d, shared, head_split)), kForwardParts,
+                        kParts);
 }
 
 namespace {
@@ -311,29 +364,38 @@ size_t psiv_cache_bytes(const Dims& d, bool psiv_cache) {
 }
 
 // What the constructor allocates for itself at dims `d` (own_workspace_bytes).
-size_t own_bytes(const Dims& d, bool psiv_cache, bool shared_backward) {
-  const size_t own = bytes_of_parts(part_sizes(d), 0, shared_backward ? kForwardParts : kParts);
+size_t own_bytes(const Dims& d, bool psiv_cache, bool shared_backward, int split_units) {
+  const size_t own =
+      bytes_of_parts(part_sizes(d, split_units), 0, shared_backward ? kForwardParts : kParts);
   return own + psiv_cache_bytes(d, psiv_cache) + parameter_stage_bytes(d);
 }
 
 }  // namespace
 
 size_t Mamba3ScanCuda::own_workspace_bytes(const ops::ScanShape& shape, bool psiv_cache,
-                                           bool shared_backward) {
-  const ops::ScanShape planned = scan_detail::planned_shape(shape, current_shared_memory_limits());
-  return own_bytes(scan_detail::dims_of(planned), psiv_cache, shared_backward);
+                                           bool shared_backward, ScanHeadSplit head_split) {
+  const SharedMemoryLimits shared = current_shared_memory_limits();
+  const Dims d = scan_detail::dims_of(scan_detail::planned_shape(shape, shared));
+  return own_bytes(d, psiv_cache, shared_backward,
+                   shared_backward ? 0 : workspace_split_units(d, shared, head_split));
 }
 
 Mamba3ScanCuda::Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache, bool tensor_cores,
-                               void* backward_workspace, size_t backward_bytes, ScanChains chains)
-    : shape_(shape), psiv_cache_(psiv_cache), tensor_cores_(tensor_cores), chains_(chains) {
+                               void* backward_workspace, size_t backward_bytes, ScanChains chains,
+                               ScanHeadSplit head_split)
+    : shape_(shape),
+      psiv_cache_(psiv_cache),
+      tensor_cores_(tensor_cores),
+      chains_(chains),
+      head_split_(head_split) {
   MEGACPP_CUDA_CHECK(cudaGetDevice(&device_));
   const SharedMemoryLimits shared = shared_memory_limits(device_);
   const ops::ScanShape planned = scan_detail::planned_shape(shape, shared);
   planned_chunk_ = planned.chunk;
   const Dims d = scan_detail::dims_of(planned);
   scan_detail::raise_shared_limits(d, shared, chains);
-  const std::array<size_t, kParts> sizes = part_sizes(d);
+  const int workspace_split = workspace_split_units(d, shared, head_split);
+  const std::array<size_t, kParts> sizes = part_sizes(d, workspace_split);
   const size_t backward_needed = bytes_of_parts(sizes, kForwardParts, kParts);
   if (backward_workspace != nullptr && backward_bytes < backward_needed) {
     refuse(ErrorKind::kInvalidArgument,
@@ -349,13 +411,15 @@ Mamba3ScanCuda::Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache, boo
   }
   const bool own_backward = backward_workspace == nullptr;
   const size_t own = bytes_of_parts(sizes, 0, own_backward ? kParts : kForwardParts);
-  workspace_bytes_ = own_bytes(d, psiv_cache, !own_backward);
+  workspace_bytes_ = own_bytes(d, psiv_cache, !own_backward, workspace_split);
   psiv_bytes_ = psiv_cache_bytes(d, psiv_cache);
   MEGACPP_CUDA_CHECK(cudaMalloc(&arena_, workspace_bytes_));
   buffers_ = new Buffers{};
   buffers_->dims = d;
   buffers_->forward = scan_detail::forward_launches(d, tensor_cores, shared.per_sm, chains);
-  buffers_->backward = scan_detail::backward_launches(d, tensor_cores, shared.per_block, chains);
+  buffers_->backward = scan_detail::backward_launches(
+      d, tensor_cores, shared.per_block, chains,
+      scan_detail::planned_split_units(d, tensor_cores, shared, head_split));
   unsigned char* cursor = static_cast<unsigned char*>(arena_);
   float* parts[kParts];
   for (int i = 0; i < kParts; ++i) {
@@ -390,6 +454,7 @@ Mamba3ScanCuda::Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache, boo
   w.tok_dtau = parts[11];
   w.tok_dkappa = parts[12];
   w.partials = parts[13];
+  w.split_qk = buffers_->backward.split.split_units > 0 ? parts[14] : nullptr;
   w.psiv = psiv_cache ? reinterpret_cast<bf16*>(cursor) : nullptr;
   // The parameter stage: the arena's last bytes, each tensor's slot a multiple of 256 bytes.
   unsigned char* stage = static_cast<unsigned char*>(arena_) + own + psiv_bytes_;
@@ -479,7 +544,7 @@ void Mamba3ScanCuda::backward(const ScanDeviceInputs& in, const uint16_t* dy,
 }
 
 std::vector<KernelAttributes> kernel_attributes(const ops::ScanShape& shape, bool tensor_cores,
-                                                ScanChains chains) {
+                                                ScanChains chains, ScanHeadSplit head_split) {
   int device = 0, max_threads_per_sm = 0;
   MEGACPP_CUDA_CHECK(cudaGetDevice(&device));
   const SharedMemoryLimits shared = shared_memory_limits(device);
@@ -488,19 +553,12 @@ std::vector<KernelAttributes> kernel_attributes(const ops::ScanShape& shape, boo
   MEGACPP_CUDA_CHECK(
       cudaDeviceGetAttribute(&max_threads_per_sm, cudaDevAttrMaxThreadsPerMultiProcessor, device));
   std::vector<KernelAttributes> out;
-  for (const scan_detail::Launch& l : scan_detail::all_launches(d, tensor_cores, shared, chains)) {
+  for (const scan_detail::Launch& l :
+       scan_detail::all_launches(d, tensor_cores, shared, chains, head_split)) {
     cudaFuncAttributes attr{};
     MEGACPP_CUDA_CHECK(cudaFuncGetAttributes(&attr, l.function));
     const int threads = static_cast<int>(l.block.x * l.block.y * l.block.z);
-    int blocks = 0;
-    MEGACPP_CUDA_CHECK(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, l.function, threads, l.smem.total));
-    if (shared.capped) {
-      // The occupancy API reads the GPU's own shared memory: the blocks a capped SM would hold.
-      const size_t per_block =
-          l.smem.total + attr.sharedSizeBytes + scan_detail::kSharedReservedPerBlock;
-      blocks = std::min(blocks, static_cast<int>(shared.per_sm / per_block));
-    }
+    const int blocks = scan_detail::resident_blocks(l, shared);
     KernelAttributes k;
     k.name = l.name;
     k.chunk = d.chunk;
@@ -521,7 +579,7 @@ std::vector<KernelAttributes> kernel_attributes(const ops::ScanShape& shape, boo
 }
 
 std::vector<KernelAttributes> Mamba3ScanCuda::kernel_attributes() const {
-  return megacpp::cuda::kernel_attributes(shape_, tensor_cores_, chains_);
+  return megacpp::cuda::kernel_attributes(shape_, tensor_cores_, chains_, head_split_);
 }
 
 }  // namespace megacpp::cuda

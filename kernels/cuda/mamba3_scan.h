@@ -99,6 +99,26 @@ struct KernelAttributes {
 // benchmark's comparison and the test that both give the same bits. Other shapes have no chains.
 enum class ScanChains { kWherePaying, kAlways, kNever };
 
+// chunk_backward runs a block per (batch, group, chunk) that walks the group's heads one after
+// another. Where the blocks left over after the last whole wave (the blocks the GPU holds at once)
+// would leave most SMs idle for a whole group's time, the backward splits those units into a block
+// per head (at M3-ref on 132 SMs the last 4 of 4096 units become 64 blocks). The split heads' q and
+// k gradients are summed in the same order, so splitting changes no bit. kWherePaying splits where
+// the last wave then takes at most half the time (only where the plan keeps the group's dQ and dK
+// sums in shared memory, with 2 or more heads a group); kAlways splits every unit (where it can,
+// for the test that both ways give the same bits); kNever splits none.
+enum class ScanHeadSplit { kWherePaying, kAlways, kNever };
+// kWherePaying's choice: of `units` units of `heads_per_group` heads where `slots` blocks of
+// chunk_backward run at once (SMs × blocks an SM), the leftover ones (units mod slots) when the
+// wave they make as a block per head takes at most half a whole unit's time
+// (ceil(leftover · heads / slots) ≤ heads / 2), else none.
+inline int units_worth_splitting(long units, int heads_per_group, long slots) {
+  if (heads_per_group < 2 || slots < 1) return 0;
+  const long leftover = units % slots;
+  const long wave_heads = (leftover * heads_per_group + slots - 1) / slots;
+  return leftover > 0 && 2 * wave_heads <= heads_per_group ? static_cast<int>(leftover) : 0;
+}
+
 class Mamba3ScanCuda {
  public:
   // Validates the shape against what the kernels cover (throws megacpp::Error
@@ -114,16 +134,21 @@ class Mamba3ScanCuda {
   // after another on one stream (a model's layers) may share; the scan then allocates only what
   // forward() keeps for backward() (the chunk-entry states and decays, PsiV) and the chunk chains'
   // tickets and flags (B·H·chunks + 1 ints).
-  // chains: see ScanChains.
+  // chains: see ScanChains; head_split: see ScanHeadSplit.
   explicit Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache = false,
                           bool tensor_cores = true, void* backward_workspace = nullptr,
-                          size_t backward_bytes = 0, ScanChains chains = ScanChains::kWherePaying);
-  // Bytes of backward()'s temporaries for `shape` (throws like the constructor on a bad shape).
-  static size_t backward_workspace_bytes(const ops::ScanShape& shape);
+                          size_t backward_bytes = 0, ScanChains chains = ScanChains::kWherePaying,
+                          ScanHeadSplit head_split = ScanHeadSplit::kWherePaying);
+  // Bytes of backward()'s temporaries for `shape` on the current device, for either math variant
+  // (throws like the constructor on a bad shape). The split units' q and k gradients are among
+  // them, so the figure depends on head_split and on the device's SMs.
+  static size_t backward_workspace_bytes(const ops::ScanShape& shape,
+                                         ScanHeadSplit head_split = ScanHeadSplit::kWherePaying);
   // Bytes the constructor allocates for itself (workspace_bytes()): with shared_backward (a
   // backward_workspace given), only what forward() keeps for backward() and the tickets and flags.
   static size_t own_workspace_bytes(const ops::ScanShape& shape, bool psiv_cache,
-                                    bool shared_backward);
+                                    bool shared_backward,
+                                    ScanHeadSplit head_split = ScanHeadSplit::kWherePaying);
   ~Mamba3ScanCuda();
   Mamba3ScanCuda(const Mamba3ScanCuda&) = delete;
   Mamba3ScanCuda& operator=(const Mamba3ScanCuda&) = delete;
@@ -141,6 +166,7 @@ class Mamba3ScanCuda {
   bool psiv_cache() const { return psiv_cache_; }
   bool tensor_cores() const { return tensor_cores_; }
   ScanChains chains() const { return chains_; }
+  ScanHeadSplit head_split() const { return head_split_; }
   size_t workspace_bytes() const { return workspace_bytes_; }
   size_t psiv_bytes() const { return psiv_bytes_; }
   std::vector<KernelAttributes> kernel_attributes() const;
@@ -150,6 +176,7 @@ class Mamba3ScanCuda {
   bool psiv_cache_;
   bool tensor_cores_;
   ScanChains chains_;
+  ScanHeadSplit head_split_;
   bool has_forward_ = false;
   int planned_chunk_ = 0;
   int device_ = 0;
@@ -163,9 +190,10 @@ class Mamba3ScanCuda {
 // The attributes of every kernel the scan launches for `shape` (with psiv_cache off and
 // on the launch shapes are the same), for the tensor-core or the CUDA-core variant.
 // Throws like the constructor for shapes not covered.
-std::vector<KernelAttributes> kernel_attributes(const ops::ScanShape& shape,
-                                                bool tensor_cores = true,
-                                                ScanChains chains = ScanChains::kWherePaying);
+std::vector<KernelAttributes> kernel_attributes(
+    const ops::ScanShape& shape, bool tensor_cores = true,
+    ScanChains chains = ScanChains::kWherePaying,
+    ScanHeadSplit head_split = ScanHeadSplit::kWherePaying);
 
 // Dynamic shared memory (bytes) per block that the largest kernel for `shape` cannot do without
 // at shape.chunk (no device needed): chunk_backward's plan with its C² token weights made again

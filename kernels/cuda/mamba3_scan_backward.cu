@@ -386,7 +386,7 @@ __device__ void finish_qk_grad(const D& d, const ChunkPos& pos, bool first_head,
 template <bool kTensor, class D>
 __global__ void __launch_bounds__(kBackwardThreads)
     chunk_backward_kernel(D d, SmemPlan plan, DevInputs in, Work w, bool read_psiv, const bf16* dy,
-                          DevGrads grads) {
+                          DevGrads grads, HeadSplit head_split) {
   // At the fixed SISO shape (kLeanRegisters: R = 1), the launch's block (backward_launches) as a
   // constant: loops over blockDim.x strides here and in the helpers inlined then have constant
   // strides and trip counts (SISO backward −2.5%). At MIMO the same made the backward 4% slower
@@ -523,8 +523,21 @@ __global__ void __launch_bounds__(kBackwardThreads)
   // The element-wise passes over rows take W neighbouring columns an index (float4 rows at the
   // fixed shapes; see kPassColumnsPerItem).
   constexpr int W = kPassColumnsPerItem<D>;
-  const ChunkPos group_pos = chunk_pos(d, blockIdx.y, true, blockIdx.x);
-  if (staged != nullptr) stage(group_pos);  // the group's first head
+  // The block's unit (batch, group, chunk) and its heads in the group: all of them, or one where
+  // the unit is split (HeadSplit).
+  int unit = blockIdx.x, head_first = 0, head_end = d.heads_per_group;
+  if (unit >= head_split.whole_units) {
+    const int k = unit - head_split.whole_units;
+    unit = head_split.whole_units + k / d.heads_per_group;
+    head_first = k % d.heads_per_group;
+    head_end = head_first + 1;
+  }
+  const ChunkPos group_pos = chunk_pos(d, unit / d.chunks, true, unit % d.chunks);
+  if (staged != nullptr) {  // the block's first head
+    ChunkPos first = group_pos;
+    first.h += head_first;
+    stage(first);
+  }
   // With fused_weights at the fixed shapes, each head's entry state E (fp32, unpadded) is copied
   // ahead into d_scores' space, free from the dK phase to the next head's score products: for the
   // group's first head now, for the next head once dK's phase is done. Each thread reads back
@@ -541,11 +554,11 @@ __global__ void __launch_bounds__(kBackwardThreads)
     }
     commit_copies();
   };
-  if (entry_ahead) copy_entry_ahead(group_pos.g * d.heads_per_group);
+  if (entry_ahead) copy_entry_ahead(group_pos.h + head_first);
   const size_t slot = static_cast<size_t>(group_pos.b) * d.chunks + group_pos.c;
   const size_t slots = static_cast<size_t>(d.batch) * d.chunks;
 
-  for (int hg = 0; hg < d.heads_per_group; ++hg) {
+  for (int hg = head_first; hg < head_end; ++hg) {
     ChunkPos pos = group_pos;
     pos.h = group_pos.g * d.heads_per_group + hg;
     const int h = pos.h;
@@ -607,7 +620,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
     }
     __syncthreads();
     // The staged tokens are read: the next head's copies start.
-    if (staged != nullptr && hg + 1 < d.heads_per_group) {
+    if (staged != nullptr && hg + 1 < head_end) {
       ChunkPos next = pos;
       next.h = h + 1;
       stage(next);
@@ -1063,8 +1076,8 @@ __global__ void __launch_bounds__(kBackwardThreads)
     __syncthreads();
     // Not closed: the exit state's phase writes neither d_qk nor the sums, and its barrier comes
     // before dK's product writes d_qk.
-    finish_qk_grad(d, pos, hg == 0, cosv, sinv, q_rot, ld_qk, d_qk, ld_mn, d_theta, qb_partial,
-                   dq_sum, w.dq_acc, false);
+    finish_qk_grad(d, pos, hg == head_first, cosv, sinv, q_rot, ld_qk, d_qk, ld_mn, d_theta,
+                   qb_partial, dq_sum, w.dq_acc, false);
 
     // Exit state: dS = dL/d(exit state). dL/dl_last += e^{l_last} <dS, E>, with E still in
     // `state`, or split in its hi + lo pair (each element is read by the thread that then
@@ -1277,7 +1290,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
       }
       __syncthreads();
       // dSc ⊙ W is read: the next head's entry state may land in its space.
-      if (entry_ahead && hg + 1 < d.heads_per_group) copy_entry_ahead(h + 1);
+      if (entry_ahead && hg + 1 < head_end) copy_entry_ahead(h + 1);
       // A lane per token; the sum of d_scale · exit_scale over tokens by warp 0 alone, so no
       // barrier before it.
       if (warp == 0) {
@@ -1355,8 +1368,8 @@ __global__ void __launch_bounds__(kBackwardThreads)
     // v in the scores' space is written next (dx's pass), over d_qk; not with fused_dv or
     // dx_in_tiles (no dx pass).
     const bool v_in_scores = !fused_dv && !dx_in_tiles && v_tokens != nullptr && v_early == nullptr;
-    finish_qk_grad(d, pos, hg == 0, cosv, sinv, k_rot, ld_qk, d_qk, ld_mn, d_theta, kb_partial,
-                   dk_sum, w.dk_acc, v_in_scores);
+    finish_qk_grad(d, pos, hg == head_first, cosv, sinv, k_rot, ld_qk, d_qk, ld_mn, d_theta,
+                   kb_partial, dk_sum, w.dk_acc, v_in_scores);
 
     if (fused_dv || dx_in_tiles) {
       // mimo_x's partial: the row tiles' terms (o's space, from the exit-state phase), in order.
@@ -1425,7 +1438,18 @@ __global__ void __launch_bounds__(kBackwardThreads)
         [&](int j, const float* acc) { w.dtheta_tot[(bh * d.chunks + pos.c) * A + j] = acc[0]; });
     __syncthreads();
   }
-  if (dq_sum != nullptr) {
+  if (dq_sum != nullptr && head_end - head_first < d.heads_per_group) {
+    // A split unit's head: its q and k gradients, for finish_tokens to add in head order.
+    const int rows_n = d.rows * N;
+    float* to =
+        w.split_qk +
+        (static_cast<size_t>(unit - head_split.whole_units) * d.heads_per_group + head_first) * 2 *
+            rows_n;
+    for (int idx = threadIdx.x; idx < group_pos.len * R * N; idx += blockDim.x) {
+      to[idx] = dq_sum[idx];
+      to[rows_n + idx] = dk_sum[idx];
+    }
+  } else if (dq_sum != nullptr) {
     // Every head is in: the group's q and k gradients of the chunk, rows G·N apart in [B, T, R,
     // G, N].
     const size_t base =
@@ -1456,7 +1480,7 @@ __global__ void dtheta_offsets_kernel(Dims d, Work w) {
 // heads in order), dt/trap/adt (with the κ_{t−1} terms) and, when chunk_backward summed them in
 // the workspace (qk_in_workspace), q/k to bf16.
 __global__ void finish_tokens_kernel(Dims d, DevInputs in, Work w, DevGrads grads,
-                                     bool qk_in_workspace) {
+                                     bool qk_in_workspace, HeadSplit split) {
   const int c = blockIdx.x, b = blockIdx.y, A = d.angles, H = d.heads;
   const int t0 = c * d.chunk, len = min(d.chunk, d.seqlen - t0);
   // The suffix sums walk the chunk's tokens backwards, kTokensAhead of them loaded before the
@@ -1516,6 +1540,26 @@ __global__ void finish_tokens_kernel(Dims d, DevInputs in, Work w, DevGrads grad
     grads.dt[th] = __float2bfloat16(d_dt);
     grads.trap[th] = __float2bfloat16(d_tau * tau * (1.f - tau));
   }
+  // The split units' q and k gradients: each head's added in order to zero, as chunk_backward's
+  // shared sums add them (the same bits).
+  for (int g = 0; g < d.groups; ++g) {
+    const int unit = (b * d.groups + g) * d.chunks + c;
+    if (unit < split.whole_units) continue;
+    const int N = d.state, rows_n = d.rows * N, row_stride = d.groups * N;
+    const float* from =
+        w.split_qk + static_cast<size_t>(unit - split.whole_units) * d.heads_per_group * 2 * rows_n;
+    const size_t base = ((static_cast<size_t>(b) * d.seqlen + t0) * d.rank * d.groups + g) * N;
+    for (int idx = threadIdx.x; idx < len * d.rank * N; idx += blockDim.x) {
+      float q = 0.f, k = 0.f;
+      for (int head = 0; head < d.heads_per_group; ++head) {
+        q += from[head * 2 * rows_n + idx];
+        k += from[(head * 2 + 1) * rows_n + idx];
+      }
+      const size_t at = base + d.by_state.div(idx) * row_stride + d.by_state.mod(idx);
+      grads.q[at] = __float2bfloat16(q);
+      grads.k[at] = __float2bfloat16(k);
+    }
+  }
   if (!qk_in_workspace) return;
   const int row_width = d.rank * d.groups * d.state;
   const size_t base = (static_cast<size_t>(b) * d.seqlen + t0) * row_width;
@@ -1559,7 +1603,7 @@ __global__ void reduce_params_kernel(Dims d, Work w, DevGrads grads) {
 }  // namespace
 
 BackwardLaunches backward_launches(const Dims& d, bool tensor_cores, size_t shared_limit,
-                                   ScanChains chains) {
+                                   ScanChains chains, int split_units) {
   const unsigned bh = static_cast<unsigned>(d.batch * d.heads);
   const unsigned bg = static_cast<unsigned>(d.batch * d.groups);
   const unsigned chunks = static_cast<unsigned>(d.chunks);
@@ -1569,6 +1613,10 @@ BackwardLaunches backward_launches(const Dims& d, bool tensor_cores, size_t shar
   const unsigned partial_blocks = static_cast<unsigned>((d.partial_width + 31) / 32);
   const dim3 threads(kThreads);
   BackwardLaunches l;
+  const int units = static_cast<int>(chunks * bg);
+  l.split = {units - split_units, split_units};
+  const unsigned backward_blocks =
+      static_cast<unsigned>(l.split.whole_units + split_units * d.heads_per_group);
   with_fixed_dims(d, [&](auto dims) {
     using D = decltype(dims);
     SmemPlan dstate = plan_for(d, kDStateKernel);
@@ -1604,7 +1652,7 @@ BackwardLaunches backward_launches(const Dims& d, bool tensor_cores, size_t shar
     l.chunk_backward = {"chunk_backward",
                         tensor_cores ? kernel_address(&chunk_backward_kernel<true, D>)
                                      : kernel_address(&chunk_backward_kernel<false, D>),
-                        dim3(chunks, bg), dim3(kBackwardThreads),
+                        dim3(backward_blocks), dim3(kBackwardThreads),
                         plan_backward(d, tensor_cores, shared_limit)};
   });
   l.state_pass_backward = {"state_pass_backward",
@@ -1664,11 +1712,11 @@ void run_backward(const BackwardLaunches& launches, bool tensor_cores, bool psiv
     const Launch& l = launches.chunk_backward;
     with_fixed_dims(d, [&](auto dims) {
       if (tensor_cores) {
-        chunk_backward_kernel<true>
-            <<<l.grid, l.block, l.smem.total, stream>>>(dims, l.smem, in, w, psiv_cache, dy, grads);
+        chunk_backward_kernel<true><<<l.grid, l.block, l.smem.total, stream>>>(
+            dims, l.smem, in, w, psiv_cache, dy, grads, launches.split);
       } else {
-        chunk_backward_kernel<false>
-            <<<l.grid, l.block, l.smem.total, stream>>>(dims, l.smem, in, w, psiv_cache, dy, grads);
+        chunk_backward_kernel<false><<<l.grid, l.block, l.smem.total, stream>>>(
+            dims, l.smem, in, w, psiv_cache, dy, grads, launches.split);
       }
     });
     MEGACPP_CUDA_CHECK_LAUNCH(l.name);
@@ -1680,8 +1728,8 @@ void run_backward(const BackwardLaunches& launches, bool tensor_cores, bool psiv
   }
   {
     const Launch& l = launches.finish_tokens;
-    finish_tokens_kernel<<<l.grid, l.block, 0, stream>>>(d, in, w, grads,
-                                                         launches.chunk_backward.smem.dq_acc == 0);
+    finish_tokens_kernel<<<l.grid, l.block, 0, stream>>>(
+        d, in, w, grads, launches.chunk_backward.smem.dq_acc == 0, launches.split);
     MEGACPP_CUDA_CHECK_LAUNCH(l.name);
   }
   {

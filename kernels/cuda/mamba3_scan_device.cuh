@@ -375,6 +375,9 @@ struct Work {
   float* tok_dtau;    // [B, L, H] d_τ without the κ_{t−1} term
   float* tok_dkappa;  // [B, L, H]
   float* partials;    // [H, B * chunks, partial_width]
+  float* split_qk;    // [split units, heads per group, 2, C·R·N]: the q then k gradients of each
+                      //   head of chunk_backward's split units (HeadSplit), for finish_tokens to
+                      //   sum in head order; null when no unit is split
   int* order;         // [1 + B·H·chunks] for chunk_forward and the fused chunk_dstate: the next
                       //   block's ticket, then one flag per (b, h, c), set once the state its
                       //   block waits for is in `states` (`gstates`); zeroed before each launch
@@ -441,17 +444,37 @@ void run_forward(const ForwardLaunches& launches, bool tensor_cores, bool psiv_c
                  const DevInputs& in, const Work& w, bf16* y, cudaStream_t stream);
 
 // mamba3_scan_backward.cu: the backward's kernels, in launch order.
+// chunk_backward's work comes in units, one per (batch, group, chunk). A block walking a unit's
+// heads one after another takes as long as heads_per_group single-head blocks, and the units that
+// are left over after the last whole wave of blocks (units mod the blocks the GPU holds at once)
+// run with most SMs idle: at M3-ref on 132 SMs, 4096 units leave 4 for a 32nd wave of 16 heads'
+// time. Split, each of the last split_units units runs a block per head instead, so that the last
+// wave takes a head's time per block. A split unit's heads add their q and k gradients into the
+// group's sums in finish_tokens rather than in shared memory, in the same order (head 0 first,
+// added to zero), so splitting changes no bit.
+struct HeadSplit {
+  int whole_units = 0;  // units [0, whole_units): a block each, walking the group's heads
+  int split_units = 0;  // the units after them: a block per (unit, head)
+};
+// Floats of Work::split_qk for `split_units` split units.
+inline size_t split_qk_floats(const Dims& d, int split_units) {
+  return static_cast<size_t>(split_units) * d.heads_per_group * 2 * d.rows * d.state;
+}
+
 struct BackwardLaunches {
   Launch chunk_dstate, state_pass_backward, chunk_backward, dtheta_offsets, finish_tokens,
       reduce_params;
   // At the fixed shapes chunk_dstate also does the reverse state pass (state_pass_backward is then
   // not launched).
   bool reverse_pass_fused = false;
+  HeadSplit split;  // chunk_backward's grid: split.whole_units + split.split_units · heads a group
 };
 // shared_limit: the device's shared memory per block, as capped (chunk_backward keeps the group's
-// dQ and dK sums there when they fit; see plan_backward).
+// dQ and dK sums there when they fit; see plan_backward). split_units: chunk_backward's last units
+// that run a block per head (at most the units; only where its plan keeps the dQ and dK sums in
+// shared memory, which the caller checks).
 BackwardLaunches backward_launches(const Dims& d, bool tensor_cores, size_t shared_limit,
-                                   ScanChains chains);
+                                   ScanChains chains, int split_units = 0);
 void run_backward(const BackwardLaunches& launches, bool tensor_cores, bool psiv_cache,
                   const Dims& d, const DevInputs& in, const Work& w, const bf16* dy,
                   const DevGrads& grads, cudaStream_t stream);

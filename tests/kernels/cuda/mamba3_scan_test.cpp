@@ -78,6 +78,9 @@ struct Mamba3Scan {
     bool unaligned_parameters = false;
     // The chunk chains forced on or off (ScanChains): the two ways must give the same bits.
     megacpp::cuda::ScanChains chains = megacpp::cuda::ScanChains::kWherePaying;
+    // chunk_backward's units split into a block per head everywhere or nowhere (ScanHeadSplit):
+    // the same bits either way.
+    megacpp::cuda::ScanHeadSplit head_split = megacpp::cuda::ScanHeadSplit::kWherePaying;
     // z and v read in place inside one wider row a token (as the model reads them in in_proj's
     // output: ScanDeviceInputs::zv_row_stride), with columns between and after them: the same
     // bits as from their own tensors.
@@ -196,6 +199,28 @@ struct Mamba3Scan {
          {.name = "tensor-core chains", .same_bits_as = 0, .chains = ScanChains::kAlways},
          {.name = "tensor-core no chains", .same_bits_as = 0, .chains = ScanChains::kNever}},
         "_Chains");
+    // chunk_backward's units as a block per head (all of them) or a block per unit: the same bits,
+    // at both fixed shapes (ragged; MIMO with two groups of 8 heads), at a runtime shape, and on
+    // the CUDA cores (whose plans keep the group's sums in shared memory too where they fit).
+    using megacpp::cuda::ScanHeadSplit;
+    const auto split_or_not = [](bool cuda_cores) {
+      const std::string way = cuda_cores ? "cuda-core" : "tensor-core";
+      return std::vector<Variant>{{.name = way, .tensor_cores = !cuda_cores},
+                                  {.name = way + " head-split",
+                                   .same_bits_as = 0,
+                                   .tensor_cores = !cuda_cores,
+                                   .head_split = ScanHeadSplit::kAlways},
+                                  {.name = way + " no head-split",
+                                   .same_bits_as = 0,
+                                   .tensor_cores = !cuda_cores,
+                                   .head_split = ScanHeadSplit::kNever}};
+    };
+    s = sized(64, 64, 4, 16, 2, 1001);
+    s.groups = 2;
+    add(s, split_or_not(false), "_HeadSplit");
+    add(s, split_or_not(true), "_HeadSplitCudaCores");
+    add(sized(64, 64, 1, 64, 2, 1000), split_or_not(false), "_HeadSplit");
+    add(sized(32, 64, 4, 16, 2, 1001), split_or_not(false), "_HeadSplit");
     // z and v in a wider row: at both fixed shapes (MIMO at 64 pairs, its forward chained, with
     // the PsiV cache too; SISO ragged), at MIMO's 32 pairs (the separate forward passes) and at a
     // runtime shape; on the tensor cores and CUDA cores.
@@ -334,7 +359,7 @@ struct Mamba3Scan {
     const auto make_scan = [&] {
       return std::make_shared<Mamba3ScanCuda>(sh, v.psiv_cache, v.tensor_cores,
                                               shared ? shared->get() : nullptr,
-                                              shared ? shared->bytes() : 0, v.chains);
+                                              shared ? shared->bytes() : 0, v.chains, v.head_split);
     };
     const auto scan = make_scan();
     EXPECT_EQ(scan->psiv_bytes() > 0, v.psiv_cache) << "PsiV cache of " << scan->psiv_bytes();
@@ -786,6 +811,53 @@ TEST(Mamba3ScanCudaShapes, ReportsEveryKernelItLaunches) {
   many.batch = 8;
   EXPECT_EQ(names(many, false), with(three, chained_backward));
   EXPECT_EQ(names(grid_shape(32, 64, 4, 16), true), with(three, separate_backward));
+}
+
+// kWherePaying splits the units left over after the last whole wave where the wave of a block per
+// head they make takes at most half a unit's time; M3-ref on an H100 or H200 (132 SMs, one
+// chunk_backward block each) leaves 4 of 4096 units.
+TEST(Mamba3ScanCudaShapes, SplitsTheUnitsLeftAfterTheLastWholeWave) {
+  using megacpp::cuda::units_worth_splitting;
+  EXPECT_EQ(units_worth_splitting(4096, 16, 132), 4);   // M3-ref MIMO: a wave of 1 head
+  EXPECT_EQ(units_worth_splitting(3072, 16, 132), 36);  // batch 6: 5 heads
+  EXPECT_EQ(units_worth_splitting(1024, 16, 132), 0);   // M3-ref SISO: 13 heads of 16
+  EXPECT_EQ(units_worth_splitting(64, 16, 132), 64);    // fewer units than slots: 8 heads
+  EXPECT_EQ(units_worth_splitting(100, 16, 132), 0);    // 13 heads
+  EXPECT_EQ(units_worth_splitting(3960, 16, 132), 0);   // whole waves
+  EXPECT_EQ(units_worth_splitting(4096, 1, 132), 0);    // a head a group
+  EXPECT_EQ(units_worth_splitting(4096, 16, 0), 0);
+  MEGACPP_REQUIRE_GPU();
+  using megacpp::cuda::ScanHeadSplit;
+  ScanShape s = grid_shape(64, 64, 4, 16);
+  s.batch = 8;
+  s.seqlen = 8192;
+  const long units = static_cast<long>(s.batch) * (s.seqlen / s.chunk);
+  const auto backward = [&](ScanHeadSplit head_split, bool tensor_cores = true) {
+    for (const auto& a : megacpp::cuda::kernel_attributes(s, tensor_cores, {}, head_split)) {
+      if (a.name == "chunk_backward") return a;
+    }
+    ADD_FAILURE() << "no chunk_backward";
+    return megacpp::cuda::KernelAttributes{};
+  };
+  EXPECT_EQ(backward(ScanHeadSplit::kNever).grid_blocks, units);
+  EXPECT_EQ(backward(ScanHeadSplit::kAlways).grid_blocks, units * s.heads);
+  int device = 0, multiprocessors = 0;
+  MEGACPP_CUDA_CHECK(cudaGetDevice(&device));
+  MEGACPP_CUDA_CHECK(
+      cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device));
+  long most = 0;  // of the two math variants
+  for (const bool tensor_cores : {true, false}) {
+    const auto paying = backward(ScanHeadSplit::kWherePaying, tensor_cores);
+    const long split = units_worth_splitting(
+        units, s.heads, static_cast<long>(multiprocessors) * paying.blocks_per_sm);
+    EXPECT_EQ(paying.grid_blocks, units - split + split * s.heads)
+        << split << " units split, tensor cores " << tensor_cores;
+    most = std::max(most, split);
+  }
+  // The split units' q and k gradients are among backward()'s temporaries (either variant's).
+  EXPECT_EQ(Mamba3ScanCuda::backward_workspace_bytes(s, ScanHeadSplit::kWherePaying) -
+                Mamba3ScanCuda::backward_workspace_bytes(s, ScanHeadSplit::kNever),
+            (most * s.heads * 2 * s.rank * s.chunk * s.state * sizeof(float) + 255) / 256 * 256);
 }
 
 }  // namespace
