@@ -105,13 +105,16 @@ enum class ScanChains { kWherePaying, kAlways, kNever };
 // per head (at M3-ref on 132 SMs the last 4 of 4096 units become 64 blocks). The split heads' q and
 // k gradients are summed in the same order, so splitting changes no bit. kWherePaying splits where
 // the last wave then takes at most half the time (only where the plan keeps the group's dQ and dK
-// sums in shared memory, with 2 or more heads a group); kAlways splits every unit (where it can,
-// for the test that both ways give the same bits); kNever splits none.
+// sums in shared memory, with 2 or more heads a group: not the tensor-core plan at the fixed SISO
+// shape, whose sums are in the workspace); kAlways splits every unit where it can (for the test
+// that both ways give the same bits, and the benchmark); kNever splits none.
 enum class ScanHeadSplit { kWherePaying, kAlways, kNever };
 // kWherePaying's choice: of `units` units of `heads_per_group` heads where `slots` blocks of
 // chunk_backward run at once (SMs × blocks an SM), the leftover ones (units mod slots) when the
 // wave they make as a block per head takes at most half a whole unit's time
-// (ceil(leftover · heads / slots) ≤ heads / 2), else none.
+// (ceil(leftover · heads / slots) ≤ heads / 2), else none. A head in a block of its own costs
+// more than in a block of 16, whose loads for the next head are issued during this one's work: at
+// M3-ref MIMO every unit split took the backward 12% longer (10.66 → 11.96 ms, H200, session 28).
 inline int units_worth_splitting(long units, int heads_per_group, long slots) {
   if (heads_per_group < 2 || slots < 1) return 0;
   const long leftover = units % slots;

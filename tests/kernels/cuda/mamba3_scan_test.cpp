@@ -820,10 +820,12 @@ TEST(Mamba3ScanCudaShapes, SplitsTheUnitsLeftAfterTheLastWholeWave) {
   using megacpp::cuda::units_worth_splitting;
   EXPECT_EQ(units_worth_splitting(4096, 16, 132), 4);   // M3-ref MIMO: a wave of 1 head
   EXPECT_EQ(units_worth_splitting(3072, 16, 132), 36);  // batch 6: 5 heads
-  EXPECT_EQ(units_worth_splitting(1024, 16, 132), 0);   // M3-ref SISO: 13 heads of 16
+  EXPECT_EQ(units_worth_splitting(1024, 16, 132), 0);   // M3-ref SISO's units: 13 heads of 16
   EXPECT_EQ(units_worth_splitting(64, 16, 132), 64);    // fewer units than slots: 8 heads
   EXPECT_EQ(units_worth_splitting(100, 16, 132), 0);    // 13 heads
   EXPECT_EQ(units_worth_splitting(3960, 16, 132), 0);   // whole waves
+  EXPECT_EQ(units_worth_splitting(133, 2, 132), 1);     // 1 head of 2
+  EXPECT_EQ(units_worth_splitting(395, 2, 132), 0);     // 2 heads of 2
   EXPECT_EQ(units_worth_splitting(4096, 1, 132), 0);    // a head a group
   EXPECT_EQ(units_worth_splitting(4096, 16, 0), 0);
   MEGACPP_REQUIRE_GPU();
