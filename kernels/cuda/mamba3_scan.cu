@@ -183,14 +183,23 @@ DevGrads dev_grads(const ScanDeviceGrads& g, int angles) {
   return d;
 }
 
+// Opts `l`'s kernel in to its dynamic shared memory where that is above 48 KiB, never lowering
+// what it allows already: the kernels of the runtime shapes serve every such shape, and a scan of
+// a smaller shape must not take away what an earlier, larger one set.
+void allow_shared(const Launch& l) {
+  if (l.smem.total <= 48 * 1024) return;
+  cudaFuncAttributes attr{};
+  MEGACPP_CUDA_CHECK(cudaFuncGetAttributes(&attr, l.function));
+  if (static_cast<size_t>(attr.maxDynamicSharedSizeBytes) >= l.smem.total) return;
+  MEGACPP_CUDA_CHECK(cudaFuncSetAttribute(l.function, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(l.smem.total)));
+}
+
 // The blocks of launch `l` an SM of the current device holds: the occupancy API's figure, lowered
-// where `shared` is capped (the API reads the GPU's own shared memory). Raises the kernel's dynamic
-// shared memory limit first where it needs more than 48 KiB.
+// where `shared` is capped (the API reads the GPU's own shared memory). Opts the kernel in to its
+// shared memory first (allow_shared).
 int resident_blocks(const Launch& l, const SharedMemoryLimits& shared) {
-  if (l.smem.total > 48 * 1024) {
-    MEGACPP_CUDA_CHECK(cudaFuncSetAttribute(l.function, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(l.smem.total)));
-  }
+  allow_shared(l);
   int blocks = 0;
   MEGACPP_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
       &blocks, l.function, static_cast<int>(l.block.x * l.block.y * l.block.z), l.smem.total));
@@ -246,11 +255,7 @@ std::vector<Launch> all_launches(const Dims& d, bool tensor_cores, const SharedM
 void raise_shared_limits(const Dims& d, const SharedMemoryLimits& shared, ScanChains chains) {
   for (bool tensor_cores : {false, true}) {
     for (const Launch& l : all_launches(d, tensor_cores, shared, chains, ScanHeadSplit::kNever)) {
-      if (l.smem.total > 48 * 1024) {
-        MEGACPP_CUDA_CHECK(cudaFuncSetAttribute(l.function,
-                                                cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                static_cast<int>(l.smem.total)));
-      }
+      allow_shared(l);
     }
   }
 }

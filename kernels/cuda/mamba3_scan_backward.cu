@@ -1477,8 +1477,9 @@ __global__ void dtheta_offsets_kernel(Dims d, Work w) {
 }
 
 // Per token of one (batch, chunk): the angle gradients (suffix sums of dθ, summed over
-// heads in order), dt/trap/adt (with the κ_{t−1} terms) and, when chunk_backward summed them in
-// the workspace (qk_in_workspace), q/k to bf16.
+// heads in order), dt/trap/adt (with the κ_{t−1} terms), q/k of the split units (HeadSplit: their
+// heads' gradients summed in head order) and, when chunk_backward summed them in the workspace
+// (qk_in_workspace), q/k to bf16.
 __global__ void finish_tokens_kernel(Dims d, DevInputs in, Work w, DevGrads grads,
                                      bool qk_in_workspace, HeadSplit split) {
   const int c = blockIdx.x, b = blockIdx.y, A = d.angles, H = d.heads;
@@ -1655,6 +1656,17 @@ BackwardLaunches backward_launches(const Dims& d, bool tensor_cores, size_t shar
                         dim3(backward_blocks), dim3(kBackwardThreads),
                         plan_backward(d, tensor_cores, shared_limit)};
   });
+  // A split unit's heads leave their q and k gradients for finish_tokens, which only works where
+  // the block would have summed them in shared memory (in the workspace, a unit's heads add into
+  // one sum in order, block after block) and with two or more heads a group (the kernel tells a
+  // split block by its head count).
+  if (split_units > 0 &&
+      (l.chunk_backward.smem.dq_acc == 0 || d.heads_per_group < 2 || split_units > units)) {
+    detail::refuse(ErrorKind::kInternal,
+                   "backward_launches: {} of {} units split at {} heads a group, the group sums {}",
+                   split_units, units, d.heads_per_group,
+                   l.chunk_backward.smem.dq_acc == 0 ? "in the workspace" : "in shared memory");
+  }
   l.state_pass_backward = {"state_pass_backward",
                            kernel_address(&state_pass_backward_kernel),
                            dim3(matrix_blocks, bh),

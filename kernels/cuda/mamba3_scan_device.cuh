@@ -445,13 +445,13 @@ void run_forward(const ForwardLaunches& launches, bool tensor_cores, bool psiv_c
 
 // mamba3_scan_backward.cu: the backward's kernels, in launch order.
 // chunk_backward's work comes in units, one per (batch, group, chunk). A block walking a unit's
-// heads one after another takes as long as heads_per_group single-head blocks, and the units that
-// are left over after the last whole wave of blocks (units mod the blocks the GPU holds at once)
-// run with most SMs idle: at M3-ref on 132 SMs, 4096 units leave 4 for a 32nd wave of 16 heads'
-// time. Split, each of the last split_units units runs a block per head instead, so that the last
-// wave takes a head's time per block. A split unit's heads add their q and k gradients into the
-// group's sums in finish_tokens rather than in shared memory, in the same order (head 0 first,
-// added to zero), so splitting changes no bit.
+// heads one after another takes about as long as heads_per_group single-head blocks, and the units
+// that are left over after the last whole wave of blocks (units mod the blocks the GPU holds at
+// once) run with most SMs idle: at M3-ref on 132 SMs, 4096 units leave 4 for a 32nd wave of 16
+// heads' time. Split, each of the last split_units units runs a block per head instead, so that the
+// last wave takes a head's time per block. A split unit's heads leave their q and k gradients in
+// the workspace (Work::split_qk), and finish_tokens adds them into the group's sums in the order
+// the block's shared sums take (head 0 first, added to zero), so splitting changes no bit.
 struct HeadSplit {
   int whole_units = 0;  // units [0, whole_units): a block each, walking the group's heads
   int split_units = 0;  // the units after them: a block per (unit, head)

@@ -200,8 +200,10 @@ struct Mamba3Scan {
          {.name = "tensor-core no chains", .same_bits_as = 0, .chains = ScanChains::kNever}},
         "_Chains");
     // chunk_backward's units as a block per head (all of them) or a block per unit: the same bits,
-    // at both fixed shapes (ragged; MIMO with two groups of 8 heads), at a runtime shape, and on
-    // the CUDA cores (whose plans keep the group's sums in shared memory too where they fit).
+    // at the fixed MIMO shape (ragged, two groups of 8 heads) on both math variants, at the SISO
+    // shape on the CUDA cores (its tensor-core plan keeps the group's sums in the workspace and
+    // never splits), at a runtime shape, and at 140 units of 16 heads, where the default splits
+    // the units left after the last whole wave (8 of them on 132 SMs) beside whole ones.
     using megacpp::cuda::ScanHeadSplit;
     const auto split_or_not = [](bool cuda_cores) {
       const std::string way = cuda_cores ? "cuda-core" : "tensor-core";
@@ -219,8 +221,9 @@ struct Mamba3Scan {
     s.groups = 2;
     add(s, split_or_not(false), "_HeadSplit");
     add(s, split_or_not(true), "_HeadSplitCudaCores");
-    add(sized(64, 64, 1, 64, 2, 1000), split_or_not(false), "_HeadSplit");
+    add(sized(64, 64, 1, 64, 2, 1000), split_or_not(true), "_HeadSplitCudaCores");
     add(sized(32, 64, 4, 16, 2, 1001), split_or_not(false), "_HeadSplit");
+    add(sized(64, 64, 4, 16, 1, 2240), split_or_not(false), "_HeadSplitWholeAndSplit");
     // z and v in a wider row: at both fixed shapes (MIMO at 64 pairs, its forward chained, with
     // the PsiV cache too; SISO ragged), at MIMO's 32 pairs (the separate forward passes) and at a
     // runtime shape; on the tensor cores and CUDA cores.
