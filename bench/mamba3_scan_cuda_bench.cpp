@@ -394,6 +394,17 @@ static int run(int argc, char** argv) {
     out = value;
     return true;
   };
+  // A forcing flag's value: always or never, or the bench refuses it naming the flag.
+  const auto always_or_never = [](const char* flag, const char* text, bool& always) {
+    const std::string_view way(text);
+    if (way != "always" && way != "never") {
+      std::fprintf(stderr, "mamba3_scan_cuda_bench: %s takes always or never, not %s\n", flag,
+                   text);
+      return false;
+    }
+    always = way == "always";
+    return true;
+  };
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--repeats" && i + 1 < argc) {
@@ -410,23 +421,14 @@ static int run(int argc, char** argv) {
     } else if (arg == "--zv-row" && i + 1 < argc) {
       if (!positive("--zv-row", argv[++i], zv_row)) return 2;
     } else if (arg == "--chains" && i + 1 < argc) {
-      const std::string way = argv[++i];
-      if (way != "always" && way != "never") {
-        std::fprintf(stderr, "mamba3_scan_cuda_bench: --chains takes always or never, not %s\n",
-                     way.c_str());
-        return 2;
-      }
-      chains =
-          way == "always" ? megacpp::cuda::ScanChains::kAlways : megacpp::cuda::ScanChains::kNever;
+      bool always = false;
+      if (!always_or_never("--chains", argv[++i], always)) return 2;
+      chains = always ? megacpp::cuda::ScanChains::kAlways : megacpp::cuda::ScanChains::kNever;
     } else if (arg == "--head-split" && i + 1 < argc) {
-      const std::string way = argv[++i];
-      if (way != "always" && way != "never") {
-        std::fprintf(stderr, "mamba3_scan_cuda_bench: --head-split takes always or never, not %s\n",
-                     way.c_str());
-        return 2;
-      }
-      head_split = way == "always" ? megacpp::cuda::ScanHeadSplit::kAlways
-                                   : megacpp::cuda::ScanHeadSplit::kNever;
+      bool always = false;
+      if (!always_or_never("--head-split", argv[++i], always)) return 2;
+      head_split =
+          always ? megacpp::cuda::ScanHeadSplit::kAlways : megacpp::cuda::ScanHeadSplit::kNever;
     } else if (arg == "--small" && i + 3 < argc) {
       small = true;
       if (!positive("--small R", argv[++i], small_rank) ||

@@ -399,7 +399,11 @@ Mamba3ScanCuda::Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache, boo
   planned_chunk_ = planned.chunk;
   const Dims d = scan_detail::dims_of(planned);
   scan_detail::raise_shared_limits(d, shared, chains);
-  const int workspace_split = workspace_split_units(d, shared, head_split);
+  // This variant's split, and the workspace's: the larger of both variants' (as
+  // backward_workspace_bytes sizes it), each planned once.
+  const int split_units = scan_detail::planned_split_units(d, tensor_cores, shared, head_split);
+  const int workspace_split =
+      std::max(split_units, scan_detail::planned_split_units(d, !tensor_cores, shared, head_split));
   const std::array<size_t, kParts> sizes = part_sizes(d, workspace_split);
   const size_t backward_needed = bytes_of_parts(sizes, kForwardParts, kParts);
   if (backward_workspace != nullptr && backward_bytes < backward_needed) {
@@ -422,9 +426,8 @@ Mamba3ScanCuda::Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache, boo
   buffers_ = new Buffers{};
   buffers_->dims = d;
   buffers_->forward = scan_detail::forward_launches(d, tensor_cores, shared.per_sm, chains);
-  buffers_->backward = scan_detail::backward_launches(
-      d, tensor_cores, shared.per_block, chains,
-      scan_detail::planned_split_units(d, tensor_cores, shared, head_split));
+  buffers_->backward =
+      scan_detail::backward_launches(d, tensor_cores, shared.per_block, chains, split_units);
   unsigned char* cursor = static_cast<unsigned char*>(arena_);
   float* parts[kParts];
   for (int i = 0; i < kParts; ++i) {

@@ -471,8 +471,8 @@ struct BackwardLaunches {
 };
 // shared_limit: the device's shared memory per block, as capped (chunk_backward keeps the group's
 // dQ and dK sums there when they fit; see plan_backward). split_units: chunk_backward's last units
-// that run a block per head (at most the units; only where its plan keeps the dQ and dK sums in
-// shared memory, which the caller checks).
+// that run a block per head (planned_split_units; refused, kInternal, beyond the units, where the
+// plan keeps the dQ and dK sums in the workspace, or at one head a group).
 BackwardLaunches backward_launches(const Dims& d, bool tensor_cores, size_t shared_limit,
                                    ScanChains chains, int split_units = 0);
 void run_backward(const BackwardLaunches& launches, bool tensor_cores, bool psiv_cache,
