@@ -43,12 +43,23 @@ constexpr bool kAsyncCopies = false;
 constexpr bool kAsyncCopies = true;
 #endif
 
+// Where element (token i, column p) of chunk_backward's z_dy rows lies: i's row of P, its 16-byte
+// column groups permuted by the token (XOR), where P is a power of two. The gating sums read a
+// column of several tokens a warp (SISO: eight tokens of four columns), which rows of P = 64
+// without the permutation put on 8-way bank conflicts. Rows (C + i) hold dy.
+template <class D>
+__device__ __forceinline__ int z_dy_at(const D& d, int i, int p) {
+  const int P = d.headdim;
+  const int groups = (P & (P - 1)) == 0 ? (P - 1) & ~7 : 0;
+  return i * P + (p ^ ((i * 8) & groups));
+}
+
 // d_o = dy ⊙ silu(z ⊙ mimo_z) ⊙ mimo_o, rows (i, r), fp32; an index is (row, W columns p). With
-// z_dy, also the chunk's z and dy as loaded (bf16 [C][P] each, z then dy; zeros for padded tokens),
-// for the epilogue; with mimo_copy, the head's mimo_z then mimo_o ([R][P] each, fp32); with
-// split_hi, also d_o as split_bf16's hi + lo pairs (split_hi, split_lo, rows of ld_split), the
-// tensor-core operands, each row scaled by its token's split_scale first when that is given.
-// Without dst, no fp32 d_o (the pairs, z_dy and mimo_copy as asked).
+// z_dy, also the chunk's z and dy as loaded (bf16 [C][P] each by z_dy_at, z then dy; zeros for
+// padded tokens), for the epilogue; with mimo_copy, the head's mimo_z then mimo_o ([R][P] each,
+// fp32); with split_hi, also d_o as split_bf16's hi + lo pairs (split_hi, split_lo, rows of
+// ld_split), the tensor-core operands, each row scaled by its token's split_scale first when that
+// is given. Without dst, no fp32 d_o (the pairs, z_dy and mimo_copy as asked).
 template <class D>
 struct DOutLoader {
   static constexpr int W = kColumnsPerItem<D>;
@@ -116,9 +127,8 @@ struct DOutLoader {
       store_row(split_lo + row * ld_split + p, round_row<W>(lo));
     }
     if (z_dy != nullptr && r == 0) {
-      const int at = i * P + p;
-      store_row(z_dy + at, loaded.z);
-      store_row(z_dy + d.chunk * P + at, loaded.dy);
+      store_row(z_dy + z_dy_at(d, i, p), loaded.z);
+      store_row(z_dy + z_dy_at(d, d.chunk + i, p), loaded.dy);
     }
     if (mimo_copy != nullptr && i == 0) {
       float mimo_z[W], mimo_o[W];
@@ -127,8 +137,9 @@ struct DOutLoader {
         mimo_z[w] = loaded.mimo_z.at(w);
         mimo_o[w] = loaded.mimo_o.at(w);
       }
-      store_floats<W>(mimo_copy + r * P + p, mimo_z);
-      store_floats<W>(mimo_copy + (R + r) * P + p, mimo_o);
+      const int ld_mimo = mimo_params_stride(P);
+      store_floats<W>(mimo_copy + r * ld_mimo + p, mimo_z);
+      store_floats<W>(mimo_copy + (R + r) * ld_mimo + p, mimo_o);
     }
   }
 };
@@ -207,8 +218,10 @@ __global__ void chunk_dstate_kernel(D d, SmemPlan plan, DevInputs in, Work w, co
   const size_t matrix = static_cast<size_t>(P) * N;
   float* out =
       kReversePass ? reinterpret_cast<float*>(smem + plan.exit_part) : w.gstates + bhc * matrix;
+  // H_c in shared memory has padded rows (exit_part_stride); the gradients in global memory none.
+  const int ld_out = kReversePass ? exit_part_stride(N) : N;
   const auto store = [&](int p, int n, float value) {
-    out[p * N + n] = value;
+    out[p * ld_out + n] = value;
   };
   if constexpr (kTensor) {
     smem_mma_split<true, true, true, false>(P, N, d.rows, scaled_hi, scaled_lo, ld_pv, q_rot,
@@ -238,7 +251,8 @@ __global__ void chunk_dstate_kernel(D d, SmemPlan plan, DevInputs in, Work w, co
         x = __ldcg(reinterpret_cast<const float4*>(exit_gradient) + quad);
       }
       if (pos.c > 0) {
-        const float4 own = reinterpret_cast<const float4*>(out)[quad];
+        const float4 own = *reinterpret_cast<const float4*>(out + quad / (D::state / 4) * ld_out +
+                                                            quad % (D::state / 4) * 4);
         __stcg(reinterpret_cast<float4*>(exit_gradient - matrix) + quad, scale_add(decay, x, own));
       }
     }
@@ -304,13 +318,13 @@ __device__ void finish_qk_grad(const D& d, const ChunkPos& pos, bool first_head,
                                const float* sinv, const bf16* rotated, int ld_rotated, float* d_qk,
                                int ld_d_qk, float* d_theta, float* bias_partial, float* smem_acc,
                                float* acc, bool close) {
-  const int N = d.state, half = N / 2, R = d.rank, A = d.angles;
+  const int N = d.state, half = N / 2, R = d.rank, A = d.angles, ld_a = angles_stride(A);
   // Thread per (token, pair): the θ gradient of pair j sums over ranks without races.
   for (int idx = threadIdx.x; idx < d.chunk * half; idx += blockDim.x) {
     const int i = d.by_half.div(idx), n = d.by_half.mod(idx);
     if (n >= A) continue;
     float dl_dtheta = 0.f;
-    const float cs = cosv[i * A + n], sn = sinv[i * A + n];
+    const float cs = cosv[i * ld_a + n], sn = sinv[i * ld_a + n];
     for (int r = 0; r < R; ++r) {
       float* row = d_qk + (i * R + r) * ld_d_qk;
       const float da = row[n], db = row[n + half];
@@ -320,7 +334,7 @@ __device__ void finish_qk_grad(const D& d, const ChunkPos& pos, bool first_head,
       row[n] = da * cs + db * sn;
       row[n + half] = db * cs - da * sn;
     }
-    d_theta[i * A + n] += dl_dtheta;
+    d_theta[i * ld_a + n] += dl_dtheta;
   }
   __syncthreads();
   token_sums<1>(
@@ -405,8 +419,9 @@ __global__ void __launch_bounds__(kBackwardThreads)
   float* weights = reinterpret_cast<float*>(smem + plan.token_weights);
   // W[i][j] by token, read where the plan gives W a space, else made again (token_weight).
   const bool weights_recomputed = plan.weights_recomputed;
+  const int ld_w = weights_stride(d.chunk);  // W's and dL/dW's rows
   const auto weight_of = [&](int i, int j) {
-    return weights_recomputed ? token_weight(d, sc, i, j) : weights[i * d.chunk + j];
+    return weights_recomputed ? token_weight(d, sc, i, j) : weights[i * ld_w + j];
   };
   float* o = reinterpret_cast<float*>(smem + plan.out);
   float* d_o = reinterpret_cast<float*>(smem + plan.d_out);
@@ -423,10 +438,12 @@ __global__ void __launch_bounds__(kBackwardThreads)
     if (t == 0) row_terms[row * column_tiles + j0 / 16] = term;
   };
   float* d_theta = reinterpret_cast<float*>(smem + plan.d_theta);
-  // The head's mimo_x, then mimo_z and mimo_o, [R][P] fp32 each: loaded once with PsiV and dO,
-  // read by the epilogue and dx instead of global memory inside their loops.
+  // The head's mimo_x, then mimo_z and mimo_o, [R][P] fp32 each (rows of mimo_params_stride):
+  // loaded once with PsiV and dO, read by the epilogue and dx instead of global memory inside their
+  // loops.
   float* mimo_x = reinterpret_cast<float*>(smem + plan.mimo_params);
-  float* mimo_zo = mimo_x + d.rank * d.headdim;
+  const int ld_mimo = mimo_params_stride(d.headdim);
+  float* mimo_zo = mimo_x + d.rank * ld_mimo;
   // The group's dQ and dK sums, when they stay in shared memory (plan_backward).
   float* dq_sum = plan.dq_acc != 0 ? reinterpret_cast<float*>(smem + plan.dq_acc) : nullptr;
   float* dk_sum = plan.dk_acc != 0 ? reinterpret_cast<float*>(smem + plan.dk_acc) : nullptr;
@@ -442,6 +459,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
   bf16* d_o_lo = split ? reinterpret_cast<bf16*>(smem + plan.d_out_lo) : nullptr;
   const int ld_split = plan.ld_split;
   const int N = d.state, P = d.headdim, R = d.rank, C = d.chunk, M = d.rows, A = d.angles;
+  const int ld_a = angles_stride(A);  // cos θ's, sin θ's and dL/dθ's rows
   const SmemStrides ld = strides_of<D>(plan);
   const int ld_qk = ld.qk, ld_pv = ld.pv, ld_state = ld.state;
   const int ld_mm = ld.mm, ld_mp = ld.mp, ld_mn = ld.mn, ld_sw = ld.sw;
@@ -612,7 +630,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
     }
     if (!entry_split) for_each_state_element(d, w.states + bhc * matrix, set_state);
     if (!weights_recomputed) fill_weights(d, sc, weights);
-    for (int idx = threadIdx.x; idx < C * A; idx += blockDim.x) d_theta[idx] = 0.f;
+    for (int idx = threadIdx.x; idx < C * ld_a; idx += blockDim.x) d_theta[idx] = 0.f;
     for (int i = threadIdx.x; i < C; i += blockDim.x) {
       sc[kDLog * C + i] = 0.f;
       sc[kDGamma * C + i] = 0.f;
@@ -643,7 +661,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
 #pragma unroll
             for (int upper = 0; upper < 2; ++upper) {
               const int i = i0 + g + 8 * upper;
-              const float* weight_row = weights + d.by_rank.div(i) * C;
+              const float* weight_row = weights + d.by_rank.div(i) * ld_w;
 #pragma unroll
               for (int half = 0; half < 2; ++half) {
                 const int j = j0 + half * 8 + 2 * t;
@@ -656,7 +674,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
                 *reinterpret_cast<__nv_bfloat162*>(d_weighted + i * ld_sw + j) =
                     __floats2bfloat162_rn(ds0 * w0, ds1 * w1);
                 if (R == 1) {
-                  *reinterpret_cast<float2*>(d_weights + i * C + j) =
+                  *reinterpret_cast<float2*>(d_weights + i * ld_w + j) =
                       make_float2(ds0 * s0, ds1 * s1);
                   continue;
                 }
@@ -671,7 +689,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
                   block += __shfl_xor_sync(0xffffffffu, block, offset);
                 }
                 if (t % block_lanes == 0 && g % R == 0) {
-                  d_weights[d.by_rank.div(i) * C + d.by_rank.div(j)] = block;
+                  d_weights[d.by_rank.div(i) * ld_w + d.by_rank.div(j)] = block;
                 }
               }
             }
@@ -737,12 +755,13 @@ __global__ void __launch_bounds__(kBackwardThreads)
                     const int rank = d.by_rank.mod(row);
                     const bool valid = token < pos.len;
                     const float2 zs = __bfloat1622float2(
-                        *reinterpret_cast<const __nv_bfloat162*>(z_dy + token * P + p));
+                        *reinterpret_cast<const __nv_bfloat162*>(z_dy + z_dy_at(d, token, p)));
                     const float2 dys = __bfloat1622float2(
-                        *reinterpret_cast<const __nv_bfloat162*>(z_dy + (C + token) * P + p));
-                    const float2 mz = *reinterpret_cast<const float2*>(mimo_zo + rank * P + p);
+                        *reinterpret_cast<const __nv_bfloat162*>(z_dy + z_dy_at(d, C + token, p)));
+                    const float2 mz =
+                        *reinterpret_cast<const float2*>(mimo_zo + rank * ld_mimo + p);
                     const float2 mo =
-                        *reinterpret_cast<const float2*>(mimo_zo + (R + rank) * P + p);
+                        *reinterpret_cast<const float2*>(mimo_zo + (R + rank) * ld_mimo + p);
                     const float zc[2] = {zs.x, zs.y}, dyc[2] = {dys.x, dys.y};
                     const float mzc[2] = {mz.x, mz.y}, moc[2] = {mo.x, mo.y};
                     const float oc[2] = {out.x, out.y};
@@ -860,16 +879,17 @@ __global__ void __launch_bounds__(kBackwardThreads)
     for (int idx = threadIdx.x; idx < (gating_in_tiles ? 0 : pos.len * P / W); idx += blockDim.x) {
       const auto [i, p] = headdim_item<W>(d, idx);
       const size_t th = token_head(d, pos.b, pos.t0 + i, h);
-      const Bf16Row<W> zs = load_row<W>(
-          z_dy != nullptr ? z_dy + i * P + p : in.z + zv_row(d, in, pos.b, pos.t0 + i, h) + p);
+      const Bf16Row<W> zs =
+          load_row<W>(z_dy != nullptr ? z_dy + z_dy_at(d, i, p)
+                                      : in.z + zv_row(d, in, pos.b, pos.t0 + i, h) + p);
       const Bf16Row<W> dys =
-          load_row<W>(z_dy != nullptr ? z_dy + (C + i) * P + p : dy + th * P + p);
+          load_row<W>(z_dy != nullptr ? z_dy + z_dy_at(d, C + i, p) : dy + th * P + p);
       float dz[W] = {};
       for (int r = 0; r < R; ++r) {
         const int at = (i * R + r) * ld_mp + p;
         float mz[W], mo[W], o_r[W], d_o_r[W], o_term[W], z_term[W];
-        load_floats<W>(mimo_zo + r * P + p, mz);
-        load_floats<W>(mimo_zo + (R + r) * P + p, mo);
+        load_floats<W>(mimo_zo + r * ld_mimo + p, mz);
+        load_floats<W>(mimo_zo + (R + r) * ld_mimo + p, mo);
         load_floats<W>(o + at, o_r);
         if (terms_in_place) load_floats<W>(d_o + at, d_o_r);
         const Bf16Row<W> psiv_r = load_row<W>(psiv + (i * R + r) * ld_pv + p);
@@ -926,7 +946,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
               const int r = d.by_headdim.div(item), p = d.by_headdim.mod(item);
               const float2 zg = z_and_dy_at(i, p);
               const float z = zg.x, g_out = zg.y;
-              const float mz = mimo_zo[item], mo = mimo_zo[R * P + item];
+              const float mz = mimo_zo[r * ld_mimo + p], mo = mimo_zo[(R + r) * ld_mimo + p];
               const float o_ir = o[(i * R + r) * ld_mp + p];
               const float gate = z * mz, sg = sigmoidf(gate);
               acc[0] += g_out * o_ir * gate * sg;
@@ -939,7 +959,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
       };
       if (z_dy != nullptr) {
         gating_sums([&](int i, int p) {
-          return make_float2(to_f(z_dy[i * P + p]), to_f(z_dy[(C + i) * P + p]));
+          return make_float2(to_f(z_dy[z_dy_at(d, i, p)]), to_f(z_dy[z_dy_at(d, C + i, p)]));
         });
       } else {
         gating_sums([&](int i, int p) {
@@ -1007,7 +1027,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
           }
         }
       }
-      d_weights[idx] = d_weight;
+      d_weights[ti * ld_w + tj] = d_weight;
     }
     if (!fused_weights) __syncthreads();
     for (int idx = threadIdx.x; idx < (fused_weights ? 0 : M * M / W); idx += blockDim.x) {
@@ -1024,9 +1044,9 @@ __global__ void __launch_bounds__(kBackwardThreads)
       float d_log = 0.f, d_kappa = 0.f;
       for (int j = lane; j < C; j += 32) {
         if (j < i) {
-          d_log += d_weights[i * C + j] * weight_of(i, j);
+          d_log += d_weights[i * ld_w + j] * weight_of(i, j);
         } else if (j > i) {
-          const float weight_term = d_weights[j * C + i];
+          const float weight_term = d_weights[j * ld_w + i];
           d_kappa += weight_term * __expf(sc[kLog * C + j] - sc[kLog * C + i]);
           d_log -= weight_term * weight_of(j, i);
         }
@@ -1043,7 +1063,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
       if (lane == 0) {
         sc[kDLog * C + i] = (split ? entry : sc[kScratch * C + i]) + d_log;
         sc[kDKappa * C + i] = d_kappa;
-        sc[kDGamma * C + i] = d_weights[i * C + i];
+        sc[kDGamma * C + i] = d_weights[i * ld_w + i];
       }
     }
     __syncthreads();
@@ -1240,7 +1260,8 @@ __global__ void __launch_bounds__(kBackwardThreads)
                       // memory, or global memory with the PsiV cache (the same bits).
                       const int rank = d.by_rank.mod(row);
                       const bool valid = token < pos.len;
-                      const float2 mimo = *reinterpret_cast<const float2*>(mimo_x + rank * P + p);
+                      const float2 mimo =
+                          *reinterpret_cast<const float2*>(mimo_x + rank * ld_mimo + p);
                       dx[half][0] = value.x * mimo.x;
                       dx[half][1] = value.y * mimo.y;
                       if (valid) {
@@ -1387,7 +1408,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
         for (int r = 0; r < R; ++r) {
           float d_psiv_r[W], mimo_x_r[W];
           load_floats<W>(d_psiv + (i * R + r) * ld_mp + p, d_psiv_r);
-          load_floats<W>(mimo_x + r * P + p, mimo_x_r);
+          load_floats<W>(mimo_x + r * ld_mimo + p, mimo_x_r);
 #pragma unroll
           for (int w = 0; w < W; ++w) dx[w] += d_psiv_r[w] * mimo_x_r[w];
         }
@@ -1431,10 +1452,10 @@ __global__ void __launch_bounds__(kBackwardThreads)
     const size_t bh = static_cast<size_t>(pos.b) * d.heads + h;
     float* dtheta_chunk = w.dtheta + (bh * d.seqlen + pos.t0) * A;
     for (int idx = threadIdx.x; idx < pos.len * A; idx += blockDim.x) {
-      dtheta_chunk[idx] = d_theta[idx];
+      dtheta_chunk[idx] = d_theta[d.by_angles.div(idx) * ld_a + d.by_angles.mod(idx)];
     }
     token_sums<1>(
-        A, pos.len, [&](int i, int j, float* acc) { acc[0] += d_theta[i * A + j]; },
+        A, pos.len, [&](int i, int j, float* acc) { acc[0] += d_theta[i * ld_a + j]; },
         [&](int j, const float* acc) { w.dtheta_tot[(bh * d.chunks + pos.c) * A + j] = acc[0]; });
     __syncthreads();
   }
@@ -1629,7 +1650,8 @@ BackwardLaunches backward_launches(const Dims& d, bool tensor_cores, size_t shar
         // space, which they do not use (a block then fits in 47,872 B at MIMO: four an SM, not
         // three).
         l.reverse_pass_fused = true;
-        const size_t exit_bytes = static_cast<size_t>(d.headdim) * d.state * sizeof(float);
+        const size_t exit_bytes =
+            static_cast<size_t>(d.headdim) * exit_part_stride(d.state) * sizeof(float);
         const size_t d_out_bytes =
             static_cast<size_t>(d.rows) * static_cast<size_t>(dstate.ld_mp) * sizeof(float);
         if (tensor_cores && exit_bytes <= d_out_bytes) {

@@ -87,12 +87,43 @@ __host__ __device__ constexpr SmemStrides smem_strides(int n, int p, int rows) {
   return {n + 8, p + 8, n + 1, rows + 4, p + 4, n + 4, rows + 8};
 }
 
+// Row stride (elements) of the token-pair matrices W and dL/dW (fp32 [C][C]): read by column
+// (a warp's lanes over the rows j of one column i) in chunk_backward's per-token weight gradients,
+// where unpadded rows of 64 put all 32 lanes on one bank; two more keep rows 8-byte aligned for
+// the float2 stores and leave a 2-way conflict there.
+__host__ __device__ constexpr int weights_stride(int chunk) {
+  return chunk + 2;
+}
+
+// Row stride (elements) of the [C][A] per-token, per-pair fp32 arrays (cos θ, sin θ,
+// chunk_backward's dL/dθ): load_scalars stores them a lane per token of one pair, and
+// chunk_backward's θ sums read them the same way, where rows of A = 32 put a warp on one bank.
+__host__ __device__ constexpr int angles_stride(int angles) {
+  return angles + 1;
+}
+
+// Row stride (elements) of a chunk's fp32 [P][N] state part kept in shared memory for the
+// chain's link (chunk_forward's F_c, chunk_dstate's H_c): the products' tile epilogues store it
+// a fragment at a time (eight rows a warp), which rows of N = 64 put on 8-way bank conflicts;
+// four more keep the link's float4 reads aligned and leave 2-way.
+__host__ __device__ constexpr int exit_part_stride(int state) {
+  return state + 4;
+}
+
+// Row stride (elements) of chunk_backward's copies of the head's mimo_x, mimo_z and mimo_o
+// ([3][R][P] fp32): the tile epilogues read a rank's row by a fragment's pair of columns, the
+// ranks of a warp's rows apart, which rows of P = 64 put on 4-way conflicts; with eight more a
+// half warp's pairs fall on distinct banks.
+__host__ __device__ constexpr int mimo_params_stride(int headdim) {
+  return headdim + 8;
+}
+
 // Byte offsets of the blocks of a chunk kernel's dynamic shared memory; a block the kernel does
 // not use stays at offset 0. rows = (token i, rank r) of the chunk, i·R + r; C = chunk tokens.
 struct SmemPlan {
   size_t token_scalars = 0;  // fp32 [kScalarCount][C]: the per-token scalars (enum Scalar)
-  size_t rotation_cos = 0;   // fp32 [C][A]: cos θ of each rotation pair at each token
-  size_t rotation_sin = 0;   // fp32 [C][A]: sin θ
+  size_t rotation_cos = 0;   // fp32 [C][angles_stride]: cos θ of each rotation pair at each token
+  size_t rotation_sin = 0;   // fp32 [C][angles_stride]: sin θ
   size_t q_rotated = 0;      // bf16 [rows][N]: q + q_bias, rotated
   size_t k_rotated = 0;      // bf16 [rows][N]: k + k_bias, rotated
   size_t psiv = 0;           // bf16 [rows][P]: v ⊙ mimo_x
@@ -103,14 +134,15 @@ struct SmemPlan {
                              //   ahead; rows of N, unpadded, at the fixed shapes) until the
                              //   exit-state phase, and never the fp32 E; chunk_forward F_c
   size_t scores = 0;         // fp32 [rows][rows]: Q Kᵀ (backward). With chunk_backward's
-                             //   fused_weights: dL/dW [C][C] instead, then (as without) d_qk,
-                             //   then possibly the chunk's v
+                             //   fused_weights: dL/dW [C][weights_stride] instead, then (as
+                             //   without) d_qk, then possibly the chunk's v
   size_t d_scores = 0;       // fp32 [rows][rows]: dL/d(Q Kᵀ ⊙ W). With fused_weights: dSc ⊙ W
                              //   (bf16 [rows][ld_sw]) until the dK phase, then the next head's
                              //   entry state [P][N] copied ahead
-  size_t token_weights = 0;  // fp32 [C][C]: W (chunk_backward: none where weights_recomputed)
-  size_t d_token_weights = 0;  // fp32 [C][C]: dL/dW without fused_weights; shares `out` when it
-                               //   fits
+  size_t token_weights = 0;  // fp32 [C][weights_stride]: W (chunk_backward: none where
+                             //   weights_recomputed)
+  size_t d_token_weights = 0;  // fp32 [C][weights_stride]: dL/dW without fused_weights; shares
+                               //   `out` when it fits
   size_t out = 0;              // fp32 [rows][P]: o (not chunk_forward's); in the backward then
                                //   mimo_o's terms (or their row-tile sums with mimo_z's), later
                                //   K dSᵀ (without fused_weights) or mimo_x's row-tile terms
@@ -130,7 +162,8 @@ struct SmemPlan {
   size_t d_theta = 0;          // fp32 [C][A]: dL/dθ of each token of this head
   size_t row_terms = 0;        // fp32 [rows][P / 16]: chunk_backward's per-row sums of a product's
                                //   16-column tiles (the entry dot, then d_scale's terms)
-  size_t mimo_params = 0;      // fp32 [3][R][P]: the head's mimo_x, mimo_z, mimo_o (backward)
+  size_t mimo_params = 0;      // fp32 [3][R][mimo_params_stride]: the head's mimo_x, mimo_z,
+                               //   mimo_o (backward)
   size_t v_tokens = 0;         // bf16 [C][P]: the chunk's v (backward, when it fits)
   size_t staged_tokens = 0;    // bf16 [3][C][P]: the next head's v, z, dy (backward, when it fits)
   size_t dq_acc = 0;           // fp32 [rows][N]: dL/dq summed over the group's heads, or 0 when
@@ -138,7 +171,7 @@ struct SmemPlan {
   size_t state_hi = 0;         // bf16 [P][N]: the state (E, later dS) split hi + lo once, the
   size_t state_lo = 0;         //   products' ldmatrix operands; 0 when not (see plan_backward)
   size_t d_out_lo = 0;         // bf16 [rows][P]: d_out − bf16(d_out), beside d_out_bf16
-  size_t exit_part = 0;        // fp32 [P][N], rows of N: chunk_forward's F_c (the chunk's own
+  size_t exit_part = 0;        // fp32 [P][exit_part_stride]: chunk_forward's F_c (the chunk's own
                                //   part of the next entry state; in `state` when it fits),
                                //   chunk_dstate's H_c (in `d_out` at the fixed shapes on the
                                //   tensor cores)
@@ -198,7 +231,6 @@ inline SmemPlan plan_for(const Dims& d, ScanKernel kernel, bool weights_recomput
   };
   const size_t m = static_cast<size_t>(d.rows);
   const size_t hp = static_cast<size_t>(d.headdim), c = static_cast<size_t>(d.chunk);
-  const size_t a = static_cast<size_t>(d.angles);
   const SmemStrides ld = smem_strides(d.state, d.headdim, d.rows);
   p.ld_qk = ld.qk;
   p.ld_pv = ld.pv;
@@ -212,8 +244,9 @@ inline SmemPlan plan_for(const Dims& d, ScanKernel kernel, bool weights_recomput
   const size_t ld_mp = static_cast<size_t>(p.ld_mp), ld_mn = static_cast<size_t>(p.ld_mn);
   const size_t ld_sw = static_cast<size_t>(p.ld_sw);
   p.token_scalars = take(kScalarCount * c * sizeof(float));
-  p.rotation_cos = take(c * a * sizeof(float));
-  p.rotation_sin = take(c * a * sizeof(float));
+  const size_t ld_a = static_cast<size_t>(angles_stride(d.angles));
+  p.rotation_cos = take(c * ld_a * sizeof(float));
+  p.rotation_sin = take(c * ld_a * sizeof(float));
   const bool backward = kernel == kBackwardKernel;
   // chunk_forward holds what chunk_output does but o (kept in registers), plus F_c and the
   // exit-scaled PsiV's pairs.
@@ -234,7 +267,8 @@ inline SmemPlan plan_for(const Dims& d, ScanKernel kernel, bool weights_recomput
       // d_scores right after scores: d_qk takes both once they are dead.
       p.d_scores = take(m * ld_mm * sizeof(float));
     }
-    if (!p.weights_recomputed) p.token_weights = take(c * c * sizeof(float));
+    const size_t ld_w = static_cast<size_t>(weights_stride(d.chunk));
+    if (!p.weights_recomputed) p.token_weights = take(c * ld_w * sizeof(float));
     if (!fused) p.out = take(m * ld_mp * sizeof(float));  // chunk_forward keeps o in registers
     p.weighted_scores = take(m * ld_sw * sizeof(bf16));
   }
@@ -254,7 +288,7 @@ inline SmemPlan plan_for(const Dims& d, ScanKernel kernel, bool weights_recomput
   if (fused) {
     // F_c lives in the entry state's space (its last read, the publish, is a barrier before E_c's
     // pairs are written there).
-    const size_t exit_bytes = hp * static_cast<size_t>(d.state) * sizeof(float);
+    const size_t exit_bytes = hp * static_cast<size_t>(exit_part_stride(d.state)) * sizeof(float);
     const size_t state_bytes = std::max(hp * ld_state * sizeof(float), split_state);
     p.exit_part = exit_bytes <= state_bytes ? p.state : take(exit_bytes);
     // The exit-scaled PsiV's pairs have spaces of their own: PsiV and the weighted scores stay
@@ -265,7 +299,8 @@ inline SmemPlan plan_for(const Dims& d, ScanKernel kernel, bool weights_recomput
   if (backward) {
     // d_token_weights lives in out's space (o is dead between the epilogue and K dSᵀ) when it
     // fits.
-    p.d_token_weights = c * c <= m * ld_mp ? p.out : take(c * c * sizeof(float));
+    const size_t weights_floats = c * static_cast<size_t>(weights_stride(d.chunk));
+    p.d_token_weights = weights_floats <= m * ld_mp ? p.out : take(weights_floats * sizeof(float));
     // The bf16 dO is an operand only while the state holds nothing (between o = Q Eᵀ and the
     // reload of E for dO E).
     p.d_out_bf16 = m * ld_pv * sizeof(bf16) <= hp * ld_state * sizeof(float)
@@ -275,9 +310,10 @@ inline SmemPlan plan_for(const Dims& d, ScanKernel kernel, bool weights_recomput
     // d_qk is written only after the last use of the scores and their gradient.
     p.d_qk = m * ld_mn <= 2 * m * ld_mm ? p.scores : take(m * ld_mn * sizeof(float));
     p.sum_scratch = take(kBackwardThreads / 32 * sizeof(float));
-    p.d_theta = take(c * a * sizeof(float));
+    p.d_theta = take(c * ld_a * sizeof(float));
     p.row_terms = take(m * (hp / 16) * sizeof(float));
-    p.mimo_params = take(3 * static_cast<size_t>(d.rank) * hp * sizeof(float));
+    p.mimo_params = take(3 * static_cast<size_t>(d.rank) *
+                         static_cast<size_t>(mimo_params_stride(d.headdim)) * sizeof(float));
   }
   p.total = cursor;
   return p;
@@ -863,7 +899,7 @@ static __device__ __forceinline__ void state_recurrence(float4* column, size_t s
 template <bool kLandCopies = false, class D>
 static __device__ void load_scalars(const D& d, const DevInputs& in, const Work& w,
                                     const ChunkPos& pos, float* sc, float* cosv, float* sinv) {
-  const int C = d.chunk, A = d.angles;
+  const int C = d.chunk, A = d.angles, ld_a = angles_stride(A);
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const int warp = static_cast<int>(threadIdx.x) / 32, warps = static_cast<int>(blockDim.x) / 32;
   const bool token_warp = warp == warps - 1;
@@ -937,8 +973,8 @@ static __device__ void load_scalars(const D& d, const DevInputs& in, const Work&
       if (j < A && i < C) {
         float cs = 1.f, sn = 0.f;
         if (i < pos.len) sincosf(carry + inclusive, &sn, &cs);
-        cosv[i * A + j] = cs;
-        sinv[i * A + j] = sn;
+        cosv[i * ld_a + j] = cs;
+        sinv[i * ld_a + j] = sn;
       }
       carry += __shfl_sync(0xffffffffu, inclusive, span - 1, span);
     }
@@ -1114,7 +1150,7 @@ struct RotatedLoader {
     return pair;
   }
   __device__ __forceinline__ void store(int idx, const Loaded& pair) const {
-    const int half = d.state / 2, A = d.angles;
+    const int half = d.state / 2, A = d.angles, ld_a = angles_stride(A);
     const auto [row, n0] = at(idx);
     const int i = d.by_rank.div(row);
     // Padded tokens loaded zeros, so they store zeros.
@@ -1127,7 +1163,7 @@ struct RotatedLoader {
       first[w] = a;
       second[w] = b;
       if (n < A && i < pos.len) {
-        const float cs = cosv[i * A + n], sn = sinv[i * A + n];
+        const float cs = cosv[i * ld_a + n], sn = sinv[i * ld_a + n];
         first[w] = a * cs - b * sn;
         second[w] = a * sn + b * cs;
       }
@@ -1218,7 +1254,7 @@ struct PsivLoader {
       float mimo_x[W];
 #pragma unroll
       for (int w = 0; w < W; ++w) mimo_x[w] = loaded.mimo_x.at(w);
-      store_floats<W>(mimo_x_copy + r * P + p, mimo_x);
+      store_floats<W>(mimo_x_copy + r * mimo_params_stride(P) + p, mimo_x);
     }
     if (v_copy != nullptr && r == 0) store_row(v_copy + i * P + p, loaded.v);
   }
@@ -1243,9 +1279,10 @@ static __device__ __forceinline__ float token_weight(const D& d, const float* sc
 
 template <class D>
 static __device__ void fill_weights(const D& d, const float* sc, float* weights) {
-  const int C = d.chunk;
+  const int C = d.chunk, ld_w = weights_stride(C);
   for (int idx = threadIdx.x; idx < C * C; idx += blockDim.x) {
-    weights[idx] = token_weight(d, sc, d.by_chunk.div(idx), d.by_chunk.mod(idx));
+    const int i = d.by_chunk.div(idx), j = d.by_chunk.mod(idx);
+    weights[i * ld_w + j] = token_weight(d, sc, i, j);
   }
 }
 

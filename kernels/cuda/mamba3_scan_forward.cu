@@ -142,6 +142,7 @@ __global__ void __launch_bounds__(kOutputThreads)
   float* o = reinterpret_cast<float*>(smem + plan.out);
   bf16* weighted = reinterpret_cast<bf16*>(smem + plan.weighted_scores);
   const int N = d.state, P = d.headdim, C = d.chunk, M = d.rows;
+  const int ld_w = weights_stride(C);
   const size_t bhc = (static_cast<size_t>(pos.b) * d.heads + pos.h) * d.chunks + pos.c;
   load_scalars(d, in, w, pos, sc, cosv, sinv);
   const SmemStrides ld = strides_of<D>(plan);
@@ -166,7 +167,7 @@ __global__ void __launch_bounds__(kOutputThreads)
   bf16_gemm<kTensor, false, false>(
       M, M, N, q_rot, ld_qk, k_rot, ld_qk, [&](int i, int j, float value) {
         weighted[i * ld_sw + j] =
-            __float2bfloat16(value * weights[d.by_rank.div(i) * C + d.by_rank.div(j)]);
+            __float2bfloat16(value * weights[d.by_rank.div(i) * ld_w + d.by_rank.div(j)]);
       });
   const auto decayed = [&](int i, int p, float value) {
     o[i * ld_mp + p] = value * sc[kEntryDecay * C + d.by_rank.div(i)];
@@ -217,11 +218,13 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
   bf16* psiv_hi = reinterpret_cast<bf16*>(smem + plan.psiv_hi);
   bf16* psiv_lo = reinterpret_cast<bf16*>(smem + plan.psiv_lo);
   float* exit_part = reinterpret_cast<float*>(smem + plan.exit_part);
+  constexpr int kExitStride = exit_part_stride(D::state);
   float* weights = reinterpret_cast<float*>(smem + plan.token_weights);
   bf16* weighted = reinterpret_cast<bf16*>(smem + plan.weighted_scores);
   bf16* entry_hi = reinterpret_cast<bf16*>(smem + plan.split_hi);
   bf16* entry_lo = reinterpret_cast<bf16*>(smem + plan.split_lo);
   const int N = d.state, P = d.headdim, R = d.rank, C = d.chunk, M = d.rows;
+  const int ld_w = weights_stride(C);
   const SmemStrides ld = strides_of<D>(plan);
   const int ld_qk = ld.qk, ld_pv = ld.pv, ld_sw = ld.sw;
   const int ld_split = plan.ld_split;
@@ -233,7 +236,7 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
   bf16_gemm<true, false, false>(
       M, M, N, q_rot, ld_qk, k_rot, ld_qk, [&](int i, int j, float value) {
         weighted[i * ld_sw + j] =
-            __float2bfloat16(value * weights[d.by_rank.div(i) * C + d.by_rank.div(j)]);
+            __float2bfloat16(value * weights[d.by_rank.div(i) * ld_w + d.by_rank.div(j)]);
       });
   // The exit-scaled PsiV as hi + lo pairs beside PsiV (no barrier: the scores' product reads
   // neither). kColumnsPerItem elements of a row a thread: 16-byte shared rows of bf16 at the fixed
@@ -266,7 +269,7 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
       tile_i0, tile_j0, lane, intra_tile);
   smem_mma_split<true, true, true, false>(
       P, N, M, psiv_hi, psiv_lo, ld_pv, k_rot, nullptr, ld_qk,
-      [&](int p, int n, float value) { exit_part[p * N + n] = value; });
+      [&](int p, int n, float value) { exit_part[p * kExitStride + n] = value; });
   // E_c from chunk c − 1's block (chunk 0 starts from zero).
   const size_t pair = static_cast<size_t>(pos.b) * d.heads + pos.h;
   const size_t matrix = static_cast<size_t>(P) * N;
@@ -287,7 +290,8 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
                          : make_float4(0.f, 0.f, 0.f, 0.f);
     if (pos.c == 0) reinterpret_cast<float4*>(states)[quad] = entry[u];
     if (has_next) {
-      const float4 part = reinterpret_cast<const float4*>(exit_part)[quad];
+      const float4 part = *reinterpret_cast<const float4*>(
+          exit_part + quad / (D::state / 4) * kExitStride + quad % (D::state / 4) * 4);
       __stcg(reinterpret_cast<float4*>(states + matrix) + quad, scale_add(decay, entry[u], part));
     }
   }
