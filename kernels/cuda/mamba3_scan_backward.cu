@@ -603,19 +603,11 @@ __global__ void __launch_bounds__(kBackwardThreads)
                       d_o_lo, ld_pv});
     bool entry_split = false;
     if constexpr (W > 1) {
-      // Four elements of a row a thread, their hi and lo parts stored 8 bytes at a time.
+      // Four elements of a row a thread.
       if (split) {
         entry_split = true;
         const auto split_quad = [&](int p, int n, const float4& x) {
-          const float values[4] = {x.x, x.y, x.z, x.w};
-          float hi[4], lo[4];
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            hi[e] = to_f(__float2bfloat16(values[e]));
-            lo[e] = values[e] - hi[e];
-          }
-          store_row(state_hi + p * ld_split + n, round_row<4>(hi));
-          store_row(state_lo + p * ld_split + n, round_row<4>(lo));
+          store_split_quad(x, state_hi, state_lo, p * ld_split + n);
         };
         if (entry_ahead) {
           wait_copies<0>();  // this thread's quads (with the staged tokens)

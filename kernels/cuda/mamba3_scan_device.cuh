@@ -645,6 +645,21 @@ static __device__ __forceinline__ Bf16Row<W> round_row(const float (&values)[W])
   for (int w = 0; w < W; ++w) out[w] = __float2bfloat16(values[w]);
   return row;
 }
+// Four neighbouring floats as store_split's pairs, their hi and lo parts stored 8 bytes at a time
+// (at + hi and at + lo 8-byte aligned): four 2-byte stores a part put a warp's lanes 8 bytes apart,
+// on 2-way bank conflicts.
+static __device__ __forceinline__ void store_split_quad(const float4& x, bf16* hi, bf16* lo,
+                                                        int at) {
+  const float values[4] = {x.x, x.y, x.z, x.w};
+  float high[4], low[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    high[e] = to_f(__float2bfloat16(values[e]));
+    low[e] = values[e] - high[e];
+  }
+  store_row(hi + at, round_row<4>(high));
+  store_row(lo + at, round_row<4>(low));
+}
 // W floats from `from`, four at a time where W allows (`from` then 16-byte aligned).
 template <int W>
 static __device__ __forceinline__ void load_floats(const float* from, float (&values)[W]) {

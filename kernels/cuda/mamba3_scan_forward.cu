@@ -303,10 +303,7 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
     const int quad = threadIdx.x + u * kOutputThreads;
     if (quad >= quads) continue;
     const int at = d.by_state.div(4 * quad) * ld_split + d.by_state.mod(4 * quad);
-    store_split(entry[u].x, entry_hi, entry_lo, at);
-    store_split(entry[u].y, entry_hi, entry_lo, at + 1);
-    store_split(entry[u].z, entry_hi, entry_lo, at + 2);
-    store_split(entry[u].w, entry_hi, entry_lo, at + 3);
+    store_split_quad(entry[u], entry_hi, entry_lo, at);
   }
   __syncthreads();
   // o = e^{l} Q E_cᵀ + Sw PsiV + D PsiV made whole in registers, a tile a warp: its entry tile now,
