@@ -1639,7 +1639,7 @@ BackwardLaunches backward_launches(const Dims& d, bool tensor_cores, size_t shar
       fused = backward_chains_run(d, chains);
       if (fused) {
         // H_c stays in shared memory for the reverse pass: on the tensor cores in the fp32 d_o's
-        // space, which they do not use (a block then fits in 47,872 B at MIMO: four an SM, not
+        // space, which they do not use (a block then fits in 48,000 B at MIMO: four an SM, not
         // three).
         l.reverse_pass_fused = true;
         const size_t exit_bytes =

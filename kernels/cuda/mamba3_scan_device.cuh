@@ -159,7 +159,7 @@ struct SmemPlan {
   size_t weighted_scores = 0;  // bf16 [rows][rows]: QKᵀ ⊙ W, the tensor-core operand; in the
                                //   backward without fused_weights later dL/d(QKᵀ) (= dSc ⊙ W)
   size_t d_out_bf16 = 0;       // bf16 [rows][P]: d_out rounded, the tensor-core operand
-  size_t d_theta = 0;          // fp32 [C][A]: dL/dθ of each token of this head
+  size_t d_theta = 0;          // fp32 [C][angles_stride]: dL/dθ of each token of this head
   size_t row_terms = 0;        // fp32 [rows][P / 16]: chunk_backward's per-row sums of a product's
                                //   16-column tiles (the entry dot, then d_scale's terms)
   size_t mimo_params = 0;      // fp32 [3][R][mimo_params_stride]: the head's mimo_x, mimo_z,

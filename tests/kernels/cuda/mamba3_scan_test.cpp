@@ -549,7 +549,7 @@ TEST(Mamba3ScanCudaShapes, PlansTheLargestChunkThatFitsTheDevice) {
       {"N128_P64_R2_C32_B1_L2048_H16_G1", 16}, {"N32_P32_R1_C80_B2_L1001_H16_G1", 64}};
   EXPECT_EQ(smaller, expected);
   // M3-ref's MIMO and SISO shapes run at their own chunks on an A100; the SISO shape only because
-  // its C² token weights (16 KB) get no space (175,520 bytes with them).
+  // its token weights (C rows of weights_stride: 16.5 KB) get no space (175,520 bytes with them).
   EXPECT_EQ(megacpp::cuda::planned_scan_chunk(grid_shape(64, 64, 4, 16), kA100PerBlock), 16);
   EXPECT_EQ(megacpp::cuda::planned_scan_chunk(grid_shape(64, 64, 1, 64), kA100PerBlock), 64);
   EXPECT_EQ(megacpp::cuda::scan_shared_bytes_needed(grid_shape(64, 64, 1, 64)), 158624u);
