@@ -251,8 +251,7 @@ __global__ void chunk_dstate_kernel(D d, SmemPlan plan, DevInputs in, Work w, co
         x = __ldcg(reinterpret_cast<const float4*>(exit_gradient) + quad);
       }
       if (pos.c > 0) {
-        const float4 own = *reinterpret_cast<const float4*>(out + quad / (D::state / 4) * ld_out +
-                                                            quad % (D::state / 4) * 4);
+        const float4 own = exit_part_quad<D>(out, quad);
         __stcg(reinterpret_cast<float4*>(exit_gradient - matrix) + quad, scale_add(decay, x, own));
       }
     }

@@ -110,6 +110,15 @@ __host__ __device__ constexpr int exit_part_stride(int state) {
   return state + 4;
 }
 
+// Quad `quad` (elements 4·quad … 4·quad + 3 in row-major [P][N] order) of such a part, at the
+// fixed shapes: the chain's link reads the part a float4 a thread.
+template <class D>
+__device__ __forceinline__ float4 exit_part_quad(const float* part, int quad) {
+  constexpr int kQuadsPerRow = D::state / 4;
+  return *reinterpret_cast<const float4*>(part + quad / kQuadsPerRow * exit_part_stride(D::state) +
+                                          quad % kQuadsPerRow * 4);
+}
+
 // Row stride (elements) of chunk_backward's copies of the head's mimo_x, mimo_z and mimo_o
 // ([3][R][P] fp32): the tile epilogues read a rank's row by a fragment's pair of columns, the
 // ranks of a warp's rows apart, which rows of P = 64 put on 4-way conflicts; with eight more a

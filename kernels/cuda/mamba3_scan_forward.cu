@@ -290,8 +290,7 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
                          : make_float4(0.f, 0.f, 0.f, 0.f);
     if (pos.c == 0) reinterpret_cast<float4*>(states)[quad] = entry[u];
     if (has_next) {
-      const float4 part = *reinterpret_cast<const float4*>(
-          exit_part + quad / (D::state / 4) * kExitStride + quad % (D::state / 4) * 4);
+      const float4 part = exit_part_quad<D>(exit_part, quad);
       __stcg(reinterpret_cast<float4*>(states + matrix) + quad, scale_add(decay, entry[u], part));
     }
   }
