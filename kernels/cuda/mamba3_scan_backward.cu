@@ -270,6 +270,22 @@ __global__ void state_pass_backward_kernel(Dims d, Work w) {
                          w.decay + bh * d.chunks, d.chunks);
 }
 
+// How chunk_backward's block (kBackwardThreads) shares `items` outputs out by lanes of its warps:
+// `lanes` neighbouring lanes an output (a power of two up to 32, 2^shift), as many as leave no
+// thread idle, and `per_pass` outputs a pass of the block. With the block a constant, it is worked
+// out at compile time where `items` is a fixed shape's.
+struct LaneShare {
+  int lanes, shift, per_pass;
+};
+__host__ __device__ constexpr LaneShare share_lanes(int items) {
+  int lanes = 1, shift = 0;
+  while (lanes < 32 && items * lanes * 2 <= kBackwardThreads) {
+    lanes *= 2;
+    ++shift;
+  }
+  return {lanes, shift, kBackwardThreads >> shift};
+}
+
 // For each of `items` outputs, kOutputs sums over the chunk's tokens i < len, taken by the whole
 // block: `slices` neighbouring lanes of one warp share an output, lane s adding tokens s,
 // s + slices, ... through term(i, item, acc) (which adds into acc[0 … kOutputs)), and a butterfly
@@ -281,14 +297,10 @@ __global__ void state_pass_backward_kernel(Dims d, Work w) {
 // −1% at MIMO and SISO, measured).
 template <int kOutputs, class Term, class Store>
 static __device__ __forceinline__ void token_sums(int items, int len, Term term, Store store) {
-  // slices = 2^shift: shifts, not integer divisions by a runtime value (about 4% of
-  // chunk_backward's instructions were those divisions).
-  int slices = 1, shift = 0;
-  while (slices < 32 && items * slices * 2 <= kBackwardThreads) {
-    slices *= 2;
-    ++shift;
-  }
-  const int per_pass = kBackwardThreads >> shift;
+  // Shifts, not integer divisions by a runtime value (about 4% of chunk_backward's instructions
+  // were those divisions).
+  const LaneShare share = share_lanes(items);
+  const int slices = share.lanes, shift = share.shift, per_pass = share.per_pass;
   const int slice = static_cast<int>(threadIdx.x) & (slices - 1);
   for (int first = 0; first < items; first += per_pass) {
     const int item = first + (static_cast<int>(threadIdx.x) >> shift);
@@ -1030,31 +1042,45 @@ __global__ void __launch_bounds__(kBackwardThreads)
       for (int w = 0; w < W; ++w) d_sc[w] *= weight_of(ti, d.by_rank.div(j + w));
       store_row(weighted + i * ld_sw + j, round_row<W>(d_sc));
     }
-    // A warp per token i, its lanes over the other tokens j.
-    for (int i = warp; i < C; i += warps) {
-      float d_log = 0.f, d_kappa = 0.f;
-      for (int j = lane; j < C; j += 32) {
-        if (j < i) {
-          d_log += d_weights[i * ld_w + j] * weight_of(i, j);
-        } else if (j > i) {
-          const float weight_term = d_weights[j * ld_w + i];
-          d_kappa += weight_term * __expf(sc[kLog * C + j] - sc[kLog * C + i]);
-          d_log -= weight_term * weight_of(j, i);
+    // dL/dl_i, dL/dκ_i and dL/dγ_i of each token i from its pairs (i, j): `lanes` neighbouring
+    // lanes a token (share_lanes), lane s taking j = s, s + lanes, …, and one butterfly over them
+    // for the three sums together. A warp a token (its lanes over j) walked four tokens in a row at
+    // SISO (C = 64), each behind three chains of five shuffles, while the block waited at the
+    // barrier (this phase 5,151 → 3,285 cycles a head at SISO, fwd+bwd −3.6%; MIMO −0.7%).
+    {
+      const LaneShare lanes = share_lanes(C);
+      const int slice = static_cast<int>(threadIdx.x) & (lanes.lanes - 1);
+      for (int first = 0; first < C; first += lanes.per_pass) {
+        const int i = first + (static_cast<int>(threadIdx.x) >> lanes.shift);
+        float d_log = 0.f, d_kappa = 0.f, entry = 0.f;
+        if (i < C) {
+          const float log_i = sc[kLog * C + i];
+          for (int j = slice; j < C; j += lanes.lanes) {
+            if (j < i) {
+              d_log += d_weights[i * ld_w + j] * weight_of(i, j);
+            } else if (j > i) {
+              const float weight_term = d_weights[j * ld_w + i];
+              d_kappa += weight_term * __expf(sc[kLog * C + j] - log_i);
+              d_log -= weight_term * weight_of(j, i);
+            }
+          }
+          // The entry term: split, the sum of the token's row terms (o's tiles), scaled below.
+          if (split) {
+            for (int x = slice; x < R * column_tiles; x += lanes.lanes)
+              entry += row_terms[i * R * column_tiles + x];
+          }
         }
-      }
-      d_log = warp_sum(d_log);
-      d_kappa = warp_sum(d_kappa);
-      // The entry term: split, the sum of the token's row terms (o's tiles), scaled here.
-      float entry = 0.f;
-      if (split) {
-        for (int x = lane; x < R * column_tiles; x += 32)
-          entry += row_terms[i * R * column_tiles + x];
-        entry = sc[kEntryDecay * C + i] * warp_sum(entry);
-      }
-      if (lane == 0) {
-        sc[kDLog * C + i] = (split ? entry : sc[kScratch * C + i]) + d_log;
-        sc[kDKappa * C + i] = d_kappa;
-        sc[kDGamma * C + i] = d_weights[i * ld_w + i];
+        for (int offset = lanes.lanes / 2; offset > 0; offset >>= 1) {
+          d_log += __shfl_xor_sync(0xffffffffu, d_log, offset);
+          d_kappa += __shfl_xor_sync(0xffffffffu, d_kappa, offset);
+          entry += __shfl_xor_sync(0xffffffffu, entry, offset);
+        }
+        if (slice == 0 && i < C) {
+          sc[kDLog * C + i] =
+              (split ? sc[kEntryDecay * C + i] * entry : sc[kScratch * C + i]) + d_log;
+          sc[kDKappa * C + i] = d_kappa;
+          sc[kDGamma * C + i] = d_weights[i * ld_w + i];
+        }
       }
     }
     __syncthreads();
