@@ -1059,9 +1059,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
             if (j < i) {
               d_log += d_weights[i * ld_w + j] * weight_of(i, j);
             } else if (j > i) {
-              const float weight_term = d_weights[j * ld_w + i];
-              d_kappa += weight_term * __expf(sc[kLog * C + j] - log_i);
-              d_log -= weight_term * weight_of(j, i);
+              d_kappa += d_weights[j * ld_w + i] * __expf(sc[kLog * C + j] - log_i);
             }
           }
           // The entry term: split, the sum of the token's row terms (o's tiles), scaled below.
@@ -1076,8 +1074,9 @@ __global__ void __launch_bounds__(kBackwardThreads)
           entry += __shfl_xor_sync(0xffffffffu, entry, offset);
         }
         if (slice == 0 && i < C) {
-          sc[kDLog * C + i] =
-              (split ? sc[kEntryDecay * C + i] * entry : sc[kScratch * C + i]) + d_log;
+          // The later tokens' terms of dL/dl_i, −Σ_{j>i} dL/dW_ji W_ji, are −κ_i dL/dκ_i.
+          sc[kDLog * C + i] = (split ? sc[kEntryDecay * C + i] * entry : sc[kScratch * C + i]) +
+                              (d_log - sc[kKappa * C + i] * d_kappa);
           sc[kDKappa * C + i] = d_kappa;
           sc[kDGamma * C + i] = d_weights[i * ld_w + i];
         }
