@@ -26,6 +26,8 @@ set -euo pipefail
 
 [[ $# -eq 1 ]] || { echo "usage: $0 OUT.tar.xz" >&2; exit 2; }
 out=$(realpath -m -- "$1")
+# Made now: the final mv needs it, after minutes of downloads and xz -9 (.tl/ in a fresh checkout).
+mkdir -p -- "$(dirname -- "$out")"
 pins=(tilelang==0.1.8 apache-tvm-ffi==0.1.9 torch-c-dlpack-ext==0.1.5 z3-solver==4.15.4.0)
 
 tmp=$(mktemp -d)
