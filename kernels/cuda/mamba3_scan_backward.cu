@@ -271,9 +271,9 @@ __global__ void state_pass_backward_kernel(Dims d, Work w) {
 }
 
 // How chunk_backward's block (kBackwardThreads) shares `items` outputs out by lanes of its warps:
-// `lanes` neighbouring lanes an output (a power of two up to 32, 2^shift), as many as leave no
-// thread idle, and `per_pass` outputs a pass of the block. With the block a constant, it is worked
-// out at compile time where `items` is a fixed shape's.
+// `lanes` neighbouring lanes an output (2^shift: the largest power of two up to 32 with
+// items · lanes within the block's threads, else 1) and `per_pass` outputs a pass of the block.
+// With the block a constant, it is worked out at compile time where `items` is a fixed shape's.
 struct LaneShare {
   int lanes, shift, per_pass;
 };

@@ -87,10 +87,11 @@ __host__ __device__ constexpr SmemStrides smem_strides(int n, int p, int rows) {
   return {n + 8, p + 8, n + 1, rows + 4, p + 4, n + 4, rows + 8};
 }
 
-// Row stride (elements) of the token-pair matrices W and dL/dW (fp32 [C][C]): read by column
-// (a warp's lanes over the rows j of one column i) in chunk_backward's per-token weight gradients,
-// where unpadded rows of 64 put all 32 lanes on one bank; two more keep rows 8-byte aligned for
-// the float2 stores and leave a 2-way conflict there.
+// Row stride (elements) of the token-pair matrices W and dL/dW (fp32 [C][C]): read by column in
+// chunk_backward's per-token weight gradients (a token's lanes over the rows j of its column i,
+// several tokens a warp: share_lanes), where unpadded rows of 64 put the lanes of a column on one
+// bank; two more keep rows 8-byte aligned for the float2 stores and leave about 2-way conflicts
+// on those column reads and on the row reads beside them.
 __host__ __device__ constexpr int weights_stride(int chunk) {
   return chunk + 2;
 }
