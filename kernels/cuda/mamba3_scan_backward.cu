@@ -286,36 +286,46 @@ __host__ __device__ constexpr LaneShare share_lanes(int items) {
   return {lanes, shift, kBackwardThreads >> shift};
 }
 
-// For each of `items` outputs, kOutputs sums over the chunk's tokens i < len, taken by the whole
-// block: `slices` neighbouring lanes of one warp share an output, lane s adding tokens s,
-// s + slices, ... through term(i, item, acc) (which adds into acc[0 … kOutputs)), and a butterfly
-// over those lanes (a fixed order: deterministic) combines them before the first calls
-// store(item, acc). One thread per output walking every token left most of the block waiting
-// at the next barrier where the outputs are few (R·P = 64 per-head parameters in SISO).
-// The block is chunk_backward's (kBackwardThreads, its only caller): with that a constant, the
-// slices are worked out at compile time at the fixed shapes rather than at every call (backward
-// −1% at MIMO and SISO, measured).
-template <int kOutputs, class Term, class Store>
-static __device__ __forceinline__ void token_sums(int items, int len, Term term, Store store) {
+// For each of `items` outputs, kOutputs sums taken by the whole block: the `lanes` neighbouring
+// lanes of one warp that share_lanes(items) gives an output each add their part through
+// walk(item, slice, lanes, acc) (slice: the lane's place among them; it adds into
+// acc[0 … kOutputs)), and a butterfly over those lanes (a fixed order: deterministic) combines
+// them before the first calls store(item, acc). The block is chunk_backward's (kBackwardThreads,
+// its only caller): with that a constant, the lanes are worked out at compile time at the fixed
+// shapes rather than at every call (backward −1% at MIMO and SISO, measured).
+template <int kOutputs, class Walk, class Store>
+static __device__ __forceinline__ void lane_group_sums(int items, Walk walk, Store store) {
   // Shifts, not integer divisions by a runtime value (about 4% of chunk_backward's instructions
   // were those divisions).
   const LaneShare share = share_lanes(items);
-  const int slices = share.lanes, shift = share.shift, per_pass = share.per_pass;
-  const int slice = static_cast<int>(threadIdx.x) & (slices - 1);
+  const int lanes = share.lanes, shift = share.shift, per_pass = share.per_pass;
+  const int slice = static_cast<int>(threadIdx.x) & (lanes - 1);
   for (int first = 0; first < items; first += per_pass) {
     const int item = first + (static_cast<int>(threadIdx.x) >> shift);
     float acc[kOutputs];
 #pragma unroll
     for (int o = 0; o < kOutputs; ++o) acc[o] = 0.f;
-    if (item < items) {
-      for (int i = slice; i < len; i += slices) term(i, item, acc);
-    }
-    for (int offset = slices / 2; offset > 0; offset >>= 1) {
+    if (item < items) walk(item, slice, lanes, acc);
+    for (int offset = lanes / 2; offset > 0; offset >>= 1) {
 #pragma unroll
       for (int o = 0; o < kOutputs; ++o) acc[o] += __shfl_xor_sync(0xffffffffu, acc[o], offset);
     }
     if (slice == 0 && item < items) store(item, acc);
   }
+}
+
+// For each of `items` outputs, kOutputs sums over the chunk's tokens i < len (lane_group_sums'
+// lanes, lane s adding tokens s, s + lanes, ... through term(i, item, acc)). One thread per output
+// walking every token left most of the block waiting at the next barrier where the outputs are
+// few (R·P = 64 per-head parameters in SISO).
+template <int kOutputs, class Term, class Store>
+static __device__ __forceinline__ void token_sums(int items, int len, Term term, Store store) {
+  lane_group_sums<kOutputs>(
+      items,
+      [&](int item, int slice, int lanes, float* acc) {
+        for (int i = slice; i < len; i += lanes) term(i, item, acc);
+      },
+      store);
 }
 
 // Un-rotates the gradient in d_qk (w.r.t. rotated q or k, rows (i, r)) in place, adds
@@ -1047,41 +1057,31 @@ __global__ void __launch_bounds__(kBackwardThreads)
     // for the three sums together. A warp a token (its lanes over j) walked four tokens in a row at
     // SISO (C = 64), each behind three chains of five shuffles, while the block waited at the
     // barrier (this phase 5,151 → 3,285 cycles a head at SISO, fwd+bwd −3.6%; MIMO −0.7%).
-    {
-      const LaneShare lanes = share_lanes(C);
-      const int slice = static_cast<int>(threadIdx.x) & (lanes.lanes - 1);
-      for (int first = 0; first < C; first += lanes.per_pass) {
-        const int i = first + (static_cast<int>(threadIdx.x) >> lanes.shift);
-        float d_log = 0.f, d_kappa = 0.f, entry = 0.f;
-        if (i < C) {
+    lane_group_sums<3>(
+        C,
+        [&](int i, int slice, int lanes, float* acc) {
           const float log_i = sc[kLog * C + i];
-          for (int j = slice; j < C; j += lanes.lanes) {
+          for (int j = slice; j < C; j += lanes) {
             if (j < i) {
-              d_log += d_weights[i * ld_w + j] * weight_of(i, j);
+              acc[0] += d_weights[i * ld_w + j] * weight_of(i, j);
             } else if (j > i) {
-              d_kappa += d_weights[j * ld_w + i] * __expf(sc[kLog * C + j] - log_i);
+              acc[1] += d_weights[j * ld_w + i] * __expf(sc[kLog * C + j] - log_i);
             }
           }
           // The entry term: split, the sum of the token's row terms (o's tiles), scaled below.
           if (split) {
-            for (int x = slice; x < R * column_tiles; x += lanes.lanes)
-              entry += row_terms[i * R * column_tiles + x];
+            for (int x = slice; x < R * column_tiles; x += lanes)
+              acc[2] += row_terms[i * R * column_tiles + x];
           }
-        }
-        for (int offset = lanes.lanes / 2; offset > 0; offset >>= 1) {
-          d_log += __shfl_xor_sync(0xffffffffu, d_log, offset);
-          d_kappa += __shfl_xor_sync(0xffffffffu, d_kappa, offset);
-          entry += __shfl_xor_sync(0xffffffffu, entry, offset);
-        }
-        if (slice == 0 && i < C) {
+        },
+        [&](int i, const float* acc) {
+          const float d_log = acc[0], d_kappa = acc[1], entry = acc[2];
           // The later tokens' terms of dL/dl_i, −Σ_{j>i} dL/dW_ji W_ji, are −κ_i dL/dκ_i.
           sc[kDLog * C + i] = (split ? sc[kEntryDecay * C + i] * entry : sc[kScratch * C + i]) +
                               (d_log - sc[kKappa * C + i] * d_kappa);
           sc[kDKappa * C + i] = d_kappa;
           sc[kDGamma * C + i] = d_weights[i * ld_w + i];
-        }
-      }
-    }
+        });
     __syncthreads();
 
     // dQ = dSc K + e^{l} dO E. Split (the pairs are still E's), each tile of both products by one
