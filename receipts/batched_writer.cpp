@@ -2,6 +2,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <utility>
 
 namespace megacpp::receipts {
@@ -13,6 +14,19 @@ constexpr size_t kQuotedFailures = 5;
 // Failures that belong to one record, not to the batch: retrying the others alone can succeed.
 bool record_specific(ErrorKind kind) {
   return kind == ErrorKind::kInvalidArgument || kind == ErrorKind::kNotFound;
+}
+
+// The job a record belongs to; "" for the daemon's own (boot status, preconditions).
+std::string job_of(const Receipt& receipt) {
+  return std::visit(
+      [](const auto& record) -> std::string {
+        if constexpr (requires { record.job_id; }) {
+          return record.job_id;
+        } else {
+          return {};
+        }
+      },
+      receipt);
 }
 
 }  // namespace
@@ -38,9 +52,11 @@ BatchedWriter::~BatchedWriter() {
   }
   wake_.notify_one();
   thread_.join();
-  if (failed_since_flush_ > 0) {
-    spdlog::error("receipt store {}: {} receipt(s) were not written since the last flush",
-                  store_.path().string(), failed_since_flush_);
+  int64_t unreported = 0;
+  for (const auto& [job, failures] : failures_) unreported += failures.records;
+  if (unreported > 0) {
+    spdlog::error("receipt store {}: {} receipt(s) were not written, and no flush reported them",
+                  store_.path().string(), unreported);
   }
 }
 
@@ -72,27 +88,62 @@ int64_t BatchedWriter::insert_boot(const BootReceipt& boot) {
   return task.id;
 }
 
-void BatchedWriter::flush() {
-  std::unique_lock lock(mutex_);
+void BatchedWriter::wait_for_enqueued(std::unique_lock<std::mutex>& lock) {
   const uint64_t target = enqueued_;
   if (completed_ < target) {
     flush_requested_ = true;
     wake_.notify_one();
     done_.wait(lock, [&] { return completed_ >= target; });
   }
-  if (failed_since_flush_ == 0) return;
+}
+
+void BatchedWriter::throw_failures(const Failures& reported) const {
   std::string message = fmt::format("receipt store {}: {} receipt(s) could not be written",
-                                    store_.path().string(), failed_since_flush_);
-  for (const std::string& failure : failure_messages_) message += "; " + failure;
-  if (failures_since_flush_ > failure_messages_.size()) {
-    message +=
-        fmt::format("; and {} more failure(s)", failures_since_flush_ - failure_messages_.size());
+                                    store_.path().string(), reported.records);
+  for (const std::string& failure : reported.messages) message += "; " + failure;
+  if (reported.errors > reported.messages.size()) {
+    message += fmt::format("; and {} more failure(s)", reported.errors - reported.messages.size());
   }
-  const ErrorKind kind = first_failure_kind_;
-  failed_since_flush_ = 0;
-  failures_since_flush_ = 0;
-  failure_messages_.clear();
-  throw Error(kind, std::move(message));
+  throw Error(reported.first_kind, std::move(message));
+}
+
+void BatchedWriter::flush() {
+  std::unique_lock lock(mutex_);
+  wait_for_enqueued(lock);
+  if (failures_.empty()) return;
+  // Every job's failures in one summary. An error that cost a batch of several jobs is listed
+  // under each of them: it is quoted and counted once here.
+  Failures all;
+  all.first = UINT64_MAX;
+  std::vector<std::string> distinct;
+  for (const auto& [job, failures] : failures_) {
+    all.records += failures.records;
+    all.errors = std::max(all.errors, failures.errors);
+    if (failures.first < all.first) {
+      all.first = failures.first;
+      all.first_kind = failures.first_kind;
+    }
+    for (const std::string& message : failures.messages) {
+      if (std::find(distinct.begin(), distinct.end(), message) == distinct.end()) {
+        distinct.push_back(message);
+      }
+    }
+  }
+  all.errors = std::max(all.errors, distinct.size());
+  if (distinct.size() > kQuotedFailures) distinct.resize(kQuotedFailures);
+  all.messages = std::move(distinct);
+  failures_.clear();
+  throw_failures(all);
+}
+
+void BatchedWriter::flush(const std::string& job) {
+  std::unique_lock lock(mutex_);
+  wait_for_enqueued(lock);
+  const auto it = failures_.find(job);
+  if (it == failures_.end()) return;
+  const Failures reported = std::move(it->second);
+  failures_.erase(it);
+  throw_failures(reported);
 }
 
 BatchedWriterStats BatchedWriter::stats() const {
@@ -160,7 +211,7 @@ void BatchedWriter::commit(std::vector<Receipt>& receipts) {
     ++stats_.batches;
   } catch (const Error& error) {
     if (!record_specific(error.kind()) || receipts.size() == 1) {
-      record_failure(error.kind(), error.what(), count);
+      record_batch_failure(error.kind(), error.what(), receipts);
     } else {
       spdlog::warn("receipt store {}: a batch of {} receipts failed ({}); writing them one by one",
                    store_.path().string(), count, error.what());
@@ -171,27 +222,49 @@ void BatchedWriter::commit(std::vector<Receipt>& receipts) {
           stats_.committed_records += 1;
           ++stats_.batches;
         } catch (const Error& single) {
-          record_failure(single.kind(), single.what(), 1);
+          record_failure(single.kind(), single.what(), job_of(receipt), 1);
         } catch (const std::exception& single) {
-          record_failure(ErrorKind::kInternal, single.what(), 1);
+          record_failure(ErrorKind::kInternal, single.what(), job_of(receipt), 1);
         }
       }
     }
   } catch (const std::exception& error) {
-    record_failure(ErrorKind::kInternal, error.what(), count);
+    record_batch_failure(ErrorKind::kInternal, error.what(), receipts);
   }
   receipts.clear();
 }
 
-void BatchedWriter::record_failure(ErrorKind kind, const std::string& message, int64_t records) {
+void BatchedWriter::record_batch_failure(ErrorKind kind, const std::string& message,
+                                         const std::vector<Receipt>& receipts) {
+  spdlog::error("receipt store {}: {} receipt(s) not written: {}", store_.path().string(),
+                receipts.size(), message);
+  std::map<std::string, int64_t> lost;
+  for (const Receipt& receipt : receipts) ++lost[job_of(receipt)];
+  std::lock_guard lock(mutex_);
+  for (const auto& [job, records] : lost) add_failure(kind, message, job, records);
+  ++failure_clock_;
+}
+
+void BatchedWriter::record_failure(ErrorKind kind, const std::string& message,
+                                   const std::string& job, int64_t records) {
   spdlog::error("receipt store {}: {} receipt(s) not written: {}", store_.path().string(), records,
                 message);
   std::lock_guard lock(mutex_);
-  if (failed_since_flush_ == 0) first_failure_kind_ = kind;
-  failed_since_flush_ += records;
-  ++failures_since_flush_;
+  add_failure(kind, message, job, records);
+  ++failure_clock_;
+}
+
+void BatchedWriter::add_failure(ErrorKind kind, const std::string& message, const std::string& job,
+                                int64_t records) {
   stats_.failed_records += records;
-  if (failure_messages_.size() < kQuotedFailures) failure_messages_.push_back(message);
+  Failures& failures = failures_[job];
+  if (failures.records == 0) {
+    failures.first = failure_clock_;
+    failures.first_kind = kind;
+  }
+  failures.records += records;
+  ++failures.errors;
+  if (failures.messages.size() < kQuotedFailures) failures.messages.push_back(message);
 }
 
 }  // namespace megacpp::receipts

@@ -9,16 +9,21 @@
 // max_queued_records. flush() returns once everything enqueued before it is committed, so
 // "flushed" means "on disk" (the store writes with synchronous=FULL).
 //
-// Failures on the writer thread are logged (spdlog) and reported by the next flush(), which
-// throws an Error describing them. When a batch fails because of one bad record (a receipt of
-// an unknown job), the batch is retried record by record, so only the bad records are lost; when
-// it fails for any other reason (disk full, I/O error), the whole batch is lost.
+// Failures on the writer thread are logged (spdlog) and reported once, by the next flush() that
+// covers them, which throws an Error describing them: flush(job) reports only the failures of
+// that job's records, so concurrent callers (a submission, another job's end) each learn about
+// their own records and never take or receive another's; flush() reports every failure not yet
+// reported. When a batch fails because of one bad record (a receipt of an unknown job), the batch
+// is retried record by record, so only the bad records are lost; when it fails for any other
+// reason (disk full, I/O error), the whole batch is lost, and each job with records in it has the
+// failure to report.
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
 #include <exception>
+#include <map>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -62,8 +67,11 @@ class BatchedWriter {
   // id for everything it records afterwards). Throws what Store::insert_boot throws.
   int64_t insert_boot(const BootReceipt& boot);
   // Blocks until every record enqueued before the call is committed or has failed; throws an
-  // Error summarising the failures since the previous flush(), if there were any.
+  // Error summarising the failures not yet reported, if there were any.
   void flush();
+  // The same wait; throws an Error summarising the failures of `job`'s records (those whose
+  // job_id is `job`) not yet reported, if there were any. Other jobs' failures stay for them.
+  void flush(const std::string& job);
 
   BatchedWriterStats stats() const;
 
@@ -81,7 +89,27 @@ class BatchedWriter {
   void run();
   void process(std::deque<Entry>& batch);
   void commit(std::vector<Receipt>& receipts);
-  void record_failure(ErrorKind kind, const std::string& message, int64_t records);
+  // The failures of one job's records (or, under "", of records that belong to no job), not yet
+  // reported by a flush.
+  struct Failures {
+    int64_t records = 0;
+    size_t errors = 0;   // one error can cost a whole batch
+    uint64_t first = 0;  // when the first happened (failure_clock_): the earliest's kind is thrown
+    ErrorKind first_kind = ErrorKind::kInternal;
+    std::vector<std::string> messages;  // the first few
+  };
+  void wait_for_enqueued(std::unique_lock<std::mutex>& lock);
+  // Throws the summary of `reported` (nothing when it holds no failure).
+  [[noreturn]] void throw_failures(const Failures& reported) const;
+  // `records` receipts of `job` were lost to one error.
+  void record_failure(ErrorKind kind, const std::string& message, const std::string& job,
+                      int64_t records);
+  // One error cost the whole batch `receipts`: each job with records in it has it to report.
+  void record_batch_failure(ErrorKind kind, const std::string& message,
+                            const std::vector<Receipt>& receipts);
+  // Under mutex_.
+  void add_failure(ErrorKind kind, const std::string& message, const std::string& job,
+                   int64_t records);
 
   Store& store_;
   BatchedWriterOptions options_;
@@ -95,11 +123,8 @@ class BatchedWriter {
   uint64_t completed_ = 0;
   bool flush_requested_ = false;
   bool stopping_ = false;
-  // Failures since the last flush().
-  int64_t failed_since_flush_ = 0;   // records
-  size_t failures_since_flush_ = 0;  // errors (one can cost a whole batch)
-  ErrorKind first_failure_kind_ = ErrorKind::kInternal;
-  std::vector<std::string> failure_messages_;
+  std::map<std::string, Failures> failures_;  // by job, not yet reported
+  uint64_t failure_clock_ = 0;
   BatchedWriterStats stats_;
 
   std::thread thread_;  // last: started once everything above is initialised

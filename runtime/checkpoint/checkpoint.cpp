@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <cstring>
 #include <limits>
 #include <utility>
@@ -119,12 +120,16 @@ void load_optimizer_state(const fs::path& file, const ParameterSet<float>& param
   if (it == metadata.end()) {
     fail(ErrorKind::kCorruptData, "{}: metadata lacks steps_taken", file.string());
   }
-  try {
-    optimizer.set_steps_taken(std::stoll(it->second));
-  } catch (const std::exception&) {
-    fail(ErrorKind::kCorruptData, "{}: metadata steps_taken=\"{}\" is not an integer",
-         file.string(), it->second);
+  // The whole string, a non-negative count: stoll alone took "12abc" as 12 and "-1" (whose next
+  // step zeroed Adam's bias correction, and the weights went to inf).
+  int64_t steps_taken = -1;
+  const std::string& text = it->second;
+  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), steps_taken);
+  if (error != std::errc() || end != text.data() + text.size() || steps_taken < 0) {
+    fail(ErrorKind::kCorruptData, "{}: metadata steps_taken=\"{}\" is not a non-negative integer",
+         file.string(), text);
   }
+  optimizer.set_steps_taken(steps_taken);
 }
 
 fs::path step_checkpoint_dir(const fs::path& run_dir, int64_t step) {

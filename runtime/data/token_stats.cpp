@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <cmath>
 
+#include "base/error.h"
+#include "runtime/config/model_config.h"
+
 namespace megacpp::data {
 
 TokenStats token_stats(const IndexedDataset& dataset) {
@@ -15,7 +18,15 @@ TokenStats token_stats(const IndexedDataset& dataset) {
     const std::uint64_t count = std::min(kBlock, stats.tokens - first);
     dataset.read_stream(first, count, buffer.data());
     for (std::uint64_t i = 0; i < count; ++i) {
-      const auto id = static_cast<std::size_t>(buffer[i]);
+      // A token no vocabulary has is a corrupt file, not a count: a negative id once wrote
+      // before the counts, a huge one asked for gigabytes of them.
+      const std::int32_t token = buffer[i];
+      if (token < 0 || token >= ModelConfigLimits::kMaxVocab) {
+        fail(ErrorKind::kCorruptData,
+             "{}: token {} at position {} is outside [0, {}), the ids any vocabulary may have",
+             dataset.data_path().string(), token, first + i, ModelConfigLimits::kMaxVocab);
+      }
+      const auto id = static_cast<std::size_t>(token);
       if (id >= stats.counts.size()) stats.counts.resize(id + 1, 0);
       ++stats.counts[id];
     }

@@ -10,6 +10,9 @@
 #include <limits>
 #include <memory>
 #include <optional>
+#include <string>
+#include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "base/error.h"
@@ -191,14 +194,22 @@ TrainJob parse_train_job(const json& j, const std::string& source) {
     fail(ErrorKind::kInvalidArgument,
          "{}: model must have exactly one of preset, config, config_file", source);
   }
+  // preset and config_file are names: anything else is refused naming the field.
+  const auto model_name = [&](const char* field) {
+    if (!m[field].is_string()) {
+      fail(ErrorKind::kInvalidArgument, "{}: model.{} = {} must be a string", source, field,
+           m[field].dump());
+    }
+    return m[field].get<std::string>();
+  };
   if (m.contains("preset")) {
-    job.model_source = "preset " + m["preset"].get<std::string>();
-    job.model = model_preset(m["preset"].get<std::string>());
+    job.model_source = "preset " + model_name("preset");
+    job.model = model_preset(model_name("preset"));
   } else if (m.contains("config")) {
     job.model_source = source + ": model.config";
     job.model = parse_model_config(m["config"], job.model_source);
   } else {
-    job.model_source = m["config_file"].get<std::string>();
+    job.model_source = model_name("config_file");
     job.model = load_model_config(job.model_source);
   }
   if (!j.contains("data") || !j["data"].is_object()) {
@@ -752,9 +763,26 @@ std::string recompile_violation(const StepBackend& backend, const TrainJob& job,
       after, first_step, job.recompile_budget, ledger->last_build);
 }
 
+// An evaluation takes whole batches of windows: a set with fewer than one batch cannot be
+// evaluated. Checked when a run starts too, so that such a validation set fails the job before
+// it trains, not at an evaluation (the run's last one comes before its final checkpoint).
+// `field`: the job field that names the set, for the message ("" where none does).
+int64_t require_eval_batch(const data::IndexedDataset& dataset, int seqlen, int batch,
+                           std::string_view field) {
+  const int64_t available = data::num_eval_windows(dataset, seqlen);
+  if (available < batch) {
+    fail(ErrorKind::kInvalidArgument,
+         "{}{}{}: {} evaluation windows of {} tokens, fewer than one batch of {}: an evaluation "
+         "needs at least batch × (seqlen + 1) tokens",
+         field, field.empty() ? "" : " ", dataset.index_path().string(), available, seqlen + 1,
+         batch);
+  }
+  return available;
+}
+
 double mean_eval_loss(StepBackend& model, const data::IndexedDataset& dataset, int seqlen,
                       int batch, int64_t max_windows, int64_t* windows_used) {
-  const int64_t available = data::num_eval_windows(dataset, seqlen);
+  const int64_t available = require_eval_batch(dataset, seqlen, batch, "");
   const int64_t windows = max_windows > 0 ? std::min(max_windows, available) : available;
   std::vector<int32_t> tokens(static_cast<size_t>(batch) * (seqlen + 1));
   double total = 0;
@@ -770,8 +798,8 @@ double mean_eval_loss(StepBackend& model, const data::IndexedDataset& dataset, i
   }
   if (counted == 0) {
     fail(ErrorKind::kInvalidArgument,
-         "{}: {} evaluation windows of {} tokens, fewer than one batch of {}",
-         dataset.index_path().string(), available, seqlen + 1, batch);
+         "{}: {} evaluation windows asked for, fewer than one batch of {}",
+         dataset.index_path().string(), windows, batch);
   }
   *windows_used = counted;
   return total / static_cast<double>(counted);
@@ -796,6 +824,34 @@ json data_cursors(const TrainJob& job, const data::BlendedLoader& loader) {
   return out;
 }
 
+// A field of the checkpoint's trainer_state.json, of type T: a missing or mistyped one is
+// corrupt data naming the file and the field, not a JSON library's message.
+template <class T>
+T state_field(const json& object, const char* name, const fs::path& checkpoint,
+              const std::string& where = "") {
+  const fs::path file = checkpoint / "trainer_state.json";
+  if (!object.is_object() || !object.contains(name)) {
+    fail(ErrorKind::kCorruptData, "{}: no field {}{}", file.string(), where, name);
+  }
+  const json& value = object.at(name);
+  // get<uint64_t>() would wrap a negative integer rather than refuse it.
+  bool typed = value.is_string();
+  const char* wanted = "string";
+  if constexpr (std::is_floating_point_v<T>) {
+    typed = value.is_number();
+    wanted = "number";
+  } else if constexpr (std::is_unsigned_v<T>) {
+    typed = value.is_number_unsigned() &&
+            value.get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
+    wanted = "non-negative integer";
+  }
+  if (!typed) {
+    fail(ErrorKind::kCorruptData, "{}: field {}{} is {}, not a {}", file.string(), where, name,
+         value.dump(), wanted);
+  }
+  return value.get<T>();
+}
+
 void restore_data_cursors(const json& state, const TrainJob& job, const fs::path& checkpoint,
                           data::BlendedLoader& loader) {
   const char* key = data_state_key(job);
@@ -806,7 +862,8 @@ void restore_data_cursors(const json& state, const TrainJob& job, const fs::path
          job.train_blend.empty() ? "has none" : "has one");
   }
   if (job.train_blend.empty()) {
-    const std::vector<data::BlendedLoader::Cursor> one = {{state.at(key).get<uint64_t>(), 0}};
+    const std::vector<data::BlendedLoader::Cursor> one = {
+        {state_field<uint64_t>(state, key, checkpoint), 0}};
     loader.restore(one);
     return;
   }
@@ -818,8 +875,23 @@ void restore_data_cursors(const json& state, const TrainJob& job, const fs::path
          checkpoint.string(), saved.is_array() ? saved.size() : 0, job.train_blend.size());
   }
   std::vector<data::BlendedLoader::Cursor> cursors;
-  for (const json& c : saved) {
-    cursors.push_back({c.at("position").get<uint64_t>(), c.at("windows").get<uint64_t>()});
+  for (size_t i = 0; i < saved.size(); ++i) {
+    const json& c = saved[i];
+    const std::string where = fmt::format("{}[{}].", key, i);
+    // A cursor is a place in the dataset it was taken on: one restored onto another (the blend
+    // reordered, a prefix or weight changed) would skip and repeat data without a word.
+    const auto prefix = state_field<std::string>(c, "prefix", checkpoint, where);
+    const auto weight = state_field<double>(c, "weight", checkpoint, where);
+    const TrainBlendEntry& entry = job.train_blend[i];
+    if (prefix != entry.prefix.string() || weight != entry.weight) {
+      fail(ErrorKind::kFailedPrecondition,
+           "{}: the checkpoint's data blend dataset {} is {} (weight {}), the job's "
+           "data.train[{}] is {} (weight {}): refusing to resume (each cursor belongs to the "
+           "dataset it was taken on)",
+           checkpoint.string(), i, prefix, weight, i, entry.prefix.string(), entry.weight);
+    }
+    cursors.push_back({state_field<uint64_t>(c, "position", checkpoint, where),
+                       state_field<uint64_t>(c, "windows", checkpoint, where)});
   }
   loader.restore(cursors);
 }
@@ -880,6 +952,7 @@ RunSummary train(const TrainJob& job, TrainingObserver& observer, const TrainOpt
   if (!job.valid_data.empty()) {
     named.push_back({"data.valid", job.valid_data});
     valid_set = std::make_shared<const data::IndexedDataset>(job.valid_data);
+    require_eval_batch(*valid_set, job.seqlen, job.batch, "data.valid");
   }
   data::check_dataset_tokenizers(named, job.model.vocab_size, job.model_source);
   data::BlendedLoader loader(std::move(components), job.seqlen);
@@ -898,7 +971,7 @@ RunSummary train(const TrainJob& job, TrainingObserver& observer, const TrainOpt
       load_model_weights(*dir, model);
       load_optimizer_state(*dir / "optimizer.safetensors", model.parameters(), optimizer);
       const json state = load_json_file(*dir / "trainer_state.json");
-      step = state.at("step").get<int64_t>();
+      step = static_cast<int64_t>(state_field<uint64_t>(state, "step", *dir));
       restore_data_cursors(state, job, *dir, loader);
       spdlog::info("resumed from {} at step {}", dir->string(), step);
     }

@@ -169,6 +169,36 @@ TEST_F(BatchedWriterTest, FailuresAreReportedByFlushAndCostOnlyTheBadRecords) {
   EXPECT_EQ(step_count(db(), "j"), 3);
 }
 
+TEST_F(BatchedWriterTest, AJobsFlushReportsItsOwnFailuresAndNoOtherJobs) {
+  BatchedWriterOptions options;
+  options.flush_interval = 60s;
+  BatchedWriter writer(*store_, options);
+  writer.enqueue(job_record("j", boot_));
+  writer.enqueue(step_receipt("ghost-job", 0));  // no such job: the foreign key refuses it
+  writer.enqueue(step_receipt("j", 0));
+  // j's records were all written: the ghost's failure is not j's to report, nor is it taken.
+  EXPECT_NO_THROW(writer.flush("j"));
+  EXPECT_EQ(step_count(db(), "j"), 1);
+  try {
+    writer.flush("ghost-job");
+    ADD_FAILURE() << "flush(\"ghost-job\") should report its failed receipt";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.kind(), ErrorKind::kInvalidArgument);
+    const std::string message = error.what();
+    EXPECT_NE(message.find("1 receipt(s)"), std::string::npos) << message;
+    EXPECT_NE(message.find("ghost-job"), std::string::npos) << message;
+  }
+  // Reported once: neither the job's flush nor the whole writer's has it again.
+  EXPECT_NO_THROW(writer.flush("ghost-job"));
+  EXPECT_NO_THROW(writer.flush());
+
+  // A failure left unreported by its job's flush is still in the writer's summary.
+  writer.enqueue(step_receipt("other-ghost", 0));
+  EXPECT_NO_THROW(writer.flush("j"));
+  EXPECT_THROW(writer.flush(), Error);
+  EXPECT_NO_THROW(writer.flush("other-ghost"));
+}
+
 TEST_F(BatchedWriterTest, InvalidRecordsAreRefusedAtEnqueue) {
   BatchedWriter writer(*store_);
   StepReceipt bad = step_receipt("j", 0);

@@ -129,6 +129,42 @@ TEST(Checkpoint, FollowsTheOfficialLoadersContract) {
   EXPECT_EQ(load_checkpoint_config(dir / "eps").norm_epsilon, 1e-6);
 }
 
+// The optimizer's step count is a whole non-negative integer: "12abc" was read as 12, and "-1"
+// zeroed Adam's bias correction at the next step (the weights went to inf).
+TEST(Checkpoint, OptimizerStepsTakenMustBeAWholeNonNegativeInteger) {
+  testing::TempDir dir;
+  Model<float> model(config());
+  model.init_parameters(5);
+  AdamW<float> optimizer(model.parameters(), OptimizerConfig{});
+  const auto file = dir / "optimizer.safetensors";
+  const auto with_steps = [&](const std::string& steps_taken) {
+    std::vector<TensorRef> tensors;
+    for (const auto& info : model.parameters().entries()) {
+      tensors.push_back(
+          {"exp_avg." + info.name, info.shape, optimizer.exp_avg().data() + info.offset});
+      tensors.push_back(
+          {"exp_avg_sq." + info.name, info.shape, optimizer.exp_avg_sq().data() + info.offset});
+    }
+    save_safetensors(file, tensors, {{"steps_taken", steps_taken}});
+  };
+  with_steps("7");
+  load_optimizer_state(file, model.parameters(), optimizer);
+  EXPECT_EQ(optimizer.steps_taken(), 7);
+  for (const std::string bad : {"12abc", "-1", "", " 3", "99999999999999999999"}) {
+    with_steps(bad);
+    try {
+      load_optimizer_state(file, model.parameters(), optimizer);
+      ADD_FAILURE() << "steps_taken=\"" << bad << "\" was accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kCorruptData) << e.what();
+      EXPECT_NE(std::string(e.what()).find(file.string() + ": metadata steps_taken=\"" + bad +
+                                           "\" is not a non-negative integer"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+}
+
 TEST(Checkpoint, LatestPointerNamesACompleteCheckpoint) {
   testing::TempDir dir;
   EXPECT_FALSE(latest_checkpoint(dir.path()).has_value());

@@ -153,6 +153,39 @@ TEST_F(DataBlendTest, TrainsOnABlendInProportionAndResumesBitwise) {
     EXPECT_EQ(e.kind(), ErrorKind::kFailedPrecondition);
     EXPECT_NE(std::string(e.what()).find("data blend"), std::string::npos) << e.what();
   }
+
+  // Nor as the same datasets in another order: each cursor belongs to the dataset it was taken
+  // on, and applied to another it would skip and repeat data.
+  json reordered = job("straight");
+  std::swap(reordered["data"]["train"][0], reordered["data"]["train"][1]);
+  reordered["steps"] = 10;
+  try {
+    train(parse_train_job(reordered, "reordered.json"), quiet);
+    FAIL() << "resumed a blend's checkpoint onto its datasets reordered";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kFailedPrecondition);
+    EXPECT_NE(std::string(e.what()).find("data.train[0] is " + prefix("prose_train")),
+              std::string::npos)
+        << e.what();
+  }
+
+  // A trainer_state.json whose cursor is not a count is corrupt, naming the file and the field.
+  const auto state_file = dir_ / "straight/step-00000008/trainer_state.json";
+  json broken = state;
+  broken["data_blend"][1]["position"] = -1;
+  testing::write_text(state_file, broken.dump());
+  json more = job("straight");
+  more["steps"] = 10;
+  try {
+    train(parse_train_job(more, "more.json"), quiet);
+    FAIL() << "resumed from a negative data position";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kCorruptData);
+    EXPECT_NE(
+        std::string(e.what()).find(state_file.string() + ": field data_blend[1].position is -1"),
+        std::string::npos)
+        << e.what();
+  }
 }
 
 TEST_F(DataBlendTest, ADatasetThatDoesNotFitTheModelOrIsMissingFailsByName) {

@@ -20,6 +20,7 @@
 #include "runtime/data/blended_loader.h"
 #include "runtime/data/indexed_dataset.h"
 #include "runtime/data/prepare.h"
+#include "runtime/data/sequence_loader.h"
 #include "runtime/model/model.h"
 #include "tests/support/temp_dir.h"
 
@@ -153,6 +154,14 @@ TEST_F(TrainerTest, JobValidationNamesTheField) {
          j["model"] = json{{"preset", "huge"}};
        },
        "unknown model preset \"huge\""},
+      {[](json& j) {
+         j["model"] = json{{"preset", 1}};
+       },
+       "job.json: model.preset = 1 must be a string"},
+      {[](json& j) {
+         j["model"] = json{{"config_file", json::array()}};
+       },
+       "job.json: model.config_file = [] must be a string"},
       {[](json& j) { j["model"]["config"]["ssm_cfg"]["headdim"] = 12; },
        "ssm_cfg.headdim=12 does not divide d_inner=64"},
       {[](json& j) { j["data"].erase("train"); }, "missing required field train"},
@@ -307,6 +316,32 @@ TEST_F(TrainerTest, DatasetTruncatedWhileTrainingFailsNamingTheFile) {
               std::string::npos)
         << e.what();
   }
+}
+
+// A validation set of fewer windows than one batch cannot be evaluated: the job fails naming it
+// before its first step, not at the evaluation before its final checkpoint (which lost the run).
+TEST_F(TrainerTest, AValidationSetSmallerThanABatchFailsBeforeTraining) {
+  const auto valid = dir_ / "data/toy_valid";
+  const int64_t windows = data::num_eval_windows(data::IndexedDataset(valid), 32);
+  ASSERT_GT(windows, 0);
+  json j = job("small-valid");
+  j["batch"] = windows + 1;
+  struct Counting final : QuietObserver {
+    int steps = 0;
+    void on_step(const StepRecord&) override { ++steps; }
+  } observer;
+  try {
+    train(parse_train_job(j, "job.json"), observer);
+    FAIL() << "a job whose validation set holds less than one batch trained";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+    const std::string message = e.what();
+    EXPECT_NE(message.find("data.valid " + valid.string()), std::string::npos) << message;
+    EXPECT_NE(message.find("fewer than one batch of " + std::to_string(windows + 1)),
+              std::string::npos)
+        << message;
+  }
+  EXPECT_EQ(observer.steps, 0);
 }
 
 std::vector<std::string> step_dirs(const std::filesystem::path& run) {
