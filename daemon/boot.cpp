@@ -77,7 +77,7 @@ std::vector<DeviceSlot> inventory_devices(const DaemonConfig& config, bool probe
   return devices;
 }
 
-receipts::BootReceipt describe_boot(const std::vector<DeviceSlot>& devices) {
+receipts::BootReceipt describe_boot(const std::vector<DeviceSlot>& devices, bool probe_gpus) {
   receipts::BootReceipt b;
   b.started_at = now_iso8601();
   b.version = version_string();
@@ -89,9 +89,13 @@ receipts::BootReceipt describe_boot(const std::vector<DeviceSlot>& devices) {
   b.build_type = "debug";
 #endif
 #ifdef MEGACPP_HAVE_CUDA
-  const auto info = cuda::query_devices();
-  b.cuda_runtime = std::to_string(info.runtime_version);
-  b.cuda_driver = std::to_string(info.driver_version);
+  if (probe_gpus) {
+    const auto info = cuda::query_devices();
+    b.cuda_runtime = std::to_string(info.runtime_version);
+    b.cuda_driver = std::to_string(info.driver_version);
+  }
+#else
+  (void)probe_gpus;
 #endif
   b.nccl = library_version("libnccl.so.2", "ncclGetVersion", true);
   b.cudnn = library_version("libcudnn.so.9", "cudnnGetVersion", false);

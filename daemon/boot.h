@@ -12,8 +12,10 @@ namespace megacpp::daemon {
 std::string now_iso8601();
 
 // The boot receipt: build, compiler, CUDA runtime/driver, NCCL, cuDNN, devices,
-// host, relevant environment. Never initializes CUDA unless `probe_gpus`.
-receipts::BootReceipt describe_boot(const std::vector<DeviceSlot>& devices);
+// host, relevant environment. The CUDA versions are asked of CUDA (which opens the driver)
+// only when `probe_gpus`, i.e. after the preconditions passed: a refused or checked boot
+// records them empty and touches no GPU.
+receipts::BootReceipt describe_boot(const std::vector<DeviceSlot>& devices, bool probe_gpus);
 
 // The device inventory from the config: cpu slots, and GPUs when built with CUDA
 // (queried only when probe_gpus, i.e. after the preconditions passed).

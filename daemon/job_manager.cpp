@@ -13,6 +13,7 @@
 #include <climits>
 #include <cstring>
 #include <fstream>
+#include <system_error>
 
 #include "base/error.h"
 #include "daemon/metrics.h"
@@ -216,7 +217,7 @@ void JobManager::finish(Lock& lock, Entry& e, v1::JobState state, const std::str
   record_job(ended, e.last_checkpoint_step);
   lock.unlock();
   try {
-    writer_.flush();
+    writer_.flush(ended.id());
   } catch (const std::exception& failure) {
     // A job must still end; the writer logged each lost receipt.
     spdlog::error("job {}: the receipt store did not commit everything before the job ended: {}",
@@ -289,7 +290,8 @@ v1::Job JobManager::submit(const v1::JobSpec& spec) {
   Submission submission = prepare_submission(spec);
   const std::string id = submission.entry->job.id();
   try {
-    writer_.flush();
+    // This job's records only: another job's lost receipts are not this submission's failure.
+    writer_.flush(id);
   } catch (const std::exception& e) {
     if (submission.has_directory) {
       std::error_code ignored;
@@ -398,6 +400,7 @@ std::optional<v1::Job> JobManager::get(const std::string& id) const {
 
 std::vector<v1::Job> JobManager::list(const std::vector<v1::JobState>& states, int limit,
                                       const std::string& after_id, std::string* next_token) const {
+  if (limit < 1) fail(ErrorKind::kInvalidArgument, "limit={} must be at least 1", limit);
   std::lock_guard lock(mu_);
   std::vector<v1::Job> out;
   next_token->clear();
@@ -552,7 +555,7 @@ void JobManager::watch(const std::string& id, const std::function<bool(const v1:
           "through {} come from the store",
           id, cursor.seq, resume - 1, through);
       try {
-        writer_.flush();
+        writer_.flush(id);
       } catch (const std::exception& failure) {
         spdlog::warn("watch {}: receipt store flush: {}", id, failure.what());
       }
@@ -694,6 +697,14 @@ void JobManager::scheduler_loop() {
   while (!stopping_) {
     const auto now = Clock::now();
     auto next = supervise(now);
+    for (auto it = monitors_.begin(); it != monitors_.end();) {
+      if (!it->done) {
+        ++it;
+        continue;
+      }
+      it->thread.join();  // it has released mu_ and only returns
+      it = monitors_.erase(it);
+    }
     // spawn() may release the lock (a job that cannot start is finished): walk a copy.
     const std::vector<std::string> waiting(queue_.begin(), queue_.end());
     for (const auto& id : waiting) {
@@ -805,7 +816,14 @@ pid_t JobManager::fork_executor(const Entry& e, int rank, int events_fd) {
   const pid_t pid = ::fork();
   if (pid == 0) {
     // Child: only async-signal-safe calls until exec. The daemon blocks its stop
-    // signals for sigwait(); the executor must receive them.
+    // signals for sigwait(); the executor must receive them. Its handler (which forwards them
+    // to the daemon's main thread) goes first: one arriving before exec would otherwise be sent
+    // to a thread of the daemon's that this process does not have, and be lost.
+    struct sigaction default_action = {};
+    default_action.sa_handler = SIG_DFL;
+    sigemptyset(&default_action.sa_mask);
+    ::sigaction(SIGTERM, &default_action, nullptr);
+    ::sigaction(SIGINT, &default_action, nullptr);
     sigset_t none;
     sigemptyset(&none);
     ::sigprocmask(SIG_SETMASK, &none, nullptr);
@@ -840,21 +858,29 @@ pid_t JobManager::fork_executor(const Entry& e, int rank, int events_fd) {
 
 void JobManager::spawn(Lock& lock, Entry& e) {
   const fs::path dir = job_dir(e.job.id());
-  fs::create_directories(dir);
   // A cuda job runs on the GPUs it claimed: the slot "cuda:N" is device ordinal N; rank r of a
   // several-GPU job on its r-th slot.
   const int ranks = e.job.devices_size() > 1 && e.job.devices(0).rfind("cuda:", 0) == 0
                         ? e.job.devices_size()
                         : 1;
-  if (e.job.devices_size() > 0 && e.job.devices(0).rfind("cuda:", 0) == 0) {
-    e.train_job["gpu"] = std::stoi(e.job.devices(0).substr(5));
-    if (ranks > 1) {
-      json gpus = json::array();
-      for (const std::string& d : e.job.devices()) gpus.push_back(std::stoi(d.substr(5)));
-      e.train_job["gpus"] = gpus;
+  try {
+    fs::create_directories(dir);
+    if (e.job.devices_size() > 0 && e.job.devices(0).rfind("cuda:", 0) == 0) {
+      e.train_job["gpu"] = std::stoi(e.job.devices(0).substr(5));
+      if (ranks > 1) {
+        json gpus = json::array();
+        for (const std::string& d : e.job.devices()) gpus.push_back(std::stoi(d.substr(5)));
+        e.train_job["gpus"] = gpus;
+      }
     }
+    save_json_atomically(dir / "job.json", e.train_job);
+  } catch (const std::exception& error) {
+    // This thread schedules every job: a job that cannot start (a full disk under state_dir)
+    // fails, and the daemon and the other jobs go on.
+    finish(lock, e, v1::JOB_STATE_FAILED,
+           fmt::format("cannot write the job's files in {}: {}", dir.string(), error.what()));
+    return;
   }
-  save_json_atomically(dir / "job.json", e.train_job);
   // Rank 0 writes a fresh NCCL id there; an old attempt's must not be read by the others.
   std::error_code ignored;
   fs::remove(dir / "nccl_id", ignored);
@@ -913,11 +939,50 @@ void JobManager::spawn(Lock& lock, Entry& e) {
                                  std::strerror(fork_error));
     signal_ranks(e, SIGKILL);
   }
-  monitors_.emplace_back(
-      [this, id = e.job.id(), pid = pids[0], fd = pipes[0][0]] { monitor(id, pid, fd); });
-  for (size_t r = 1; r < pids.size(); ++r) {
-    monitors_.emplace_back([this, id = e.job.id(), rank = static_cast<int>(r), pid = pids[r],
-                            fd = pipes[r][0]] { monitor_peer(id, rank, pid, fd); });
+  // A thread a rank reads its events and reaps it. Where one cannot be started (the process is
+  // out of threads), the ranks left without one are killed and reaped here, so that no executor
+  // runs unwatched and the job still ends: through rank 0's monitor when it has one, else here.
+  for (size_t r = 0; r < pids.size(); ++r) {
+    Monitor& slot = monitors_.emplace_back();
+    const auto mark_done = [this, &slot] {
+      std::lock_guard done_lock(mu_);
+      slot.done = true;
+      changed_.notify_all();
+    };
+    try {
+      if (r == 0) {
+        slot.thread =
+            std::thread([this, mark_done, id = e.job.id(), pid = pids[0], fd = pipes[0][0]] {
+              monitor(id, pid, fd);
+              mark_done();
+            });
+      } else {
+        slot.thread = std::thread([this, mark_done, id = e.job.id(), rank = static_cast<int>(r),
+                                   pid = pids[r], fd = pipes[r][0]] {
+          monitor_peer(id, rank, pid, fd);
+          mark_done();
+        });
+      }
+    } catch (const std::system_error& error) {
+      monitors_.pop_back();
+      const std::string reason =
+          fmt::format("cannot start a thread to watch rank {}'s executor: {}", r, error.what());
+      if (e.abort_reason.empty()) e.abort_reason = reason;
+      signal_ranks(e, SIGKILL);
+      for (size_t k = r; k < pids.size(); ++k) {
+        while (::waitpid(pids[k], nullptr, 0) < 0 && errno == EINTR) {
+        }
+        ::close(pipes[k][0]);
+        if (k > 0) e.peer_pids[k - 1] = 0;
+      }
+      if (r == 0) {
+        e.pid = 0;
+        finish(lock, e, v1::JOB_STATE_FAILED, reason);
+      } else {
+        changed_.notify_all();  // rank 0's monitor waits for its peers to be gone
+      }
+      return;
+    }
   }
 }
 
@@ -1219,8 +1284,8 @@ void JobManager::shutdown() {
     std::lock_guard lock(mu_);
     for (auto& [id, e] : jobs_) signal_ranks(*e, SIGKILL);
   }
-  for (auto& t : monitors_) {
-    if (t.joinable()) t.join();
+  for (Monitor& m : monitors_) {
+    if (m.thread.joinable()) m.thread.join();
   }
   monitors_.clear();
 }

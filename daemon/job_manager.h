@@ -19,6 +19,7 @@
 #include <deque>
 #include <filesystem>
 #include <functional>
+#include <list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -74,6 +75,8 @@ class JobManager {
   // (a gate refused: the refusal and every decision are recorded).
   megacpp::v1::Job submit(const megacpp::v1::JobSpec& spec);
   std::optional<megacpp::v1::Job> get(const std::string& id) const;
+  // Up to `limit` jobs after `after_id`, oldest first; `next_token` is the last one's id when
+  // more may follow. Throws Error(kInvalidArgument) for a limit below 1.
   std::vector<megacpp::v1::Job> list(const std::vector<megacpp::v1::JobState>& states, int limit,
                                      const std::string& after_id, std::string* next_token) const;
   // Throws Error(kNotFound). Queued jobs are cancelled at once; running ones get
@@ -168,7 +171,14 @@ class JobManager {
   int64_t id_counter_ = 0;
   int watch_streams_ = 0;
   std::thread scheduler_;
-  std::vector<std::thread> monitors_;
+  // A thread per executor rank (monitor, monitor_peer): `done` (under mu_) once it has nothing
+  // left to do, when the scheduler joins and drops it, so that a long-lived daemon does not keep
+  // a finished thread (and its stack) per job it ever ran.
+  struct Monitor {
+    std::thread thread;
+    bool done = false;
+  };
+  std::list<Monitor> monitors_;
 };
 
 }  // namespace megacpp::daemon

@@ -281,7 +281,10 @@ ValidatedJob validate_job_spec(const megacpp::v1::JobSpec& spec, const DaemonCon
         tp);
   }
   const int available = out.device_kind == gates::DeviceKind::kCpu ? cpu_slots : gpus;
-  if (out.device_count > available) {
+  // A cuda job where the daemon has no GPU is refused by its cuda_backend gate below, recorded
+  // with the other decisions, rather than as a spec error that leaves no trace in the store.
+  const bool no_gpu = out.device_kind == gates::DeviceKind::kCuda && gpus == 0;
+  if (!no_gpu && out.device_count > available) {
     refuse("device_count={} exceeds this machine's {} {} device(s)", out.device_count, available,
            kind);
   }
@@ -366,6 +369,16 @@ ValidatedJob validate_job_spec(const megacpp::v1::JobSpec& spec, const DaemonCon
   if (out.device_kind == gates::DeviceKind::kCuda) {
     // Checked after the gates so their decisions are recorded with the refusal.
 #ifdef MEGACPP_HAVE_CUDA
+    if (no_gpu) {
+      out.gate_decisions.push_back(
+          {"cuda_backend",
+           gates::Decision::kRefused,
+           "device_kind=cuda: this megacppd has no GPU to run it on (it found none when it "
+           "started: see its boot receipt's devices)",
+           gates::GateImplementation::kImplemented,
+           {}});
+      return out;
+    }
     out.train_job["device"] = "cuda";
     for (const gates::GateDecision& d : out.gate_decisions) {
       if (d.gate == "recompute_in_proj" && d.decision == gates::Decision::kOn) {

@@ -124,7 +124,7 @@ int main(int argc, char** argv) {
     }
     if (!passed || check_only) {
       if (store) {
-        auto boot = mc::daemon::describe_boot(mc::daemon::inventory_devices(config, false));
+        auto boot = mc::daemon::describe_boot(mc::daemon::inventory_devices(config, false), false);
         boot.status = passed ? "checked" : "refused";
         const int64_t id = store->insert_boot(boot);
         store->insert_preconditions(to_receipts(checks, id));
@@ -146,7 +146,7 @@ int main(int argc, char** argv) {
                                             "store_path " + config.store_path.string());
 
     const auto devices = mc::daemon::inventory_devices(config, true);
-    auto boot = mc::daemon::describe_boot(devices);
+    auto boot = mc::daemon::describe_boot(devices, true);
     const int64_t boot_id = store->insert_boot(boot);
     store->insert_preconditions(to_receipts(checks, boot_id));
     if (const int64_t crashed = store->mark_unfinished_boots_crashed(boot_id); crashed > 0) {

@@ -266,6 +266,12 @@ Status ReceiptServiceImpl::ListBoots(grpc::ServerContext* context,
                                      v1::ListBootsResponse* response) {
   MEGACPP_REQUIRE_AUTH();
   return guarded([&] {
+    // 0 is "not given" (proto3): the defaults. A negative value is refused, never defaulted.
+    if (request->limit() < 0)
+      fail(ErrorKind::kInvalidArgument, "limit={} must be >= 0", request->limit());
+    if (request->before_id() < 0) {
+      fail(ErrorKind::kInvalidArgument, "before_id={} must be >= 0", request->before_id());
+    }
     const int limit = request->limit() > 0 ? request->limit() : 20;
     std::optional<int64_t> before;
     if (request->before_id() > 0) before = request->before_id();
@@ -315,6 +321,9 @@ void ReceiptQueries::gate_decisions(const v1::JobReceiptsRequest& request,
 void ReceiptQueries::step_receipts(const v1::ListStepReceiptsRequest& request,
                                    v1::ListStepReceiptsResponse* response) const {
   if (request.limit() < 0) fail(ErrorKind::kInvalidArgument, "limit must be >= 0");
+  if (request.after_step() < 0) {
+    fail(ErrorKind::kInvalidArgument, "after_step={} must be >= 0", request.after_step());
+  }
   std::optional<int64_t> after;
   if (request.after_step() > 0) after = request.after_step();
   const int limit = request.limit() == 0 ? 1000 : std::min(request.limit(), kMaxStepsPerPage);
@@ -367,6 +376,9 @@ void ReceiptQueries::run_summary(const v1::JobReceiptsRequest& request,
 void ReceiptQueries::compare_runs(const v1::CompareRunsRequest& request,
                                   v1::CompareRunsResponse* response) const {
   receipts::CompareOptions options;
+  if (request.skip_steps() < 0) {
+    fail(ErrorKind::kInvalidArgument, "skip_steps={} must be >= 0", request.skip_steps());
+  }
   if (request.skip_steps() > 0) options.warmup_steps = request.skip_steps();
   const auto result =
       receipts::compare_runs(reader(store_path_), request.job_a(), request.job_b(), options);

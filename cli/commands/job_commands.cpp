@@ -196,15 +196,21 @@ int jobs(const JobsArgs& args, const GlobalOptions& global) {
     request.add_states(*state);
   }
   request.set_page_size(1000);
-  v1::ListJobsResponse response;
-  grpc::ClientContext context;
-  args.client.prepare(context);
+  // Every page: the daemon lists the oldest first, so one page would leave out the newest jobs.
+  v1::ListJobsResponse all;
   auto stub = v1::JobService::NewStub(args.client.channel());
-  if (auto s = stub->ListJobs(&context, request, &response); !s.ok()) return report(s);
+  do {
+    v1::ListJobsResponse page;
+    grpc::ClientContext context;
+    args.client.prepare(context);
+    if (auto s = stub->ListJobs(&context, request, &page); !s.ok()) return report(s);
+    for (auto& j : *page.mutable_jobs()) *all.add_jobs() = std::move(j);
+    request.set_page_token(page.next_page_token());
+  } while (!request.page_token().empty());
   if (global.json) {
-    print_json(response);
+    print_json(all);
   } else {
-    for (const auto& j : response.jobs()) print_job(j);
+    for (const auto& j : all.jobs()) print_job(j);
   }
   return kExitOk;
 }

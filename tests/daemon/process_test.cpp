@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -137,6 +138,9 @@ TEST(DaemonProcess, CheckExitsZeroAndRecordsACheckedBoot) {
   const auto boots = store.list_boots(5);
   ASSERT_EQ(boots.size(), 1u);
   EXPECT_EQ(boots[0].status, "checked");
+  // A boot that does not serve asks nothing of CUDA (which would open the driver).
+  EXPECT_EQ(boots[0].cuda_runtime, "");
+  EXPECT_EQ(boots[0].cuda_driver, "");
   EXPECT_FALSE(store.preconditions(boots[0].id).empty());
   // A check while a daemon serves neither disturbs it nor marks its boot.
   ASSERT_EQ(d.start(), -1) << d.log();
@@ -233,6 +237,24 @@ TEST(DaemonProcess, KilledDaemonsBootIsMarkedCrashedAtTheNextStart) {
   EXPECT_EQ(listed.boots(0).status(), "serving");
   EXPECT_EQ(listed.boots(1).id(), killed);
   EXPECT_EQ(listed.boots(1).status(), "crashed");
+  // A negative count or cursor is refused naming the field, not replaced by the default.
+  for (const auto& [field, set] :
+       std::vector<std::pair<std::string, std::function<void(v1::ListBootsRequest&)>>>{
+           {"limit=-3",
+            [](v1::ListBootsRequest& r) {
+              r.set_limit(-3);
+            }},
+           {"before_id=-1", [](v1::ListBootsRequest& r) {
+              r.set_before_id(-1);
+            }}}) {
+    grpc::ClientContext bad_context;
+    v1::ListBootsRequest bad;
+    set(bad);
+    v1::ListBootsResponse none;
+    const grpc::Status refused = d.receipts()->ListBoots(&bad_context, bad, &none);
+    EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << field;
+    EXPECT_NE(refused.error_message().find(field), std::string::npos) << refused.error_message();
+  }
   EXPECT_EQ(d.stop(SIGTERM), 0);
   receipts::Store store(d.store_path(), receipts::OpenMode::kReadOnly);
   EXPECT_EQ(store.get_boot(current)->status, "stopped");

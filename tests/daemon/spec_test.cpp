@@ -354,6 +354,17 @@ TEST_F(SpecTest, ACudaJobRunsOnTheGpuOrIsRefusedWithTheReason) {
       << decision_of(one).reason;
   EXPECT_FALSE(one.train_job.contains("device"));
 #endif
+  // A daemon with no GPU refuses a cuda job by its gate, a decision the store records, not as a
+  // bad spec that leaves nothing behind.
+  v1::JobSpec anywhere = small_job();
+  anywhere.set_device_kind("cuda");
+  const daemon::ValidatedJob none = validate(anywhere, MemoryBudget{}, 0);
+  EXPECT_EQ(decision_of(none).decision, gates::Decision::kRefused);
+#ifdef MEGACPP_HAVE_CUDA
+  EXPECT_NE(decision_of(none).reason.find("has no GPU to run it on"), std::string::npos)
+      << decision_of(none).reason;
+#endif
+  EXPECT_FALSE(none.train_job.contains("device"));
 }
 
 // The daemon's free-space floor and the retention rule reach the trainer's job.

@@ -255,6 +255,8 @@ TEST(WebPage, ChromiumDrawsOnePointPerStepReceiptAndTheGatesAndComparison) {
   EXPECT_EQ(http_status(http, "/api/jobs/no-such-job/steps", kToken), 404);
   EXPECT_EQ(http_status(http, "/api/compare?a=" + job.id(), kToken), 400);
   EXPECT_EQ(http_status(http, job_path + "/steps?limit=-1", kToken), 400);
+  // A page of no jobs is refused, not served (it once read past an empty list).
+  EXPECT_EQ(http_status(http, "/api/jobs?limit=0", kToken), 400);
   for (const std::string& path :
        {std::string("/"), std::string("/api/jobs"), job_path + "/steps"}) {
     auto post =
