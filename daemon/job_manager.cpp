@@ -554,11 +554,8 @@ void JobManager::watch(const std::string& id, const std::function<bool(const v1:
           "watch {}: the history dropped events {}..{} before they were sent: steps "
           "through {} come from the store",
           id, cursor.seq, resume - 1, through);
-      try {
-        writer_.flush(id);
-      } catch (const std::exception& failure) {
-        spdlog::warn("watch {}: receipt store flush: {}", id, failure.what());
-      }
+      // The store up to date for the replay; lost receipts are the job's to report at its end.
+      writer_.wait_committed();
       // Evals only as far as the history dropped them: one it still holds (the eval of the
       // last dropped step) comes from it, and sent from the store as well it came twice.
       if (!replay_steps(open_store(), job, cursor, through, evals_through, send)) return;
@@ -969,12 +966,16 @@ void JobManager::spawn(Lock& lock, Entry& e) {
           fmt::format("cannot start a thread to watch rank {}'s executor: {}", r, error.what());
       if (e.abort_reason.empty()) e.abort_reason = reason;
       signal_ranks(e, SIGKILL);
+      // Reaped without mu_ (a killed rank can take a while to go); the pids stay in the entry,
+      // unreaped and so never reused, until the lock is back.
+      lock.unlock();
       for (size_t k = r; k < pids.size(); ++k) {
         while (::waitpid(pids[k], nullptr, 0) < 0 && errno == EINTR) {
         }
         ::close(pipes[k][0]);
-        if (k > 0) e.peer_pids[k - 1] = 0;
       }
+      lock.lock();
+      for (size_t k = std::max<size_t>(r, 1); k < pids.size(); ++k) e.peer_pids[k - 1] = 0;
       if (r == 0) {
         e.pid = 0;
         finish(lock, e, v1::JOB_STATE_FAILED, reason);

@@ -232,9 +232,11 @@ int main(int argc, char** argv) {
     builder.RegisterService(&receipt_service);
     builder.RegisterService(&status_service);
     std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+    // From here submissions may be writing too: the daemon flushes its own records ("": of no
+    // job) and leaves each job's failures to that job's flush.
     if (!server || port == 0) {
       writer.enqueue(mc::receipts::BootStatusUpdate{boot_id, "refused"});
-      writer.flush();
+      writer.flush("");
       mc::fail(mc::ErrorKind::kFailedPrecondition,
                "listen_address {}: cannot listen: the port is in use (only one process may "
                "serve it), or the address is not local",
@@ -242,7 +244,7 @@ int main(int argc, char** argv) {
     }
     if (http) http->start();
     writer.enqueue(mc::receipts::BootStatusUpdate{boot_id, "serving"});
-    writer.flush();
+    writer.flush("");
     // Announce the real ports (a config may ask for port 0): tests and scripts read this.
     const std::string host = config.listen_address.substr(0, config.listen_address.rfind(':'));
     const nlohmann::json ready = {{"grpc", host + ":" + std::to_string(port)},
@@ -260,7 +262,7 @@ int main(int argc, char** argv) {
     server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
     if (http) http->stop();
     writer.enqueue(mc::receipts::BootStatusUpdate{boot_id, "stopped"});
-    writer.flush();
+    writer.flush("");
     spdlog::info("stopped cleanly");
     return 0;
   } catch (const megacpp::Error& e) {

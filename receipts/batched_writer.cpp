@@ -112,13 +112,15 @@ void BatchedWriter::flush() {
   wait_for_enqueued(lock);
   if (failures_.empty()) return;
   // Every job's failures in one summary. An error that cost a batch of several jobs is listed
-  // under each of them: it is quoted and counted once here.
+  // under each of them: it is quoted once here, and the errors are not counted (a batch's would
+  // count once per job in it).
   Failures all;
   all.first = UINT64_MAX;
   std::vector<std::string> distinct;
+  bool unquoted = false;
   for (const auto& [job, failures] : failures_) {
     all.records += failures.records;
-    all.errors = std::max(all.errors, failures.errors);
+    unquoted |= failures.errors > failures.messages.size();
     if (failures.first < all.first) {
       all.first = failures.first;
       all.first_kind = failures.first_kind;
@@ -129,11 +131,20 @@ void BatchedWriter::flush() {
       }
     }
   }
-  all.errors = std::max(all.errors, distinct.size());
+  unquoted |= distinct.size() > kQuotedFailures;
   if (distinct.size() > kQuotedFailures) distinct.resize(kQuotedFailures);
   all.messages = std::move(distinct);
   failures_.clear();
-  throw_failures(all);
+  std::string message = fmt::format("receipt store {}: {} receipt(s) could not be written",
+                                    store_.path().string(), all.records);
+  for (const std::string& failure : all.messages) message += "; " + failure;
+  if (unquoted) message += "; and further failures (see the log)";
+  throw Error(all.first_kind, std::move(message));
+}
+
+void BatchedWriter::wait_committed() {
+  std::unique_lock lock(mutex_);
+  wait_for_enqueued(lock);
 }
 
 void BatchedWriter::flush(const std::string& job) {

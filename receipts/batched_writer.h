@@ -70,8 +70,12 @@ class BatchedWriter {
   // Error summarising the failures not yet reported, if there were any.
   void flush();
   // The same wait; throws an Error summarising the failures of `job`'s records (those whose
-  // job_id is `job`) not yet reported, if there were any. Other jobs' failures stay for them.
+  // job_id is `job`; "" for the records of no job, the daemon's own) not yet reported, if there
+  // were any. Other jobs' failures stay for them.
   void flush(const std::string& job);
+  // The same wait, reporting nothing: the failures stay for the flushes they belong to (a
+  // reader that only needs the store to be up to date).
+  void wait_committed();
 
   BatchedWriterStats stats() const;
 

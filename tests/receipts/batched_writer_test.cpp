@@ -192,6 +192,11 @@ TEST_F(BatchedWriterTest, AJobsFlushReportsItsOwnFailuresAndNoOtherJobs) {
   EXPECT_NO_THROW(writer.flush("ghost-job"));
   EXPECT_NO_THROW(writer.flush());
 
+  // wait_committed() reports nothing and takes nothing: the failure stays for its job.
+  writer.enqueue(step_receipt("ghost-job", 1));
+  EXPECT_NO_THROW(writer.wait_committed());
+  EXPECT_THROW(writer.flush("ghost-job"), Error);
+
   // A failure left unreported by its job's flush is still in the writer's summary.
   writer.enqueue(step_receipt("other-ghost", 0));
   EXPECT_NO_THROW(writer.flush("j"));
