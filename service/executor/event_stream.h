@@ -7,8 +7,10 @@
 
 namespace megacpp::executor {
 
-// Writes one event. Returns false when the reader is gone (EPIPE): the daemon
-// died, and the executor should checkpoint and stop.
+// Writes one event, its text made valid UTF-8 first (a byte that starts no valid sequence
+// becomes U+FFFD: the reader's parser refuses a string that is not, and its stream ends there).
+// Returns false when the reader is gone (EPIPE): the daemon died, and the executor should
+// checkpoint and stop.
 bool write_event(int fd, const megacpp::v1::ExecutorEvent& event);
 
 // Reads events from a pipe until end of file. Blocking; one reader per fd.

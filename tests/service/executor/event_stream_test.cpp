@@ -69,6 +69,32 @@ TEST(EventStream, RoundTripsEventsInOrder) {
   EXPECT_FALSE(reader.next().has_value());
 }
 
+// A failure's message quoting a corrupt file's bytes (nlohmann's "last read: '...'") is not valid
+// UTF-8, which the reader's parser refuses: the stream ended there and the job's error was lost.
+// The writer replaces each byte that starts no valid sequence with U+FFFD and keeps the rest.
+TEST(EventStream, TextThatIsNotUtf8ArrivesWithReplacementCharacters) {
+  Pipe pipe;
+  ExecutorEvent failed;
+  failed.set_failed("state.json: parse error, last read: '\xff\xfe' \xC3\xA9t\xC3\xA9 \xE2\x82");
+  ASSERT_TRUE(write_event(pipe.write_fd(), failed));
+  ExecutorEvent checkpoint;
+  checkpoint.mutable_checkpoint()->set_dir("/runs/\xC0\xAF/step-1");  // an overlong '/'
+  ASSERT_TRUE(write_event(pipe.write_fd(), checkpoint));
+  ASSERT_TRUE(write_event(pipe.write_fd(), log_line("after")));
+  pipe.close_write();
+  EventReader reader(pipe.read_fd());
+  auto first = reader.next();
+  ASSERT_TRUE(first.has_value());
+  EXPECT_EQ(first->failed(),
+            "state.json: parse error, last read: '\uFFFD\uFFFD' \u00e9t\u00e9 \uFFFD\uFFFD");
+  auto second = reader.next();
+  ASSERT_TRUE(second.has_value());
+  EXPECT_EQ(second->checkpoint().dir(), "/runs/\uFFFD\uFFFD/step-1");
+  auto third = reader.next();
+  ASSERT_TRUE(third.has_value());
+  EXPECT_EQ(third->log_line(), "after");
+}
+
 // Found by bench/fuzz/event_stream_fuzz: a frame cut short by end of file (an executor killed
 // mid-write) was returned as a whole event holding only the fields before the cut.
 TEST(EventStream, RefusesAFrameCutShortByEndOfFile) {
