@@ -131,6 +131,13 @@ void write_file_atomically(const fs::path& path,
   sync_directory_of(path);
 }
 
+void rename_durably(const fs::path& from, const fs::path& to) {
+  if (::rename(from.c_str(), to.c_str()) != 0) {
+    fail_write(to, fmt::format("rename {} to it", from.string()), errno);
+  }
+  sync_directory_of(to);
+}
+
 void write_file_atomically(const fs::path& path, std::string_view bytes) {
   write_file_atomically(path, [bytes](const ByteSink& sink) { sink(bytes); });
 }

@@ -25,6 +25,11 @@ void write_file_atomically(const std::filesystem::path& path, std::string_view b
 void write_file_atomically(const std::filesystem::path& path,
                            const std::function<void(const ByteSink& sink)>& produce);
 
+// Renames `from` to `to` (a file, or a directory whole; `to` must not be a non-empty directory)
+// and fsyncs the directory, so the rename survives a power loss. Both in one directory. Throws
+// Error(kIo) naming both paths and the operating system's reason.
+void rename_durably(const std::filesystem::path& from, const std::filesystem::path& to);
+
 // The whole content of `path`. Throws Error(kNotFound) when it does not exist and Error(kIo)
 // when it cannot be read, naming the path.
 std::string read_file(const std::filesystem::path& path);

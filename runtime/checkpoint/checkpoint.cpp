@@ -141,12 +141,48 @@ void mark_latest_checkpoint(const fs::path& run_dir, int64_t step) {
                         step_checkpoint_dir(run_dir, step).filename().string() + "\n");
 }
 
+namespace {
+
+constexpr const char* kStagingPrefix = ".staging-";
+constexpr const char* kReplacedPrefix = ".replaced-";
+
+}  // namespace
+
+fs::path staging_checkpoint_dir(const fs::path& run_dir, int64_t step) {
+  return run_dir / (kStagingPrefix + step_checkpoint_dir(run_dir, step).filename().string());
+}
+
+void install_checkpoint(const fs::path& run_dir, const fs::path& staging, int64_t step) {
+  const fs::path dir = step_checkpoint_dir(run_dir, step);
+  const fs::path aside = run_dir / (kReplacedPrefix + dir.filename().string());
+  std::error_code ec;
+  fs::remove_all(aside, ec);  // a replacement that finished but for this deletion
+  const bool replacing = fs::exists(dir, ec);
+  if (replacing) rename_durably(dir, aside);
+  rename_durably(staging, dir);
+  mark_latest_checkpoint(run_dir, step);
+  if (replacing) {
+    fs::remove_all(aside, ec);
+    if (ec) {
+      fail(ErrorKind::kIo, "{}: cannot delete the replaced checkpoint {}: {}", run_dir.string(),
+           aside.string(), ec.message());
+    }
+  }
+}
+
 std::optional<fs::path> latest_checkpoint(const fs::path& run_dir) {
   const fs::path pointer = run_dir / "latest";
   if (!fs::exists(pointer)) return std::nullopt;
   std::string name = read_file(pointer);
   while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
   const fs::path dir = run_dir / name;
+  const fs::path aside = run_dir / (kReplacedPrefix + name);
+  std::error_code ec;
+  if (!name.empty() && name.find('/') == std::string::npos && !fs::exists(dir, ec) &&
+      fs::is_directory(aside, ec)) {
+    // install_checkpoint stopped between its renames: `latest` still names the replaced one.
+    rename_durably(aside, dir);
+  }
   if (name.empty() || name.find('/') != std::string::npos || !fs::is_directory(dir)) {
     fail(ErrorKind::kCorruptData, "{}: names \"{}\", which is not a checkpoint directory of {}",
          pointer.string(), name, run_dir.string());
@@ -216,8 +252,12 @@ std::vector<fs::path> prune_checkpoints(const fs::path& run_dir, int keep_last,
   std::vector<std::pair<int64_t, fs::path>> steps;
   for (const auto& entry : fs::directory_iterator(run_dir, ec)) {
     const std::string name = entry.path().filename().string();
-    if (name.rfind(kPruningPrefix, 0) == 0) {
-      // Left by a run that died while deleting: finish the job.
+    const bool superseded =
+        name.rfind(kReplacedPrefix, 0) == 0 &&
+        fs::is_directory(run_dir / name.substr(std::string(kReplacedPrefix).size()), ec);
+    if (name.rfind(kPruningPrefix, 0) == 0 || name.rfind(kStagingPrefix, 0) == 0 || superseded) {
+      // Left by a run that died while deleting, while writing a checkpoint it never installed,
+      // or after installing one over an older before deleting that: finish the job.
       fs::remove_all(entry.path(), ec);
       continue;
     }

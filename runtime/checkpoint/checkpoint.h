@@ -37,6 +37,16 @@ void load_optimizer_state(const std::filesystem::path& file, const ParameterSet<
 // optimizer.safetensors, trainer_state.json} and RUN/latest naming the newest.
 std::filesystem::path step_checkpoint_dir(const std::filesystem::path& run_dir, int64_t step);
 void mark_latest_checkpoint(const std::filesystem::path& run_dir, int64_t step);
+// Where a training checkpoint of `step` is written before install_checkpoint makes it the run's:
+// RUN/.staging-step-NNNNNNNN (outside the step-* namespace, so never taken for a checkpoint).
+std::filesystem::path staging_checkpoint_dir(const std::filesystem::path& run_dir, int64_t step);
+// Makes the complete checkpoint written in `staging` the run's step `step` and its latest. The
+// directory is renamed into place whole, so `latest` never names a mix of two writes' files: a
+// step directory already there (a run started over in the same directory) is renamed aside to
+// RUN/.replaced-step-NNNNNNNN first and deleted once the new one is latest. A crash between those
+// two renames leaves it aside with `latest` naming it: latest_checkpoint puts it back.
+void install_checkpoint(const std::filesystem::path& run_dir, const std::filesystem::path& staging,
+                        int64_t step);
 // The newest complete checkpoint of a run directory, if any.
 std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& run_dir);
 

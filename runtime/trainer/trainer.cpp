@@ -1004,10 +1004,15 @@ RunSummary train(const TrainJob& job, TrainingObserver& observer, const TrainOpt
         job.checkpoint_dir, training_checkpoint_bytes(model.parameters()), job.min_free_bytes);
     backend->sync_host();  // collective over the ranks: each calls it
     if (!backend->writes_files()) return;
+    // Written aside and installed whole: a run started over in a directory that holds this step
+    // already must not leave `latest` naming its weights beside the old run's optimizer state.
     const fs::path dir = step_checkpoint_dir(job.checkpoint_dir, at_step);
-    save_model_checkpoint(dir, model);
-    save_optimizer_state(dir / "optimizer.safetensors", model.parameters(), optimizer);
-    save_json_atomically(dir / "trainer_state.json",
+    const fs::path staging = staging_checkpoint_dir(job.checkpoint_dir, at_step);
+    std::error_code stale;
+    fs::remove_all(staging, stale);  // a save that died before its install
+    save_model_checkpoint(staging, model);
+    save_optimizer_state(staging / "optimizer.safetensors", model.parameters(), optimizer);
+    save_json_atomically(staging / "trainer_state.json",
                          {{"step", at_step},
                           {data_state_key(job), data_cursors(job, loader)},
                           {"seed", job.seed},
@@ -1016,7 +1021,7 @@ RunSummary train(const TrainJob& job, TrainingObserver& observer, const TrainOpt
                            {{"lr", job.optimizer.lr},
                             {"min_lr", job.optimizer.min_lr},
                             {"warmup_steps", job.optimizer.warmup_steps}}}});
-    mark_latest_checkpoint(job.checkpoint_dir, at_step);
+    install_checkpoint(job.checkpoint_dir, staging, at_step);
     observer.on_checkpoint(at_step, dir);
     // After the new checkpoint is `latest`, so a failure or crash here never leaves fewer
     // complete checkpoints than keep_last.

@@ -184,6 +184,35 @@ std::vector<std::string> names_in(const std::filesystem::path& dir) {
   return names;
 }
 
+// A step written again (a run started over in the same directory) replaces the old directory
+// whole: `latest` never names one run's weights beside another's optimizer state, and a crash
+// between the two renames leaves the old one aside, which latest_checkpoint puts back.
+TEST(Checkpoint, InstallReplacesAStepDirectoryWholeAndACrashMidwayIsUndone) {
+  testing::TempDir dir;
+  const auto run = dir.path();
+  const auto step = step_checkpoint_dir(run, 5);
+  testing::write_text(step / "old-run.json", "{}");
+  mark_latest_checkpoint(run, 5);
+  const auto staging = staging_checkpoint_dir(run, 5);
+  EXPECT_EQ(staging.filename(), ".staging-step-00000005");
+  testing::write_text(staging / "new-run.json", "{}");
+  install_checkpoint(run, staging, 5);
+  EXPECT_EQ(names_in(step), std::vector<std::string>{"new-run.json"});
+  EXPECT_EQ(names_in(run), (std::vector<std::string>{"latest", "step-00000005"}));
+  EXPECT_EQ(latest_checkpoint(run), step);
+
+  // The crash: the old directory renamed aside, the new one not yet in place.
+  std::filesystem::rename(step, run / ".replaced-step-00000005");
+  testing::write_text(staging / "new-run.json", "{}");
+  EXPECT_EQ(latest_checkpoint(run), step);
+  EXPECT_EQ(names_in(step), std::vector<std::string>{"new-run.json"});
+  // A staging directory never installed is the next pruning's to delete, as is a replaced one
+  // whose step directory is back.
+  testing::write_text(run / ".replaced-step-00000005" / "x", "");
+  prune_checkpoints(run, 1, 5);
+  EXPECT_EQ(names_in(run), (std::vector<std::string>{"latest", "step-00000005"}));
+}
+
 // Retention keeps the newest keep_last step checkpoints, the final one and the one
 // `latest` names, and nothing else that looks like a checkpoint; other files stay.
 TEST(Checkpoint, PruningKeepsTheNewestTheFinalAndTheLatest) {
