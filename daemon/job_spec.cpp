@@ -220,6 +220,17 @@ void check_device_memory(const megacpp::v1::JobSpec& spec, const ModelConfig& mo
 
 }  // namespace
 
+namespace {
+
+// The cuda_backend gate refusing a cuda job: recorded with the job's other decisions.
+[[maybe_unused]] void refuse_cuda_backend(ValidatedJob& out, std::string reason,
+                                          gates::GateImplementation implementation) {
+  out.gate_decisions.push_back(
+      {"cuda_backend", gates::Decision::kRefused, std::move(reason), implementation, {}});
+}
+
+}  // namespace
+
 ValidatedJob validate_job_spec(const megacpp::v1::JobSpec& spec, const DaemonConfig& config,
                                int cpu_slots, int gpus, const std::filesystem::path& checkpoint_dir,
                                const MemoryBudget& memory) {
@@ -370,13 +381,10 @@ ValidatedJob validate_job_spec(const megacpp::v1::JobSpec& spec, const DaemonCon
     // Checked after the gates so their decisions are recorded with the refusal.
 #ifdef MEGACPP_HAVE_CUDA
     if (no_gpu) {
-      out.gate_decisions.push_back(
-          {"cuda_backend",
-           gates::Decision::kRefused,
-           "device_kind=cuda: this megacppd has no GPU to run it on (it found none when it "
-           "started: see its boot receipt's devices)",
-           gates::GateImplementation::kImplemented,
-           {}});
+      refuse_cuda_backend(out,
+                          "device_kind=cuda: this megacppd has no GPU to run it on (it found none "
+                          "when it started: see its boot receipt's devices)",
+                          gates::GateImplementation::kImplemented);
       return out;
     }
     out.train_job["device"] = "cuda";
@@ -430,13 +438,10 @@ ValidatedJob validate_job_spec(const megacpp::v1::JobSpec& spec, const DaemonCon
                         out.train_job.value("recompute_in_proj", false),
                         out.train_job.value("deterministic", true), memory.gpu_bytes);
 #else
-    out.gate_decisions.push_back(
-        {"cuda_backend",
-         gates::Decision::kRefused,
-         "device_kind=cuda: this megacppd was built without the CUDA toolkit, so it has no CUDA "
-         "backend; rebuild it where nvcc exists (/usr/local/cuda)",
-         gates::GateImplementation::kScaffold,
-         {}});
+    refuse_cuda_backend(out,
+                        "device_kind=cuda: this megacppd was built without the CUDA toolkit, so "
+                        "it has no CUDA backend; rebuild it where nvcc exists (/usr/local/cuda)",
+                        gates::GateImplementation::kScaffold);
 #endif
   }
   return out;

@@ -114,17 +114,14 @@ void BatchedWriter::flush() {
   // Every job's failures in one summary. An error that cost a batch of several jobs is listed
   // under each of them: it is quoted once here, and the errors are not counted (a batch's would
   // count once per job in it).
-  Failures all;
-  all.first = UINT64_MAX;
+  int64_t records = 0;
+  const Failures* earliest = nullptr;
   std::vector<std::string> distinct;
   bool unquoted = false;
   for (const auto& [job, failures] : failures_) {
-    all.records += failures.records;
+    records += failures.records;
     unquoted |= failures.errors > failures.messages.size();
-    if (failures.first < all.first) {
-      all.first = failures.first;
-      all.first_kind = failures.first_kind;
-    }
+    if (earliest == nullptr || failures.first < earliest->first) earliest = &failures;
     for (const std::string& message : failures.messages) {
       if (std::find(distinct.begin(), distinct.end(), message) == distinct.end()) {
         distinct.push_back(message);
@@ -133,13 +130,13 @@ void BatchedWriter::flush() {
   }
   unquoted |= distinct.size() > kQuotedFailures;
   if (distinct.size() > kQuotedFailures) distinct.resize(kQuotedFailures);
-  all.messages = std::move(distinct);
-  failures_.clear();
   std::string message = fmt::format("receipt store {}: {} receipt(s) could not be written",
-                                    store_.path().string(), all.records);
-  for (const std::string& failure : all.messages) message += "; " + failure;
+                                    store_.path().string(), records);
+  for (const std::string& failure : distinct) message += "; " + failure;
   if (unquoted) message += "; and further failures (see the log)";
-  throw Error(all.first_kind, std::move(message));
+  const ErrorKind kind = earliest->first_kind;
+  failures_.clear();
+  throw Error(kind, std::move(message));
 }
 
 void BatchedWriter::wait_committed() {
