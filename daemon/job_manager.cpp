@@ -402,6 +402,11 @@ std::vector<v1::Job> JobManager::list(const std::vector<v1::JobState>& states, i
                                       const std::string& after_id, std::string* next_token) const {
   if (limit < 1) fail(ErrorKind::kInvalidArgument, "limit={} must be at least 1", limit);
   std::lock_guard lock(mu_);
+  // A token is a job id this daemon handed out; one that names no job (mistyped, or from another
+  // daemon) would quietly start the page wherever that name sorts.
+  if (!after_id.empty() && !jobs_.contains(after_id)) {
+    fail(ErrorKind::kInvalidArgument, "page_token '{}' names no job of this daemon", after_id);
+  }
   std::vector<v1::Job> out;
   next_token->clear();
   for (auto it = after_id.empty() ? jobs_.begin() : jobs_.upper_bound(after_id); it != jobs_.end();

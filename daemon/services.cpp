@@ -180,13 +180,14 @@ Status JobServiceImpl::ListJobs(grpc::ServerContext* context, const v1::ListJobs
   if (request->page_size() < 0) return {StatusCode::INVALID_ARGUMENT, "page_size must be >= 0"};
   std::vector<v1::JobState> states;
   for (int s : request->states()) states.push_back(static_cast<v1::JobState>(s));
-  std::string next;
-  for (auto& job : jobs_.list(states, request->page_size() == 0 ? 50 : request->page_size(),
-                              request->page_token(), &next)) {
-    *response->add_jobs() = std::move(job);
-  }
-  response->set_next_page_token(next);
-  return Status::OK;
+  return guarded([&] {
+    std::string next;
+    for (auto& job : jobs_.list(states, request->page_size() == 0 ? 50 : request->page_size(),
+                                request->page_token(), &next)) {
+      *response->add_jobs() = std::move(job);
+    }
+    response->set_next_page_token(next);
+  });
 }
 
 Status JobServiceImpl::CancelJob(grpc::ServerContext* context, const v1::CancelJobRequest* request,

@@ -166,46 +166,6 @@ CheckResult check_writable_dir(const std::string& name, const fs::path& dir,
                                 created ? " (created)" : "", format_bytes(available)));
 }
 
-// A directory jobs read training data from: must already exist (the daemon never invents a
-// data root) and be listable.
-CheckResult check_readable_dir(const std::string& name, const fs::path& dir) {
-  const std::string user = current_user();
-  const std::string or_remove = "or remove it from data_roots in the daemon config";
-  std::error_code ec;
-  const fs::file_status status = fs::status(dir, ec);
-  if (status.type() == fs::file_type::not_found) {
-    return failure(name, fmt::format("data root {} does not exist", dir.string()),
-                   fmt::format("create {} and prepare data into it (megacpp data prepare), {}",
-                               dir.string(), or_remove));
-  }
-  if (ec) {
-    return failure(
-        name, fmt::format("cannot inspect {}: {}", dir.string(), ec.message()),
-        fmt::format("make {} and its parents readable by {}, {}", dir.string(), user, or_remove));
-  }
-  if (!fs::is_directory(status)) {
-    return failure(name, fmt::format("data root {} is not a directory", dir.string()),
-                   fmt::format("point data_roots at directories, {}", or_remove));
-  }
-  DIR* listing = ::opendir(dir.c_str());
-  if (listing == nullptr) {
-    return failure(
-        name, fmt::format("cannot list {}: {}", dir.string(), errno_text(errno)),
-        fmt::format("make {} readable by {} (chmod a+rx), {}", dir.string(), user, or_remove));
-  }
-  errno = 0;
-  while (::readdir(listing) != nullptr) {
-  }
-  const int read_error = errno;
-  ::closedir(listing);
-  if (read_error != 0) {
-    return failure(
-        name, fmt::format("cannot list {}: {}", dir.string(), errno_text(read_error)),
-        fmt::format("make {} readable by {} (chmod a+rx), {}", dir.string(), user, or_remove));
-  }
-  return pass(name, fmt::format("{}: readable directory", dir.string()));
-}
-
 bool any_failed(const std::vector<CheckResult>& results) {
   return !all_passed(results);
 }
@@ -392,6 +352,52 @@ CheckResult check_plan_cache(const std::string& name, const fs::path& dir,
   }
   return pass(name, fmt::format("{}: {} plan file(s) intact; {}", dir.string(), ok,
                                 fmt::join(parts, "; ")));
+}
+
+CheckResult check_readable_dir(const std::string& name, const fs::path& dir) {
+  const std::string user = current_user();
+  const std::string or_remove = "or remove it from data_roots in the daemon config";
+  std::error_code ec;
+  const fs::file_status status = fs::status(dir, ec);
+  if (status.type() == fs::file_type::not_found) {
+    return failure(name, fmt::format("data root {} does not exist", dir.string()),
+                   fmt::format("create {} and prepare data into it (megacpp data prepare), {}",
+                               dir.string(), or_remove));
+  }
+  if (ec) {
+    return failure(
+        name, fmt::format("cannot inspect {}: {}", dir.string(), ec.message()),
+        fmt::format("make {} and its parents readable by {}, {}", dir.string(), user, or_remove));
+  }
+  if (!fs::is_directory(status)) {
+    return failure(name, fmt::format("data root {} is not a directory", dir.string()),
+                   fmt::format("point data_roots at directories, {}", or_remove));
+  }
+  DIR* listing = ::opendir(dir.c_str());
+  if (listing == nullptr) {
+    return failure(
+        name, fmt::format("cannot list {}: {}", dir.string(), errno_text(errno)),
+        fmt::format("make {} readable by {} (chmod a+rx), {}", dir.string(), user, or_remove));
+  }
+  errno = 0;
+  while (::readdir(listing) != nullptr) {
+  }
+  const int read_error = errno;
+  ::closedir(listing);
+  if (read_error != 0) {
+    return failure(
+        name, fmt::format("cannot list {}: {}", dir.string(), errno_text(read_error)),
+        fmt::format("make {} readable by {} (chmod a+rx), {}", dir.string(), user, or_remove));
+  }
+  // Listing needs read permission; opening the data files in it needs search (x) permission,
+  // which a directory can lack while it still lists.
+  if (::access(dir.c_str(), X_OK) != 0) {
+    return failure(
+        name,
+        fmt::format("cannot search {} (open the files in it): {}", dir.string(), errno_text(errno)),
+        fmt::format("make {} searchable by {} (chmod a+rx), {}", dir.string(), user, or_remove));
+  }
+  return pass(name, fmt::format("{}: readable directory", dir.string()));
 }
 
 CheckResult check_nvls(const HostEnvironment& host, bool allow_nvls) {

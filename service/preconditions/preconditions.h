@@ -68,6 +68,10 @@ std::vector<CheckResult> run_preconditions(const PreconditionConfig& config,
 CheckResult check_plan_cache(const std::string& name, const std::filesystem::path& dir,
                              std::string_view config_field);
 
+// A directory jobs read training data from: it must already exist (the daemon never invents a
+// data root), list, and be searchable (its files opened) by the daemon's user.
+CheckResult check_readable_dir(const std::string& name, const std::filesystem::path& dir);
+
 // The NVLS check alone: on a host with more than one GPU, NCCL_NVLS_ENABLE must be "0" unless
 // allow_nvls.
 CheckResult check_nvls(const HostEnvironment& host, bool allow_nvls);

@@ -148,6 +148,25 @@ TEST(Daemon, RequestedScaffoldGateIsRefusedAndRecorded) {
   ASSERT_TRUE(d.jobs()->ListJobs(&context, v1::ListJobsRequest(), &listed).ok());
   ASSERT_EQ(listed.jobs_size(), 1);
   EXPECT_EQ(listed.jobs(0).state(), v1::JOB_STATE_REFUSED);
+  // A page token is a job id the daemon handed out: the last job's gives an empty page, one that
+  // names no job is refused naming the field (it once started the page where the name sorts).
+  for (const std::string& token : {listed.jobs(0).id(), std::string("job-that-never-was")}) {
+    grpc::ClientContext page_context;
+    v1::ListJobsRequest page_request;
+    page_request.set_page_token(token);
+    v1::ListJobsResponse page;
+    const grpc::Status listed_page = d.jobs()->ListJobs(&page_context, page_request, &page);
+    if (token == listed.jobs(0).id()) {
+      ASSERT_TRUE(listed_page.ok()) << listed_page.error_message();
+      EXPECT_EQ(page.jobs_size(), 0);
+      EXPECT_TRUE(page.next_page_token().empty());
+    } else {
+      EXPECT_EQ(listed_page.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+      EXPECT_NE(listed_page.error_message().find("page_token 'job-that-never-was'"),
+                std::string::npos)
+          << listed_page.error_message();
+    }
+  }
   // The refusal and its reason are in the store (read through the service).
   grpc::ClientContext ctx2;
   v1::JobReceiptsRequest request;

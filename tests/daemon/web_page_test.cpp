@@ -257,6 +257,8 @@ TEST(WebPage, ChromiumDrawsOnePointPerStepReceiptAndTheGatesAndComparison) {
   EXPECT_EQ(http_status(http, job_path + "/steps?limit=-1", kToken), 400);
   // A page of no jobs is refused, not served (it once read past an empty list).
   EXPECT_EQ(http_status(http, "/api/jobs?limit=0", kToken), 400);
+  EXPECT_EQ(http_status(http, "/api/jobs?page_token=" + job.id(), kToken), 200);
+  EXPECT_EQ(http_status(http, "/api/jobs?page_token=job-that-never-was", kToken), 400);
   for (const std::string& path :
        {std::string("/"), std::string("/api/jobs"), job_path + "/steps"}) {
     auto post =

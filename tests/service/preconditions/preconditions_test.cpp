@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 #include <sqlite3.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdint>
 #include <filesystem>
@@ -258,6 +260,53 @@ TEST_F(PreconditionsTest, MissingOrFileDataRootFails) {
   EXPECT_FALSE(fs::exists(tmp_ / "nope")) << "data roots are never created";
   EXPECT_EQ(find(results, "data_roots[2]").status, Status::kFail);
   EXPECT_TRUE(contains(find(results, "data_roots[2]").detail, "not a directory"));
+}
+
+// A data root that lists but cannot be searched (mode 0644: r without x) fails: a job could see
+// its file names and open none of them. Root searches any directory, so as root the check runs in
+// a child that has become the unprivileged user "nobody" (65534).
+TEST_F(PreconditionsTest, DataRootThatListsButCannotBeSearchedFails) {
+  const fs::path searchable = tmp_ / "searchable", unsearchable = tmp_ / "unsearchable";
+  fs::create_directories(searchable);
+  fs::create_directories(unsearchable);
+  write_text(unsearchable / "train.bin", "x");
+  fs::permissions(tmp_.path(), fs::perms::owner_all | fs::perms::group_read |
+                                   fs::perms::group_exec | fs::perms::others_read |
+                                   fs::perms::others_exec);
+  fs::permissions(searchable, fs::perms::owner_all | fs::perms::group_read | fs::perms::group_exec |
+                                  fs::perms::others_read | fs::perms::others_exec);
+  fs::permissions(unsearchable,
+                  fs::perms::owner_read | fs::perms::group_read | fs::perms::others_read);
+  // 0 both as expected, 1 the searchable root failed, 2 the unsearchable one passed or its
+  // failure did not say why.
+  const auto check_both = [&] {
+    const CheckResult ok = check_readable_dir("data_roots[0]", searchable);
+    const CheckResult bad = check_readable_dir("data_roots[1]", unsearchable);
+    if (ok.status != Status::kPass) return 1;
+    if (bad.status != Status::kFail || !contains(bad.detail, "cannot search") ||
+        !contains(bad.fix, "chmod a+rx") || !contains(bad.fix, "data_roots")) {
+      return 2;
+    }
+    return 0;
+  };
+  int outcome = 0;
+  if (::geteuid() != 0) {
+    outcome = check_both();
+  } else {
+    const pid_t child = ::fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+      if (::setgid(65534) != 0 || ::setuid(65534) != 0) ::_exit(3);
+      ::_exit(check_both());
+    }
+    int status = 0;
+    ASSERT_EQ(::waitpid(child, &status, 0), child);
+    ASSERT_TRUE(WIFEXITED(status));
+    outcome = WEXITSTATUS(status);
+  }
+  fs::permissions(unsearchable, fs::perms::owner_all);  // so the temp dir can be removed
+  EXPECT_EQ(outcome, 0) << "1: the searchable root failed; 2: the unsearchable root passed or "
+                           "its failure named no search permission; 3: could not become nobody";
 }
 
 TEST_F(PreconditionsTest, UnconfiguredPathsFail) {
