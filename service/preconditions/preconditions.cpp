@@ -289,7 +289,8 @@ void append_cuda_checks(std::vector<CheckResult>& results) {
 
 }  // namespace
 
-int count_nvidia_gpus(const fs::path& proc_gpus_dir, const fs::path& dev_dir) {
+int count_nvidia_gpus(const fs::path& proc_gpus_dir, const fs::path& dev_dir,
+                      const fs::path& wsl_lib_dir) {
   std::error_code ec;
   if (fs::is_directory(proc_gpus_dir, ec)) {
     int count = 0;
@@ -308,7 +309,11 @@ int count_nvidia_gpus(const fs::path& proc_gpus_dir, const fs::path& dev_dir) {
       ++count;
     }
   }
-  return count;
+  if (count > 0 || !fs::exists(dev_dir / "dxg", ec)) return count;
+  for (const auto& entry : fs::directory_iterator(wsl_lib_dir, ec)) {
+    if (entry.path().filename().string().starts_with("libcuda.so")) return 1;
+  }
+  return 0;
 }
 
 HostEnvironment probe_host_environment() {
@@ -468,7 +473,9 @@ std::vector<CheckResult> run_preconditions(const PreconditionConfig& config,
 #ifdef MEGACPP_HAVE_CUDA
     if (host.gpu_count == 0) {
       append_skipped_cuda_checks(
-          results, "no NVIDIA GPU on this host (none under /proc/driver/nvidia/gpus or /dev)");
+          results,
+          "no NVIDIA GPU on this host (none under /proc/driver/nvidia/gpus or /dev, and no WSL2 "
+          "/dev/dxg with /usr/lib/wsl/lib/libcuda.so)");
     } else {
       append_cuda_checks(results);
     }

@@ -40,15 +40,19 @@ struct HostEnvironment {
   std::optional<std::string> nccl_nvls_enable;  // the NCCL_NVLS_ENABLE variable; nullopt = unset
 };
 
-// Reads the real host: count_nvidia_gpus() on /proc/driver/nvidia/gpus and /dev, and the
-// environment.
+// Reads the real host: count_nvidia_gpus() on /proc/driver/nvidia/gpus, /dev and
+// /usr/lib/wsl/lib, and the environment.
 HostEnvironment probe_host_environment();
 
 // Counts NVIDIA GPUs without touching the CUDA driver API: one entry per GPU under
 // `proc_gpus_dir` (the kernel driver's per-GPU directories) when that directory exists, else the
-// /dev/nvidiaN device files in `dev_dir`.
+// /dev/nvidiaN device files in `dev_dir`. Where there are neither, a WSL2 guest reaches its GPUs
+// through `dev_dir`/dxg with the host driver's libcuda in `wsl_lib_dir`: that counts as one GPU
+// (WSL2 does not say how many without the driver; one is enough for the CUDA checks to run, and
+// such a guest has no NVLink multicast for the NVLS check to guard).
 int count_nvidia_gpus(const std::filesystem::path& proc_gpus_dir,
-                      const std::filesystem::path& dev_dir);
+                      const std::filesystem::path& dev_dir,
+                      const std::filesystem::path& wsl_lib_dir = "/usr/lib/wsl/lib");
 
 // Runs every check, in order: (a) directories (state_dir, checkpoint_root, cache_dirs each
 // followed by plan_cache[i], the check and repair of its plans/ folder, then data_roots), (b) the

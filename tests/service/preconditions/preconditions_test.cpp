@@ -384,6 +384,28 @@ TEST(CountGpus, PrefersTheDriversProcEntriesElseDeviceFiles) {
   EXPECT_GE(host.gpu_count, 0);
 }
 
+// A WSL2 guest has no /proc/driver/nvidia or /dev/nvidiaN: its GPU is /dev/dxg with the host's
+// libcuda under /usr/lib/wsl/lib. Counted as one GPU there, so the CUDA checks run (they once
+// skipped, while the serving daemon found the GPU); /dev/dxg without an NVIDIA libcuda (another
+// vendor's GPU) is none.
+TEST(CountGpus, AWsl2GuestsGpuIsCountedThroughDxgAndTheHostsLibcuda) {
+  TempDir tmp;
+  const fs::path dev = tmp / "dev", wsl = tmp / "wsl_lib";
+  write_text(dev / "dxg", "");
+  fs::create_directories(wsl);
+  EXPECT_EQ(count_nvidia_gpus(tmp / "none", dev, wsl), 0);
+  write_text(wsl / "libd3d12.so", "");
+  EXPECT_EQ(count_nvidia_gpus(tmp / "none", dev, wsl), 0);
+  write_text(wsl / "libcuda.so.1", "");
+  EXPECT_EQ(count_nvidia_gpus(tmp / "none", dev, wsl), 1);
+  fs::remove(dev / "dxg");
+  EXPECT_EQ(count_nvidia_gpus(tmp / "none", dev, wsl), 0);  // libcuda alone is no GPU
+  write_text(dev / "dxg", "");
+  write_text(dev / "nvidia0", "");
+  write_text(dev / "nvidia1", "");
+  EXPECT_EQ(count_nvidia_gpus(tmp / "none", dev, wsl), 2);  // device files when there are some
+}
+
 TEST(Report, IsATableWithEveryRowAndAllPassedIgnoresSkips) {
   const std::vector<CheckResult> results = {
       {"alpha", Status::kPass, "fine", ""},
