@@ -396,10 +396,13 @@ CheckResult check_readable_dir(const std::string& name, const fs::path& dir) {
   }
   // Listing needs read permission; opening the data files in it needs search (x) permission,
   // which a directory can lack while it still lists.
-  if (::access(dir.c_str(), X_OK) != 0) {
+  // The effective ids, as the opens that follow will use (access() would check the real ones).
+  if (::faccessat(AT_FDCWD, dir.c_str(), X_OK, AT_EACCESS) != 0) {
+    const int search_error = errno;
     return failure(
         name,
-        fmt::format("cannot search {} (open the files in it): {}", dir.string(), errno_text(errno)),
+        fmt::format("cannot search {} (open the files in it): {}", dir.string(),
+                    errno_text(search_error)),
         fmt::format("make {} searchable by {} (chmod a+rx), {}", dir.string(), user, or_remove));
   }
   return pass(name, fmt::format("{}: readable directory", dir.string()));
