@@ -35,11 +35,14 @@
 // Usage: sweep_backward_probe [--repeats N] [--batch B] [--seqlen T] [--heads H]
 //        sweep_backward_probe --reference-only   (the reference's finite-difference check; no GPU)
 // Prints, for each variant (state operands plain bf16 as the official kernel's, or split hi + lo
-// as ours; every score block computed, or the causal mask's zero blocks skipped), its error
-// against a double-precision reference on a small case (whose entry states come from the forward
-// recurrence; the reference is checked against finite differences of that forward) and its time
-// at the given shape (default M3-ref SISO: batch 8, seqlen 8192, H 16, N = P = 64, chunk 64,
-// A = 16 rotating pairs), CUDA events, min/median/max of the repeats after two warm-ups.
+// as ours; every score block computed, or the causal mask's zero blocks skipped), its errors
+// against a double-precision reference (entry states from the forward recurrence) on two cases:
+// a small one, on which the reference is checked against finite differences of that forward, and
+// one at the correctness grid's sequence length (2048) without an initial state, as in the
+// product, where dθ's suffix sums over the sequence (the angle gradient's small remainder of large
+// terms) are compared too. Then its time at the given shape (default M3-ref SISO: batch 8, seqlen
+// 8192, H 16, N = P = 64, chunk 64, A = 16 rotating pairs), CUDA events, min/median/max of the
+// repeats after two warm-ups.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -674,7 +677,9 @@ struct HostCase {
   }
 };
 
-HostCase make_case(int batch, int seqlen, int heads, uint64_t seed) {
+// initial_scale 0: no initial state, as in the product's scan (then θ enters only through
+// differences θ_t − θ_s, and the per-token dθ of a (batch, head) sum to about zero).
+HostCase make_case(int batch, int seqlen, int heads, uint64_t seed, float initial_scale) {
   HostCase hc;
   hc.batch = batch, hc.seqlen = seqlen, hc.heads = heads, hc.chunks = seqlen / kC;
   std::mt19937_64 rng(seed);
@@ -706,7 +711,7 @@ HostCase make_case(int batch, int seqlen, int heads, uint64_t seed) {
   hc.skip.resize(heads);
   for (auto& e : hc.skip) e = unit(rng);
   hc.initial_state.resize(static_cast<size_t>(batch) * heads * kP * kN);
-  for (auto& e : hc.initial_state) e = unit(rng) * 0.2f;
+  for (auto& e : hc.initial_state) e = unit(rng) * initial_scale;
   return hc;
 }
 
@@ -1087,37 +1092,79 @@ double max_error(const float* device, const std::vector<double>& ref) {
   return scale > 0 ? diff / scale : diff;
 }
 
-// Checks the variant on the small case (false: an error above kTolerance, named) and times it.
+// dθ's suffix sums over each (batch, head)'s tokens, t … T − 1: the angle gradient's part that
+// is a small remainder of large terms (before the product's sum over heads and its dt and tanh
+// factors, which do not change the relative error).
+std::vector<double> theta_suffix_sums(const std::vector<double>& d_theta, const HostCase& hc) {
+  std::vector<double> sums(d_theta.size());
+  for (size_t pair = 0; pair < static_cast<size_t>(hc.batch) * hc.heads; ++pair) {
+    for (int n = 0; n < kA; ++n) {
+      double suffix = 0.0;
+      for (int t = hc.seqlen - 1; t >= 0; --t) {
+        const size_t at = (pair * hc.seqlen + t) * kA + n;
+        suffix += d_theta[at];
+        sums[at] = suffix;
+      }
+    }
+  }
+  return sums;
+}
+
+// The variant's errors on one checked case, printed under `label`; false where one exceeds
+// kTolerance.
 template <bool kSplit, bool kCausal>
-bool run_variant(const HostCase& small, const HostCase& big, int repeats) {
-  const char* name = kSplit ? (kCausal ? "split, causal blocks" : "split, every block")
-                            : (kCausal ? "bf16, causal blocks" : "bf16, every block");
-  allow_shared_memory<kSplit, kCausal>();
-  DeviceCase ds = upload(small);
-  launch<kSplit, kCausal>(ds, small);
-  ok(cudaDeviceSynchronize(), "small case");
+bool check_case(const char* name, const char* label, const HostCase& hc) {
+  DeviceCase dc = upload(hc);
+  launch<kSplit, kCausal>(dc, hc);
+  ok(cudaDeviceSynchronize(), label);
+  std::vector<float> got(hc.d_theta.size());
+  ok(cudaMemcpy(got.data(), dc.out.d_theta, got.size() * sizeof(float), cudaMemcpyDeviceToHost),
+     "copy");
+  const std::vector<double> ref_sums = theta_suffix_sums(hc.d_theta, hc);
+  const std::vector<double> got_sums =
+      theta_suffix_sums(std::vector<double>(got.begin(), got.end()), hc);
+  double diff = 0.0, scale = 0.0, terms = 0.0;
+  for (size_t i = 0; i < ref_sums.size(); ++i) {
+    diff = std::max(diff, std::fabs(got_sums[i] - ref_sums[i]));
+    scale = std::max(scale, std::fabs(ref_sums[i]));
+    terms = std::max(terms, std::fabs(hc.d_theta[i]));
+  }
   const std::pair<const char*, double> errors[] = {
-      {"dq", max_error(ds.out.dq, small.dq)},
-      {"dk", max_error(ds.out.dk, small.dk)},
-      {"dv", max_error(ds.out.dv, small.dv)},
-      {"d_adt", max_error(ds.out.d_adt, small.d_adt)},
-      {"d_kappa", max_error(ds.out.d_kappa, small.d_kappa)},
-      {"d_gamma", max_error(ds.out.d_gamma, small.d_gamma)},
-      {"d_theta", max_error(ds.out.d_theta, small.d_theta)},
-      {"d_skip", max_error(ds.out.d_skip, small.d_skip)},
-      {"d_initial", max_error(ds.out.d_initial, small.d_initial)}};
-  release(ds);
-  std::printf("%-21s max|err|/max|ref|:", name);
+      {"dq", max_error(dc.out.dq, hc.dq)},
+      {"dk", max_error(dc.out.dk, hc.dk)},
+      {"dv", max_error(dc.out.dv, hc.dv)},
+      {"d_adt", max_error(dc.out.d_adt, hc.d_adt)},
+      {"d_kappa", max_error(dc.out.d_kappa, hc.d_kappa)},
+      {"d_gamma", max_error(dc.out.d_gamma, hc.d_gamma)},
+      {"d_theta", max_error(dc.out.d_theta, hc.d_theta)},
+      {"d_theta suffix sums", scale > 0 ? diff / scale : diff},
+      {"d_skip", max_error(dc.out.d_skip, hc.d_skip)},
+      {"d_initial", max_error(dc.out.d_initial, hc.d_initial)}};
+  release(dc);
+  std::printf("%-21s %s max|err|/max|ref|:", name, label);
   bool within = true;
   for (const auto& [what, error] : errors) {
     std::printf(" %s %.2e", what, error);
     within = within && error <= kTolerance;
   }
-  std::printf("\n");
-  if (!within) {
-    std::printf("%-21s an error exceeds %.3f: not timed\n", name, kTolerance);
-    return false;
+  std::printf(" (largest dθ suffix sum / largest dθ term: %.2e)\n",
+              terms > 0 ? scale / terms : 0.0);
+  return within;
+}
+
+// Checks the variant on the checked cases and times it; false where an error exceeds kTolerance
+// (said before the time).
+template <bool kSplit, bool kCausal>
+bool run_variant(const std::vector<std::pair<const char*, const HostCase*>>& checked,
+                 const HostCase& big, int repeats) {
+  const char* name = kSplit ? (kCausal ? "split, causal blocks" : "split, every block")
+                            : (kCausal ? "bf16, causal blocks" : "bf16, every block");
+  allow_shared_memory<kSplit, kCausal>();
+  bool within = true;
+  for (const auto& [label, hc] : checked) {
+    within = check_case<kSplit, kCausal>(name, label, *hc) && within;
   }
+  if (!within) std::printf("%-21s an error exceeds %.3f\n", name, kTolerance);
   DeviceCase db = upload(big);
   cudaEvent_t start, stop;
   ok(cudaEventCreate(&start), "event");
@@ -1136,7 +1183,7 @@ bool run_variant(const HostCase& small, const HostCase& big, int repeats) {
   std::printf("%-21s batch %d seqlen %d heads %d: %.3f / %.3f / %.3f ms\n", name, big.batch,
               big.seqlen, big.heads, ms.front(), ms[ms.size() / 2], ms.back());
   release(db);
-  return true;
+  return within;
 }
 
 }  // namespace
@@ -1171,7 +1218,7 @@ int main(int argc, char** argv) {
                  kC);
     return 2;
   }
-  HostCase small = make_case(1, 128, 2, 7);
+  HostCase small = make_case(1, 128, 2, 7, 0.2f);
   forward(small, true);
   reference_backward(small);
   if (!check_reference(small)) {
@@ -1190,7 +1237,13 @@ int main(int argc, char** argv) {
         sizeof(Smem), shared_limit);
     return 2;
   }
-  HostCase big = make_case(batch, seqlen, heads, 11);
+  // The errors at the grid's sequence length, without an initial state (as in the product).
+  HostCase medium = make_case(1, 2048, 4, 13, 0.f);
+  forward(medium, true);
+  reference_backward(medium);
+  const std::vector<std::pair<const char*, const HostCase*>> checked = {
+      {"(batch 1, seqlen 128, 2 heads)", &small}, {"(batch 1, seqlen 2048, 4 heads)", &medium}};
+  HostCase big = make_case(batch, seqlen, heads, 11, 0.2f);
   // Stand-ins for the forward's l and entry states at the timed shape (the time does not depend
   // on the values).
   for (size_t i = 0; i < big.log_decay.size(); ++i) big.log_decay[i] = big.adt[i] * (i % kC + 1);
@@ -1198,8 +1251,8 @@ int main(int argc, char** argv) {
   std::mt19937_64 rng(3);
   std::uniform_real_distribution<float> unit(-1.f, 1.f);
   for (auto& e : big.entry_states) e = unit(rng);
-  bool within = run_variant<false, false>(small, big, repeats);
-  within = run_variant<true, false>(small, big, repeats) && within;
-  within = run_variant<true, true>(small, big, repeats) && within;
+  bool within = run_variant<false, false>(checked, big, repeats);
+  within = run_variant<true, false>(checked, big, repeats) && within;
+  within = run_variant<true, true>(checked, big, repeats) && within;
   return within ? 0 : 1;
 }
