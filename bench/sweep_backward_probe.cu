@@ -590,25 +590,10 @@ __global__ void __launch_bounds__(kThreads, 1) sweep_backward(Inputs in, Outputs
       frags_times_cols(acc, dat, q, at, first, 3);
       unrotate(acc, k, cos_theta, sin_theta, sm.d_theta[slot][1], r0, g, c4);
       store_rows(out.dk, acc, first_row, H, r0, g, c4);
-      // dv: X k̃'s part, the chunk's, and D's.
+      // dv: X k̃'s part (X's rows p are B's rows n), the chunk's, and D's.
       zero(acc);
-#pragma unroll
-      for (int k0 = 0; k0 < 64; k0 += 16) {
-        uint32_t af[4];
-        ldmatrix_x4<false>(af, k + (r0 + at.a_row) * kLd + k0 + at.a_col);
-#pragma unroll
-        for (int n0 = 0; n0 < 64; n0 += 16) {
-          uint32_t bf[4];
-          ldmatrix_x4<false>(bf, x_hi + (n0 + at.bn_row) * kLd + k0 + at.bn_col);
-          mma_bf16_16816(acc[n0 / 8], af, bf[0], bf[1]);
-          mma_bf16_16816(acc[n0 / 8 + 1], af, bf[2], bf[3]);
-          if constexpr (kSplit) {
-            ldmatrix_x4<false>(bf, x_lo + (n0 + at.bn_row) * kLd + k0 + at.bn_col);
-            mma_bf16_16816(acc[n0 / 8], af, bf[0], bf[1]);
-            mma_bf16_16816(acc[n0 / 8 + 1], af, bf[2], bf[3]);
-          }
-        }
-      }
+      rows_times_rows(acc, k, r0, x_hi, at, 0, 3);
+      if constexpr (kSplit) rows_times_rows(acc, k, r0, x_lo, at, 0, 3);
       float own[2] = {0.f, 0.f};
 #pragma unroll
       for (int j = 0; j < 8; ++j) {

@@ -218,13 +218,9 @@ void check_device_memory(const megacpp::v1::JobSpec& spec, const ModelConfig& mo
 }
 #endif
 
-}  // namespace
-
-namespace {
-
 // The cuda_backend gate refusing a cuda job: recorded with the job's other decisions.
-[[maybe_unused]] void refuse_cuda_backend(ValidatedJob& out, std::string reason,
-                                          gates::GateImplementation implementation) {
+void refuse_cuda_backend(ValidatedJob& out, std::string reason,
+                         gates::GateImplementation implementation) {
   out.gate_decisions.push_back(
       {"cuda_backend", gates::Decision::kRefused, std::move(reason), implementation, {}});
 }

@@ -379,24 +379,22 @@ CheckResult check_readable_dir(const std::string& name, const fs::path& dir) {
                    fmt::format("point data_roots at directories, {}", or_remove));
   }
   DIR* listing = ::opendir(dir.c_str());
-  if (listing == nullptr) {
-    return failure(
-        name, fmt::format("cannot list {}: {}", dir.string(), errno_text(errno)),
-        fmt::format("make {} readable by {} (chmod a+rx), {}", dir.string(), user, or_remove));
+  int list_error = listing == nullptr ? errno : 0;
+  if (listing != nullptr) {
+    errno = 0;
+    while (::readdir(listing) != nullptr) {
+    }
+    list_error = errno;
+    ::closedir(listing);
   }
-  errno = 0;
-  while (::readdir(listing) != nullptr) {
-  }
-  const int read_error = errno;
-  ::closedir(listing);
-  if (read_error != 0) {
+  if (list_error != 0) {
     return failure(
-        name, fmt::format("cannot list {}: {}", dir.string(), errno_text(read_error)),
+        name, fmt::format("cannot list {}: {}", dir.string(), errno_text(list_error)),
         fmt::format("make {} readable by {} (chmod a+rx), {}", dir.string(), user, or_remove));
   }
   // Listing needs read permission; opening the data files in it needs search (x) permission,
-  // which a directory can lack while it still lists.
-  // The effective ids, as the opens that follow will use (access() would check the real ones).
+  // which a directory can lack while it still lists. Checked with the effective ids, as those
+  // opens will be (access() would check the real ones).
   if (::faccessat(AT_FDCWD, dir.c_str(), X_OK, AT_EACCESS) != 0) {
     const int search_error = errno;
     return failure(
