@@ -6,7 +6,8 @@
 // registers, shared memory and occupancy, and the PsiV cache on versus off.
 //
 // Usage: mamba3_scan_cuda_bench [--repeats N] [--batch B] [--heads H] [--chains always|never]
-//                               [--head-split always|never] [--zv-row COLUMNS]
+//                               [--head-split always|never] [--sweep always|never]
+//                               [--zv-row COLUMNS] [--only mimo|siso]
 //                               [--profile-once [--siso | --small R C N]]
 //   --batch B, --heads H: M3-ref (and its SISO variant) at B sequences and H heads (a
 //     tensor-parallel rank's share of a model's heads: bench-1.3b at TP = 4 is batch 2, heads 16);
@@ -15,6 +16,9 @@
 //   --head-split always|never: chunk_backward's units split into a block per head everywhere or
 //     nowhere (ScanHeadSplit; by default the units left over after the last whole wave, where
 //     that pays);
+//   --sweep always|never: the SISO backward as a sweep (ScanSweep) wherever it applies, or
+//     nowhere (by default where the pairs are many enough for it to pay);
+//   --only mimo|siso: time only M3-ref's MIMO shape, or only its SISO variant;
 //   --zv-row COLUMNS: z and v read in place in rows of COLUMNS elements (z at column 0, v at
 //     heads · headdim), as the model reads them in in_proj's output
 //     (ScanDeviceInputs::zv_row_stride); without it, each its own dense tensor;
@@ -332,12 +336,12 @@ void free_problem(Problem& pr) {
 
 Measured measure(const std::string& name, Problem& pr, bool psiv, bool tensor,
                  megacpp::cuda::ScanChains chains, megacpp::cuda::ScanHeadSplit head_split,
-                 int repeats) {
+                 megacpp::cuda::ScanSweep sweep, int repeats) {
   Measured m;
   m.name = name;
   m.psiv = psiv;
   m.tensor = tensor;
-  megacpp::cuda::Mamba3ScanCuda scan(pr.shape, psiv, tensor, nullptr, 0, chains, head_split);
+  megacpp::cuda::Mamba3ScanCuda scan(pr.shape, psiv, tensor, nullptr, 0, chains, head_split, sweep);
   m.workspace = scan.workspace_bytes();
   m.psiv_bytes = scan.psiv_bytes();
   m.kernels = scan.kernel_attributes();
@@ -380,6 +384,8 @@ static int run(int argc, char** argv) {
   int zv_row = 0;            // 0: z and v dense
   megacpp::cuda::ScanChains chains = megacpp::cuda::ScanChains::kWherePaying;
   megacpp::cuda::ScanHeadSplit head_split = megacpp::cuda::ScanHeadSplit::kWherePaying;
+  megacpp::cuda::ScanSweep sweep = megacpp::cuda::ScanSweep::kWherePaying;
+  std::string only;  // empty: both shapes
   // A count flag's value: a whole positive number, or the bench refuses it naming the flag (atoi
   // would read "x" or "0" as 0, which means M3-ref's own batch or heads).
   const auto positive = [](const char* flag, const char* text, int& out) {
@@ -429,6 +435,17 @@ static int run(int argc, char** argv) {
       if (!always_or_never("--head-split", argv[++i], always)) return 2;
       head_split =
           always ? megacpp::cuda::ScanHeadSplit::kAlways : megacpp::cuda::ScanHeadSplit::kNever;
+    } else if (arg == "--only" && i + 1 < argc) {
+      only = argv[++i];
+      if (only != "mimo" && only != "siso") {
+        std::fprintf(stderr, "mamba3_scan_cuda_bench: --only takes mimo or siso, not %s\n",
+                     only.c_str());
+        return 2;
+      }
+    } else if (arg == "--sweep" && i + 1 < argc) {
+      bool always = false;
+      if (!always_or_never("--sweep", argv[++i], always)) return 2;
+      sweep = always ? megacpp::cuda::ScanSweep::kAlways : megacpp::cuda::ScanSweep::kNever;
     } else if (arg == "--small" && i + 3 < argc) {
       small = true;
       if (!positive("--small R", argv[++i], small_rank) ||
@@ -440,7 +457,8 @@ static int run(int argc, char** argv) {
       std::fprintf(stderr,
                    "mamba3_scan_cuda_bench: unknown or incomplete argument %s (usage: "
                    "[--repeats N] [--batch B] [--heads H] [--chains always|never] "
-                   "[--head-split always|never] [--zv-row COLUMNS] "
+                   "[--head-split always|never] [--sweep always|never] [--zv-row COLUMNS] "
+                   "[--only mimo|siso] "
                    "[--profile-once [--siso | --small R C N]])\n",
                    arg.c_str());
       return 2;
@@ -498,7 +516,8 @@ static int run(int argc, char** argv) {
     // (tensor cores, PsiV cache): M3-ref runs the first only.
     const bool variants[3][2] = {{true, false}, {true, true}, {false, false}};
     for (const auto& v : variants) {
-      megacpp::cuda::Mamba3ScanCuda scan(pr.shape, v[1], v[0], nullptr, 0, chains, head_split);
+      megacpp::cuda::Mamba3ScanCuda scan(pr.shape, v[1], v[0], nullptr, 0, chains, head_split,
+                                         sweep);
       scan.forward(pr.in, pr.y);
       scan.backward(pr.in, pr.dy, pr.grads);
       ok(cudaDeviceSynchronize(), "profile run");
@@ -525,6 +544,7 @@ static int run(int argc, char** argv) {
   std::vector<Measured> results;
   std::vector<Work> works;
   for (const Config& c : configs) {
+    if (!only.empty() && (c.shape.rank == 1) != (only == "siso")) continue;
     // A shape whose plan this device cannot hold at its own chunk (the SISO shape in an A100's
     // shared memory) runs at a smaller one: named here and in the tables.
     const int chunk = megacpp::cuda::planned_scan_chunk(c.shape, shared.per_block);
@@ -549,7 +569,7 @@ static int run(int argc, char** argv) {
     // Tensor cores with and without the PsiV cache, then the CUDA-core variant.
     const bool variants[3][2] = {{true, false}, {true, true}, {false, false}};
     for (const auto& v : variants) {
-      results.push_back(measure(name, pr, v[1], v[0], chains, head_split, repeats));
+      results.push_back(measure(name, pr, v[1], v[0], chains, head_split, sweep, repeats));
       works.push_back(work_of(run_shape));
     }
     free_problem(pr);

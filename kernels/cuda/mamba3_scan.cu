@@ -230,32 +230,48 @@ int planned_split_units(const Dims& d, bool tensor_cores, const SharedMemoryLimi
                                static_cast<long>(multiprocessors) * resident_blocks(l, shared));
 }
 
+// Whether the backward of one math variant runs the sweep (ScanSweep) on a device with `shared`.
+bool sweep_planned(const Dims& d, bool tensor_cores, const SharedMemoryLimits& shared,
+                   ScanSweep sweep) {
+  if (sweep == ScanSweep::kNever || !sweep_applies(d, tensor_cores, shared.per_block)) return false;
+  return sweep == ScanSweep::kAlways || static_cast<long>(d.batch) * d.heads >= kSweepLeastPairs;
+}
+
 // Every launch of one math variant, forward then backward, in launch order, as planned for a
 // device with `shared` (current_shared_memory_limits()).
 std::vector<Launch> all_launches(const Dims& d, bool tensor_cores, const SharedMemoryLimits& shared,
-                                 ScanChains chains, ScanHeadSplit head_split) {
+                                 ScanChains chains, ScanHeadSplit head_split, ScanSweep sweep) {
   const ForwardLaunches f = forward_launches(d, tensor_cores, shared.per_sm, chains);
-  const BackwardLaunches b =
-      backward_launches(d, tensor_cores, shared.per_block, chains,
-                        planned_split_units(d, tensor_cores, shared, head_split));
+  const bool sweeps = sweep_planned(d, tensor_cores, shared, sweep);
+  const BackwardLaunches b = backward_launches(
+      d, tensor_cores, shared.per_block, chains,
+      sweeps ? 0 : planned_split_units(d, tensor_cores, shared, head_split), sweeps);
   std::vector<Launch> launches = {f.angle_prefix};
   if (f.fused) {
     launches.push_back(f.chunk_forward);
   } else {
     launches.insert(launches.end(), {f.chunk_state, f.state_pass, f.chunk_output});
   }
-  launches.push_back(b.chunk_dstate);
-  if (!b.reverse_pass_fused) launches.push_back(b.state_pass_backward);
-  launches.insert(launches.end(),
-                  {b.chunk_backward, b.dtheta_offsets, b.finish_tokens, b.reduce_params});
+  if (b.sweep) {
+    launches.insert(launches.end(),
+                    {b.sweep_kernels.prep, b.sweep_kernels.core, b.sweep_kernels.finish});
+  } else {
+    launches.push_back(b.chunk_dstate);
+    if (!b.reverse_pass_fused) launches.push_back(b.state_pass_backward);
+    launches.push_back(b.chunk_backward);
+  }
+  launches.insert(launches.end(), {b.dtheta_offsets, b.finish_tokens, b.reduce_params});
   return launches;
 }
 
 // Kernels above 48 KiB of dynamic shared memory must opt in, per kernel and per device.
 void raise_shared_limits(const Dims& d, const SharedMemoryLimits& shared, ScanChains chains) {
   for (bool tensor_cores : {false, true}) {
-    for (const Launch& l : all_launches(d, tensor_cores, shared, chains, ScanHeadSplit::kNever)) {
-      allow_shared(l);
+    for (const ScanSweep sweep : {ScanSweep::kNever, ScanSweep::kAlways}) {
+      for (const Launch& l :
+           all_launches(d, tensor_cores, shared, chains, ScanHeadSplit::kNever, sweep)) {
+        allow_shared(l);
+      }
     }
   }
 }
@@ -282,6 +298,10 @@ int planned_scan_chunk(const ops::ScanShape& shape, size_t per_block) {
   return scan_detail::largest_fitting_chunk(shape, per_block);
 }
 
+size_t scan_sweep_shared_bytes() {
+  return scan_detail::sweep_core_shared_bytes();
+}
+
 size_t scan_shared_bytes_needed(const ops::ScanShape& shape) {
   return scan_detail::least_backward_bytes(scan_detail::dims_of(shape));
 }
@@ -293,11 +313,14 @@ namespace {
 // (the chunk chains' tickets and flags, zeroed before each use by forward() and backward()), which
 // must not be shared: a scan sharing the temporaries may run its forward between this one's
 // forward and backward. The rest are backward()'s temporaries (several scans may share them).
-constexpr int kParts = 15;
-constexpr int kForwardParts = 4;
+constexpr int kParts = 20;
+constexpr int kForwardParts = 5;
 
-// split_units: chunk_backward's units that run a block per head (planned_split_units).
-std::array<size_t, kParts> part_sizes(const Dims& d, int split_units) {
+// split_units: chunk_backward's units that run a block per head (planned_split_units); sweep: the
+// sweep's parts are sized (either math variant may run it: sweep_planned).
+std::array<size_t, kParts> part_sizes(const Dims& d, int split_units, bool sweep) {
+  const scan_detail::SweepFloats f =
+      sweep ? scan_detail::sweep_floats(d) : scan_detail::SweepFloats{};
   const size_t B = static_cast<size_t>(d.batch), L = static_cast<size_t>(d.seqlen);
   const size_t H = static_cast<size_t>(d.heads), chunks = static_cast<size_t>(d.chunks);
   const size_t A = static_cast<size_t>(d.angles), matrix = static_cast<size_t>(d.headdim) * d.state;
@@ -307,7 +330,8 @@ std::array<size_t, kParts> part_sizes(const Dims& d, int split_units) {
       B * H * chunks * matrix,  // states
       B * H * chunks,           // decay
       chain_order_ints(d),      // order (ints)
-      B * H * chunks * matrix,  // gstates
+      f.gate_in,                // gate_in (bf16)
+      B * H * chunks * matrix,  // gstates (the sweep's dq: the same size)
       qk,                       // dq_acc
       qk,                       // dk_acc
       B * H * L * A,            // dtheta
@@ -318,6 +342,10 @@ std::array<size_t, kParts> part_sizes(const Dims& d, int split_units) {
       B * L * H,                                              // per-token scalars
       H * B * chunks * static_cast<size_t>(d.partial_width),  // partials
       scan_detail::split_qk_floats(d, split_units),           // split_qk
+      f.d_out,                                                // sweep_d_out (bf16)
+      f.scalars,                                              // sweep_scalars
+      f.rotation,                                             // sweep_rotation
+      f.per_head,                                             // sweep_dk
   };
 }
 
@@ -342,11 +370,12 @@ int workspace_split_units(const Dims& d, const SharedMemoryLimits& shared,
 }  // namespace
 
 size_t Mamba3ScanCuda::backward_workspace_bytes(const ops::ScanShape& shape,
-                                                ScanHeadSplit head_split) {
+                                                ScanHeadSplit head_split, ScanSweep sweep) {
   const SharedMemoryLimits shared = current_shared_memory_limits();
   const Dims d = scan_detail::dims_of(scan_detail::planned_shape(shape, shared));
-  return bytes_of_parts(part_sizes(d, workspace_split_units(d, shared, head_split)), kForwardParts,
-                        kParts);
+  return bytes_of_parts(part_sizes(d, workspace_split_units(d, shared, head_split),
+                                   scan_detail::sweep_planned(d, true, shared, sweep)),
+                        kForwardParts, kParts);
 }
 
 namespace {
@@ -369,30 +398,34 @@ size_t psiv_cache_bytes(const Dims& d, bool psiv_cache) {
 }
 
 // What the constructor allocates for itself at dims `d` (own_workspace_bytes).
-size_t own_bytes(const Dims& d, bool psiv_cache, bool shared_backward, int split_units) {
-  const size_t own =
-      bytes_of_parts(part_sizes(d, split_units), 0, shared_backward ? kForwardParts : kParts);
+size_t own_bytes(const Dims& d, bool psiv_cache, bool shared_backward, int split_units,
+                 bool sweep) {
+  const size_t own = bytes_of_parts(part_sizes(d, split_units, sweep), 0,
+                                    shared_backward ? kForwardParts : kParts);
   return own + psiv_cache_bytes(d, psiv_cache) + parameter_stage_bytes(d);
 }
 
 }  // namespace
 
 size_t Mamba3ScanCuda::own_workspace_bytes(const ops::ScanShape& shape, bool psiv_cache,
-                                           bool shared_backward, ScanHeadSplit head_split) {
+                                           bool shared_backward, ScanHeadSplit head_split,
+                                           ScanSweep sweep) {
   const SharedMemoryLimits shared = current_shared_memory_limits();
   const Dims d = scan_detail::dims_of(scan_detail::planned_shape(shape, shared));
   return own_bytes(d, psiv_cache, shared_backward,
-                   shared_backward ? 0 : workspace_split_units(d, shared, head_split));
+                   shared_backward ? 0 : workspace_split_units(d, shared, head_split),
+                   scan_detail::sweep_planned(d, true, shared, sweep));
 }
 
 Mamba3ScanCuda::Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache, bool tensor_cores,
                                void* backward_workspace, size_t backward_bytes, ScanChains chains,
-                               ScanHeadSplit head_split)
+                               ScanHeadSplit head_split, ScanSweep sweep)
     : shape_(shape),
       psiv_cache_(psiv_cache),
       tensor_cores_(tensor_cores),
       chains_(chains),
-      head_split_(head_split) {
+      head_split_(head_split),
+      sweep_(sweep) {
   MEGACPP_CUDA_CHECK(cudaGetDevice(&device_));
   const SharedMemoryLimits shared = shared_memory_limits(device_);
   const ops::ScanShape planned = scan_detail::planned_shape(shape, shared);
@@ -401,10 +434,15 @@ Mamba3ScanCuda::Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache, boo
   scan_detail::raise_shared_limits(d, shared, chains);
   // This variant's split, and the workspace's: the larger of both variants' (as
   // backward_workspace_bytes sizes it), each planned once.
-  const int split_units = scan_detail::planned_split_units(d, tensor_cores, shared, head_split);
+  // The sweep's parts are sized wherever the tensor-core variant would sweep (as
+  // backward_workspace_bytes and own_workspace_bytes size them), and used where this one does.
+  sweeps_ = scan_detail::sweep_planned(d, tensor_cores, shared, sweep);
+  const bool workspace_sweep = scan_detail::sweep_planned(d, true, shared, sweep);
+  const int split_units =
+      sweeps_ ? 0 : scan_detail::planned_split_units(d, tensor_cores, shared, head_split);
   const int workspace_split =
       std::max(split_units, scan_detail::planned_split_units(d, !tensor_cores, shared, head_split));
-  const std::array<size_t, kParts> sizes = part_sizes(d, workspace_split);
+  const std::array<size_t, kParts> sizes = part_sizes(d, workspace_split, workspace_sweep);
   const size_t backward_needed = bytes_of_parts(sizes, kForwardParts, kParts);
   if (backward_workspace != nullptr && backward_bytes < backward_needed) {
     refuse(ErrorKind::kInvalidArgument,
@@ -420,14 +458,14 @@ Mamba3ScanCuda::Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache, boo
   }
   const bool own_backward = backward_workspace == nullptr;
   const size_t own = bytes_of_parts(sizes, 0, own_backward ? kParts : kForwardParts);
-  workspace_bytes_ = own_bytes(d, psiv_cache, !own_backward, workspace_split);
+  workspace_bytes_ = own_bytes(d, psiv_cache, !own_backward, workspace_split, workspace_sweep);
   psiv_bytes_ = psiv_cache_bytes(d, psiv_cache);
   MEGACPP_CUDA_CHECK(cudaMalloc(&arena_, workspace_bytes_));
   buffers_ = new Buffers{};
   buffers_->dims = d;
   buffers_->forward = scan_detail::forward_launches(d, tensor_cores, shared.per_sm, chains);
-  buffers_->backward =
-      scan_detail::backward_launches(d, tensor_cores, shared.per_block, chains, split_units);
+  buffers_->backward = scan_detail::backward_launches(d, tensor_cores, shared.per_block, chains,
+                                                      split_units, sweeps_);
   unsigned char* cursor = static_cast<unsigned char*>(arena_);
   float* parts[kParts];
   for (int i = 0; i < kParts; ++i) {
@@ -452,18 +490,26 @@ Mamba3ScanCuda::Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache, boo
   w.states = parts[1];
   w.decay = parts[2];
   w.order = reinterpret_cast<int*>(parts[3]);
-  w.gstates = parts[4];
-  w.dq_acc = parts[5];
-  w.dk_acc = parts[6];
-  w.dtheta = parts[7];
-  w.dtheta_tot = parts[8];
-  w.tok_dadt = parts[9];
-  w.tok_ddt = parts[10];
-  w.tok_dtau = parts[11];
-  w.tok_dkappa = parts[12];
-  w.partials = parts[13];
-  w.split_qk = buffers_->backward.split.split_units > 0 ? parts[14] : nullptr;
+  w.gstates = parts[5];
+  w.dq_acc = parts[6];
+  w.dk_acc = parts[7];
+  w.dtheta = parts[8];
+  w.dtheta_tot = parts[9];
+  w.tok_dadt = parts[10];
+  w.tok_ddt = parts[11];
+  w.tok_dtau = parts[12];
+  w.tok_dkappa = parts[13];
+  w.partials = parts[14];
+  w.split_qk = buffers_->backward.split.split_units > 0 ? parts[15] : nullptr;
   w.psiv = psiv_cache ? reinterpret_cast<bf16*>(cursor) : nullptr;
+  if (sweeps_) {
+    w.gate_in = reinterpret_cast<bf16*>(parts[4]);
+    w.sweep_d_out = reinterpret_cast<bf16*>(parts[16]);
+    w.sweep_scalars = parts[17];
+    w.sweep_rotation = parts[18];
+    w.sweep_dq = w.gstates;
+    w.sweep_dk = parts[19];
+  }
   // The parameter stage: the arena's last bytes, each tensor's slot a multiple of 256 bytes.
   unsigned char* stage = static_cast<unsigned char*>(arena_) + own + psiv_bytes_;
   const std::array<size_t, 5> elements = parameter_elements(d);
@@ -552,7 +598,8 @@ void Mamba3ScanCuda::backward(const ScanDeviceInputs& in, const uint16_t* dy,
 }
 
 std::vector<KernelAttributes> kernel_attributes(const ops::ScanShape& shape, bool tensor_cores,
-                                                ScanChains chains, ScanHeadSplit head_split) {
+                                                ScanChains chains, ScanHeadSplit head_split,
+                                                ScanSweep sweep) {
   int device = 0, max_threads_per_sm = 0;
   MEGACPP_CUDA_CHECK(cudaGetDevice(&device));
   const SharedMemoryLimits shared = shared_memory_limits(device);
@@ -562,7 +609,7 @@ std::vector<KernelAttributes> kernel_attributes(const ops::ScanShape& shape, boo
       cudaDeviceGetAttribute(&max_threads_per_sm, cudaDevAttrMaxThreadsPerMultiProcessor, device));
   std::vector<KernelAttributes> out;
   for (const scan_detail::Launch& l :
-       scan_detail::all_launches(d, tensor_cores, shared, chains, head_split)) {
+       scan_detail::all_launches(d, tensor_cores, shared, chains, head_split, sweep)) {
     cudaFuncAttributes attr{};
     MEGACPP_CUDA_CHECK(cudaFuncGetAttributes(&attr, l.function));
     const int threads = static_cast<int>(l.block.x * l.block.y * l.block.z);
@@ -587,7 +634,7 @@ std::vector<KernelAttributes> kernel_attributes(const ops::ScanShape& shape, boo
 }
 
 std::vector<KernelAttributes> Mamba3ScanCuda::kernel_attributes() const {
-  return megacpp::cuda::kernel_attributes(shape_, tensor_cores_, chains_, head_split_);
+  return megacpp::cuda::kernel_attributes(shape_, tensor_cores_, chains_, head_split_, sweep_);
 }
 
 }  // namespace megacpp::cuda

@@ -19,8 +19,9 @@
 //             gradients in parallel (one block per (batch, group, chunk) looping over the
 //             group's heads, so q and k gradients are summed over heads in a fixed order),
 //             then the cross-chunk suffix sums (angles) and fixed-order reductions of the
-//             per-head parameter gradients. No floating-point atomics: results are
-//             bitwise reproducible.
+//             per-head parameter gradients; or, at the fixed SISO shape on Hopper, a sweep
+//             (ScanSweep below) in place of the first three. No floating-point atomics:
+//             results are bitwise reproducible.
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -109,6 +110,23 @@ enum class ScanChains { kWherePaying, kAlways, kNever };
 // shape, whose sums are in the workspace); kAlways splits every unit where it can (for the test
 // that both ways give the same bits, and the benchmark); kNever splits none.
 enum class ScanHeadSplit { kWherePaying, kAlways, kNever };
+// At the fixed SISO shape (state 64, headdim 64, rank 1, chunk 64) with 16 rotation pairs, on the
+// tensor cores, where a block may have about 214 KB of shared memory (Hopper), the backward can
+// run as a sweep (kernels/cuda/mamba3_scan_sweep.cu): a block per (batch, head) walks its chunks
+// in reverse with dL/d(state) on chip, the official SISO kernels' structure, instead of
+// chunk_dstate, the reverse state pass and chunk_backward (a block per chunk). The forward then
+// also keeps its output before the gating (bf16, B·L·H·P) for the backward. kWherePaying runs it
+// from kSweepLeastPairs (batch, head) pairs: a block each walks all its chunks, so with fewer the
+// SMs idle (on an H200 at seqlen 8192 and 16 heads: the backward 40% faster at 128 pairs, 7% at
+// 64, 72% slower at 32; bench/RESULTS.md session 33); kAlways wherever it applies; kNever nowhere.
+// Other shapes and devices have no sweep. The two ways round differently (the sweep's dO is
+// bf16), so each is held to the oracle, not to the other's bits.
+enum class ScanSweep { kWherePaying, kAlways, kNever };
+inline constexpr long kSweepLeastPairs = 64;
+// Dynamic shared memory (bytes) of the sweep's core kernel a block: where the device allows less
+// a block, the sweep does not run.
+size_t scan_sweep_shared_bytes();
+
 // kWherePaying's choice: of `units` units of `heads_per_group` heads where `slots` blocks of
 // chunk_backward run at once (SMs × blocks an SM), the leftover ones (units mod slots) when the
 // wave they make as a block per head takes at most half a whole unit's time
@@ -137,21 +155,25 @@ class Mamba3ScanCuda {
   // after another on one stream (a model's layers) may share; the scan then allocates only what
   // forward() keeps for backward() (the chunk-entry states and decays, PsiV) and the chunk chains'
   // tickets and flags (B·H·chunks + 1 ints).
-  // chains: see ScanChains; head_split: see ScanHeadSplit.
+  // chains: see ScanChains; head_split: see ScanHeadSplit; sweep: see ScanSweep.
   explicit Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache = false,
                           bool tensor_cores = true, void* backward_workspace = nullptr,
                           size_t backward_bytes = 0, ScanChains chains = ScanChains::kWherePaying,
-                          ScanHeadSplit head_split = ScanHeadSplit::kWherePaying);
+                          ScanHeadSplit head_split = ScanHeadSplit::kWherePaying,
+                          ScanSweep sweep = ScanSweep::kWherePaying);
   // Bytes of backward()'s temporaries for `shape` on the current device, for either math variant
   // (throws like the constructor on a bad shape). The split units' q and k gradients are among
-  // them, so the figure depends on head_split and on the device's SMs.
+  // them, so the figure depends on head_split and on the device's SMs; and the sweep's, where it
+  // runs.
   static size_t backward_workspace_bytes(const ops::ScanShape& shape,
-                                         ScanHeadSplit head_split = ScanHeadSplit::kWherePaying);
+                                         ScanHeadSplit head_split = ScanHeadSplit::kWherePaying,
+                                         ScanSweep sweep = ScanSweep::kWherePaying);
   // Bytes the constructor allocates for itself (workspace_bytes()): with shared_backward (a
   // backward_workspace given), only what forward() keeps for backward() and the tickets and flags.
   static size_t own_workspace_bytes(const ops::ScanShape& shape, bool psiv_cache,
                                     bool shared_backward,
-                                    ScanHeadSplit head_split = ScanHeadSplit::kWherePaying);
+                                    ScanHeadSplit head_split = ScanHeadSplit::kWherePaying,
+                                    ScanSweep sweep = ScanSweep::kWherePaying);
   ~Mamba3ScanCuda();
   Mamba3ScanCuda(const Mamba3ScanCuda&) = delete;
   Mamba3ScanCuda& operator=(const Mamba3ScanCuda&) = delete;
@@ -170,6 +192,8 @@ class Mamba3ScanCuda {
   bool tensor_cores() const { return tensor_cores_; }
   ScanChains chains() const { return chains_; }
   ScanHeadSplit head_split() const { return head_split_; }
+  // Whether backward() runs the sweep (ScanSweep), as planned for this shape and device.
+  bool sweeps() const { return sweeps_; }
   size_t workspace_bytes() const { return workspace_bytes_; }
   size_t psiv_bytes() const { return psiv_bytes_; }
   std::vector<KernelAttributes> kernel_attributes() const;
@@ -180,6 +204,8 @@ class Mamba3ScanCuda {
   bool tensor_cores_;
   ScanChains chains_;
   ScanHeadSplit head_split_;
+  ScanSweep sweep_;
+  bool sweeps_ = false;
   bool has_forward_ = false;
   int planned_chunk_ = 0;
   int device_ = 0;
@@ -196,7 +222,8 @@ class Mamba3ScanCuda {
 std::vector<KernelAttributes> kernel_attributes(
     const ops::ScanShape& shape, bool tensor_cores = true,
     ScanChains chains = ScanChains::kWherePaying,
-    ScanHeadSplit head_split = ScanHeadSplit::kWherePaying);
+    ScanHeadSplit head_split = ScanHeadSplit::kWherePaying,
+    ScanSweep sweep = ScanSweep::kWherePaying);
 
 // Dynamic shared memory (bytes) per block that the largest kernel for `shape` cannot do without
 // at shape.chunk (no device needed): chunk_backward's plan with its C² token weights made again

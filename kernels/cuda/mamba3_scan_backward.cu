@@ -1638,10 +1638,38 @@ __global__ void reduce_params_kernel(Dims d, Work w, DevGrads grads) {
   }
 }
 
+// The backward's common tail: dθ's suffix sums over chunks, the per-token gradients, the per-head
+// parameters' reductions. qk_in_workspace: q's and k's sums are in Work::dq_acc and dk_acc.
+void run_backward_tail(const BackwardLaunches& launches, const Dims& d, const DevInputs& in,
+                       const Work& w, const DevGrads& grads, bool qk_in_workspace,
+                       cudaStream_t stream) {
+  if (d.angles > 0) {
+    const Launch& l = launches.dtheta_offsets;
+    dtheta_offsets_kernel<<<l.grid, l.block, 0, stream>>>(d, w);
+    MEGACPP_CUDA_CHECK_LAUNCH(l.name);
+  }
+  {
+    const Launch& l = launches.finish_tokens;
+    finish_tokens_kernel<<<l.grid, l.block, 0, stream>>>(d, in, w, grads, qk_in_workspace,
+                                                         launches.split);
+    MEGACPP_CUDA_CHECK_LAUNCH(l.name);
+  }
+  {
+    const Launch& l = launches.reduce_params;
+    reduce_params_kernel<<<l.grid, l.block, 0, stream>>>(d, w, grads);
+    MEGACPP_CUDA_CHECK_LAUNCH(l.name);
+  }
+}
+
 }  // namespace
 
 BackwardLaunches backward_launches(const Dims& d, bool tensor_cores, size_t shared_limit,
-                                   ScanChains chains, int split_units) {
+                                   ScanChains chains, int split_units, bool sweep) {
+  if (sweep && (split_units != 0 || !sweep_applies(d, tensor_cores, shared_limit))) {
+    detail::refuse(ErrorKind::kInternal,
+                   "backward_launches: the sweep planned where it does not apply ({} split units)",
+                   split_units);
+  }
   const unsigned bh = static_cast<unsigned>(d.batch * d.heads);
   const unsigned bg = static_cast<unsigned>(d.batch * d.groups);
   const unsigned chunks = static_cast<unsigned>(d.chunks);
@@ -1722,12 +1750,21 @@ BackwardLaunches backward_launches(const Dims& d, bool tensor_cores, size_t shar
                      dim3(partial_blocks, static_cast<unsigned>(d.heads)),
                      dim3(32, 8),
                      {}};
+  if (sweep) {
+    l.sweep = true;
+    l.sweep_kernels = sweep_launches(d);
+  }
   return l;
 }
 
 void run_backward(const BackwardLaunches& launches, bool tensor_cores, bool psiv_cache,
                   const Dims& d, const DevInputs& in, const Work& w, const bf16* dy,
                   const DevGrads& grads, cudaStream_t stream) {
+  if (launches.sweep) {
+    run_sweep(launches.sweep_kernels, d, in, w, dy, grads, stream);
+    run_backward_tail(launches, d, in, w, grads, false, stream);
+    return;
+  }
   {
     const Launch& l = launches.chunk_dstate;
     if (launches.reverse_pass_fused) {
@@ -1771,22 +1808,7 @@ void run_backward(const BackwardLaunches& launches, bool tensor_cores, bool psiv
     });
     MEGACPP_CUDA_CHECK_LAUNCH(l.name);
   }
-  if (d.angles > 0) {
-    const Launch& l = launches.dtheta_offsets;
-    dtheta_offsets_kernel<<<l.grid, l.block, 0, stream>>>(d, w);
-    MEGACPP_CUDA_CHECK_LAUNCH(l.name);
-  }
-  {
-    const Launch& l = launches.finish_tokens;
-    finish_tokens_kernel<<<l.grid, l.block, 0, stream>>>(
-        d, in, w, grads, launches.chunk_backward.smem.dq_acc == 0, launches.split);
-    MEGACPP_CUDA_CHECK_LAUNCH(l.name);
-  }
-  {
-    const Launch& l = launches.reduce_params;
-    reduce_params_kernel<<<l.grid, l.block, 0, stream>>>(d, w, grads);
-    MEGACPP_CUDA_CHECK_LAUNCH(l.name);
-  }
+  run_backward_tail(launches, d, in, w, grads, launches.chunk_backward.smem.dq_acc == 0, stream);
 }
 
 }  // namespace megacpp::cuda::scan_detail

@@ -428,6 +428,14 @@ struct Work {
                       //   block's ticket, then one flag per (b, h, c), set once the state its
                       //   block waits for is in `states` (`gstates`); zeroed before each launch
   bf16* psiv;         // [B, L, H, R, P] or null
+  // The sweep backward's (mamba3_scan_sweep.cu), null where it does not run. C below is the
+  // chunk's 64 tokens, chunks · C the padded token count of a (batch, head).
+  bf16* gate_in;          // [B, L, H, P] o before the gating: forward() keeps it for backward()
+  bf16* sweep_d_out;      // [B, L, H, P] dL/do, rounded once
+  float* sweep_scalars;   // [4][B, H, chunks · C] l, κ, γ, then dL/dγ
+  float* sweep_rotation;  // [2][B, H, chunks · C, A] cos θ, then sin θ
+  float* sweep_dq;        // [B, chunks · C, H, N] each head's dL/dq (in gstates' space)
+  float* sweep_dk;        // [B, chunks · C, H, N] each head's dL/dk
 };
 
 // Work::order's length in ints: the ticket counter, then a ready flag per (batch, head, chunk).
@@ -507,9 +515,33 @@ inline size_t split_qk_floats(const Dims& d, int split_units) {
   return static_cast<size_t>(split_units) * d.heads_per_group * 2 * d.rows * d.state;
 }
 
+// mamba3_scan_sweep.cu: the SISO backward as a sweep over each (batch, head)'s chunks (ScanSweep),
+// which replaces chunk_dstate, the reverse state pass and chunk_backward where it runs.
+struct SweepLaunches {
+  Launch prep, core, finish;
+};
+// Floats of the sweep's workspace parts (Work's sweep fields; bf16 ones as half as many floats).
+struct SweepFloats {
+  size_t gate_in = 0, d_out = 0, scalars = 0, rotation = 0, per_head = 0;
+};
+// Whether the sweep computes `d`'s backward: the fixed SISO shape with 16 rotation pairs, on the
+// tensor cores, where a block may have sweep_core's shared memory (Hopper: about 214 KB).
+bool sweep_applies(const Dims& d, bool tensor_cores, size_t shared_per_block);
+size_t sweep_core_shared_bytes();
+SweepFloats sweep_floats(const Dims& d);
+SweepLaunches sweep_launches(const Dims& d);
+// Writes grads.z, grads.v, grads.q, grads.k, and the workspace's per-token terms, dθ and its chunk
+// totals and the per-head partials, for the common tail (dtheta_offsets, finish_tokens,
+// reduce_params).
+void run_sweep(const SweepLaunches& launches, const Dims& d, const DevInputs& in, const Work& w,
+               const bf16* dy, const DevGrads& grads, cudaStream_t stream);
+
 struct BackwardLaunches {
   Launch chunk_dstate, state_pass_backward, chunk_backward, dtheta_offsets, finish_tokens,
       reduce_params;
+  // The sweep runs instead of chunk_dstate, state_pass_backward and chunk_backward.
+  bool sweep = false;
+  SweepLaunches sweep_kernels;
   // At the fixed shapes chunk_dstate also does the reverse state pass (state_pass_backward is then
   // not launched).
   bool reverse_pass_fused = false;
@@ -519,8 +551,9 @@ struct BackwardLaunches {
 // dQ and dK sums there when they fit; see plan_backward). split_units: chunk_backward's last units
 // that run a block per head (planned_split_units; refused, kInternal, beyond the units, where the
 // plan keeps the dQ and dK sums in the workspace, or at one head a group).
+// sweep: the sweep runs (sweep_applies must hold; split_units is then 0).
 BackwardLaunches backward_launches(const Dims& d, bool tensor_cores, size_t shared_limit,
-                                   ScanChains chains, int split_units = 0);
+                                   ScanChains chains, int split_units = 0, bool sweep = false);
 void run_backward(const BackwardLaunches& launches, bool tensor_cores, bool psiv_cache,
                   const Dims& d, const DevInputs& in, const Work& w, const bf16* dy,
                   const DevGrads& grads, cudaStream_t stream);

@@ -98,11 +98,11 @@ __global__ void state_pass_kernel(Dims d, Work w) {
 }
 
 // y = Σ_r o_r ⊙ silu(z ⊙ mimo_z_r) ⊙ mimo_o_r for the chunk's tokens, o in rows (i, r) of stride
-// ld_o: the epilogue of chunk_output and chunk_forward.
+// ld_o: the epilogue of chunk_output. o itself to gate_in ([B, L, H, R, P] bf16) unless null.
 template <class D>
 static __device__ __forceinline__ void write_gated_output(const D& d, const DevInputs& in,
                                                           const ChunkPos& pos, const float* o,
-                                                          int ld_o, bf16* y) {
+                                                          int ld_o, bf16* y, bf16* gate_in) {
   const int P = d.headdim, R = d.rank;
   constexpr int W = kPassColumnsPerItem<D>;
   for (int idx = threadIdx.x; idx < pos.len * P / W; idx += blockDim.x) {
@@ -115,6 +115,7 @@ static __device__ __forceinline__ void write_gated_output(const D& d, const DevI
       const Bf16Row<W> mimo_z = load_row<W>(in.mimo_z + wr), mimo_o = load_row<W>(in.mimo_o + wr);
       float o_r[W];
       load_floats<W>(o + (i * R + r) * ld_o + p, o_r);
+      if (gate_in != nullptr) store_row(gate_in + (th * R + r) * P + p, round_row<W>(o_r));
 #pragma unroll
       for (int w = 0; w < W; ++w) {
         const float gate = z.at(w) * mimo_z.at(w);
@@ -187,7 +188,7 @@ __global__ void __launch_bounds__(kOutputThreads)
                                     o[i * ld_mp + p] += value + skip * to_f(psiv[i * ld_pv + p]);
                                   });
   __syncthreads();
-  write_gated_output(d, in, pos, o, ld_mp, y);
+  write_gated_output(d, in, pos, o, ld_mp, y, w.gate_in);
 }
 
 // chunk_state, state_pass and chunk_output in one pass (tensor cores): each block computes its
@@ -322,7 +323,7 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
       const float entry_decay = sc[kEntryDecay * C + token];
       const size_t th = token_head(d, pos.b, pos.t0 + (valid ? token : 0), pos.h);
       const size_t wr = (static_cast<size_t>(pos.h) * R + rank) * P;
-      float terms[2][2];  // [half][column]
+      float terms[2][2], outs[2][2];  // [half][column]
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int p = j0 + half * 8 + 2 * t;
@@ -345,6 +346,15 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
               __fadd_rn(intra_part, __fmul_rn(from_entry[half][2 * upper + c], entry_decay));
           const float gate = zs[c] * mzs[c];
           terms[half][c] = out * gate * sigmoidf(gate) * mos[c];
+          outs[half][c] = out;
+        }
+      }
+      if (valid && w.gate_in != nullptr) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          *reinterpret_cast<__nv_bfloat162*>(w.gate_in + (th * R + rank) * P + j0 + half * 8 +
+                                             2 * t) =
+              __floats2bfloat162_rn(outs[half][0], outs[half][1]);
         }
       }
       sum_over_token_ranks(terms, R);

@@ -85,6 +85,9 @@ struct Mamba3Scan {
     // output: ScanDeviceInputs::zv_row_stride), with columns between and after them: the same
     // bits as from their own tensors.
     bool zv_in_a_wider_row = false;
+    // The SISO backward as a sweep (ScanSweep): forced off, the other way's rounding is held to
+    // the oracle too.
+    megacpp::cuda::ScanSweep sweep = megacpp::cuda::ScanSweep::kWherePaying;
   };
   struct Case {
     std::string name;
@@ -247,6 +250,35 @@ struct Mamba3Scan {
           .psiv_cache = true,
           .zv_in_a_wider_row = true}},
         "_ZvInAWiderRowPsivCache");
+    // The SISO backward's two ways at the fixed SISO shape (the sweep where a Hopper GPU has its
+    // shared memory, else chunk_backward both times), each held to the oracle: ragged, a single
+    // short chunk, 128 pairs over many chunks, two groups (q and k summed over each group's 8
+    // heads), and the sweep over a shared backward workspace and with the PsiV cache (their bits
+    // the sweep's own).
+    using megacpp::cuda::ScanSweep;
+    const auto sweep_or_not = [](std::vector<Variant> more = {}) {
+      std::vector<Variant> variants = {
+          {.name = "tensor-core sweep", .sweep = ScanSweep::kAlways},
+          {.name = "tensor-core no sweep", .sweep = ScanSweep::kNever}};
+      variants.insert(variants.end(), more.begin(), more.end());
+      return variants;
+    };
+    add(sized(64, 64, 1, 64, 2, 1000), sweep_or_not(), "_Sweep");
+    add(sized(64, 64, 1, 64, 8, 50), sweep_or_not(), "_Sweep");
+    add(sized(64, 64, 1, 64, 8, 1000), sweep_or_not(), "_Sweep");
+    s = sized(64, 64, 1, 64, 2, 1000);
+    s.groups = 2;
+    add(s, sweep_or_not(), "_Sweep");
+    add(sized(64, 64, 1, 64, 2, 1000),
+        sweep_or_not({{.name = "tensor-core sweep shared-backward",
+                       .same_bits_as = 0,
+                       .shared_backward = true,
+                       .sweep = ScanSweep::kAlways},
+                      {.name = "tensor-core sweep psiv-cache",
+                       .same_bits_as = 0,
+                       .psiv_cache = true,
+                       .sweep = ScanSweep::kAlways}}),
+        "_SweepSharedAndCached");
     return out;
   }
 
@@ -357,12 +389,13 @@ struct Mamba3Scan {
     const ScanShape& sh = c.shape;
     std::shared_ptr<oracle::DeviceBuffer> shared;
     if (v.shared_backward) {
-      shared = std::make_shared<oracle::DeviceBuffer>(Mamba3ScanCuda::backward_workspace_bytes(sh));
+      shared = std::make_shared<oracle::DeviceBuffer>(Mamba3ScanCuda::backward_workspace_bytes(
+          sh, megacpp::cuda::ScanHeadSplit::kWherePaying, v.sweep));
     }
     const auto make_scan = [&] {
-      return std::make_shared<Mamba3ScanCuda>(sh, v.psiv_cache, v.tensor_cores,
-                                              shared ? shared->get() : nullptr,
-                                              shared ? shared->bytes() : 0, v.chains, v.head_split);
+      return std::make_shared<Mamba3ScanCuda>(
+          sh, v.psiv_cache, v.tensor_cores, shared ? shared->get() : nullptr,
+          shared ? shared->bytes() : 0, v.chains, v.head_split, v.sweep);
     };
     const auto scan = make_scan();
     EXPECT_EQ(scan->psiv_bytes() > 0, v.psiv_cache) << "PsiV cache of " << scan->psiv_bytes();
@@ -746,7 +779,8 @@ TEST(Mamba3ScanCudaShapes, RefusesMisalignedBackwardRows) {
 // shapes of a Hopper GPU where the (batch, head) pairs are many enough for its chunk chain to pay
 // (48 at MIMO, 32 at SISO), else three (chunk_state, state_pass, chunk_output), as on the CUDA
 // cores and at other shapes. At the fixed shapes chunk_dstate also does the reverse state pass
-// from 96 pairs; otherwise state_pass_backward follows it.
+// from 96 pairs; otherwise state_pass_backward follows it. At the fixed SISO shape on the tensor
+// cores of a GPU with the sweep's shared memory, the sweep's three kernels replace those.
 TEST(Mamba3ScanCudaShapes, ReportsEveryKernelItLaunches) {
   MEGACPP_REQUIRE_GPU();
   const auto names = [](const ScanShape& shape, bool tensor_cores) {
@@ -774,6 +808,10 @@ TEST(Mamba3ScanCudaShapes, ReportsEveryKernelItLaunches) {
                                          "reduce_params"};
   const auto chained_backward = with({"chunk_dstate"}, tail);
   const auto separate_backward = with({"chunk_dstate", "state_pass_backward"}, tail);
+  const std::vector<std::string> sweep_backward = {"sweep_prep",    "sweep_core",
+                                                   "sweep_finish",  "dtheta_offsets",
+                                                   "finish_tokens", "reduce_params"};
+  const bool sweep_fits = device_shared_per_block() >= megacpp::cuda::scan_sweep_shared_bytes();
   // Hopper's 228 KB of shared memory per SM holds two chunk_forward blocks at both fixed shapes;
   // with less (an A100's 164 KB, or a cap: kSharedMemoryCapVariable) a fixed shape may keep the
   // three kernels.
@@ -799,8 +837,10 @@ TEST(Mamba3ScanCudaShapes, ReportsEveryKernelItLaunches) {
         EXPECT_EQ(fused, forward_chain) << "rank " << rank << ", " << pairs << " pairs";
       }
       const bool backward_chain = pairs >= 96;
-      EXPECT_EQ(
-          got, with(fused ? chained : three, backward_chain ? chained_backward : separate_backward))
+      const bool sweeps = rank == 1 && sweep_fits && pairs >= megacpp::cuda::kSweepLeastPairs;
+      EXPECT_EQ(got, with(fused ? chained : three, sweeps           ? sweep_backward
+                                                   : backward_chain ? chained_backward
+                                                                    : separate_backward))
           << "rank " << rank << ", " << pairs << " pairs";
     }
     fixed.batch = 8;
@@ -814,6 +854,46 @@ TEST(Mamba3ScanCudaShapes, ReportsEveryKernelItLaunches) {
   many.batch = 8;
   EXPECT_EQ(names(many, false), with(three, chained_backward));
   EXPECT_EQ(names(grid_shape(32, 64, 4, 16), true), with(three, separate_backward));
+}
+
+// The sweep runs at the fixed SISO shape with 16 rotation pairs on the tensor cores of a GPU that
+// has its shared memory, from kSweepLeastPairs pairs where paying; nowhere else, and never when
+// forced off. Its parts are among the workspace's where the tensor-core variant would sweep.
+TEST(Mamba3ScanCudaShapes, SweepsTheSisoBackwardWhereItApplies) {
+  MEGACPP_REQUIRE_GPU();
+  using megacpp::cuda::ScanChains;
+  using megacpp::cuda::ScanHeadSplit;
+  using megacpp::cuda::ScanSweep;
+  const bool fits = device_shared_per_block() >= megacpp::cuda::scan_sweep_shared_bytes();
+  ScanShape siso = grid_shape(64, 64, 1, 64);
+  const auto sweeps = [](const ScanShape& s, bool tensor_cores, ScanSweep sweep) {
+    return Mamba3ScanCuda(s, false, tensor_cores, nullptr, 0, ScanChains::kWherePaying,
+                          ScanHeadSplit::kWherePaying, sweep)
+        .sweeps();
+  };
+  EXPECT_EQ(sweeps(siso, true, ScanSweep::kAlways), fits);
+  EXPECT_EQ(sweeps(siso, true, ScanSweep::kWherePaying),
+            fits && siso.batch * siso.heads >= megacpp::cuda::kSweepLeastPairs);
+  EXPECT_FALSE(sweeps(siso, true, ScanSweep::kNever));
+  EXPECT_FALSE(sweeps(siso, false, ScanSweep::kAlways));
+  ScanShape other = siso;
+  other.angles = 8;
+  EXPECT_FALSE(sweeps(other, true, ScanSweep::kAlways));
+  EXPECT_FALSE(sweeps(grid_shape(128, 64, 1, 64), true, ScanSweep::kAlways));
+  EXPECT_FALSE(sweeps(grid_shape(64, 64, 4, 16), true, ScanSweep::kAlways));
+  const size_t with_sweep =
+      Mamba3ScanCuda::backward_workspace_bytes(siso, ScanHeadSplit::kNever, ScanSweep::kAlways);
+  const size_t without =
+      Mamba3ScanCuda::backward_workspace_bytes(siso, ScanHeadSplit::kNever, ScanSweep::kNever);
+  if (fits) {
+    EXPECT_GT(with_sweep, without);
+    EXPECT_GT(Mamba3ScanCuda::own_workspace_bytes(siso, false, true, ScanHeadSplit::kNever,
+                                                  ScanSweep::kAlways),
+              Mamba3ScanCuda::own_workspace_bytes(siso, false, true, ScanHeadSplit::kNever,
+                                                  ScanSweep::kNever));
+  } else {
+    EXPECT_EQ(with_sweep, without);
+  }
 }
 
 // kWherePaying splits the units left over after the last whole wave where the wave of a block per

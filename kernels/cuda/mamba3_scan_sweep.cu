@@ -1,0 +1,936 @@
+// The SISO backward as a sweep (ScanSweep, mamba3_scan.h): at the fixed SISO shape (N = P = 64,
+// R = 1, chunk 64, A = 16 rotation pairs) on the tensor cores, where a block may have the core's
+// shared memory (Hopper), three kernels replace chunk_dstate, the reverse state pass and
+// chunk_backward:
+//   sweep_prep    a block per (chunk, batch, head): the per-token scalars l, κ, γ, the rotation's
+//                 cos θ and sin θ, dO = dy ⊙ silu(z ⊙ mimo_z) ⊙ mimo_o (bf16), dz, mimo_z's and
+//                 mimo_o's partials from the pre-gate output the forward kept (Work::gate_in);
+//   sweep_core    a block of 8 warps per (batch, head) walking the chunks in reverse with
+//                 dL/d(exit state) on chip (the official mamba3_siso_bwd_kernel_dqkv's structure,
+//                 bench/RESULTS.md sessions 32-33), which gives each head's un-rotated dq and dk,
+//                 dv = dL/dPsiV ⊙ mimo_x and mimo_x's partials, dADT, dκ, dγ, dθ and dD;
+//   sweep_finish  a block per (chunk, batch): q and k summed over each group's heads in head
+//                 order, the biases' partials, dθ's chunk totals and the dt/trap terms of dκ and
+//                 dγ;
+// then the common tail (dtheta_offsets, finish_tokens, reduce_params). No floating-point atomics:
+// the bits repeat.
+//
+// The core's mathematics (kernels/cpu/mamba3_scan_chunked.h's notation at R = 1, one (batch, head),
+// chunk c): q̃_t = R(θ_t)(q_t + q_bias) and k̃_t likewise, rounded to bf16 once; l the chunk-local
+// cumulative ADT; weights W_ts = e^{l_t − l_s} κ_s (s < t), γ_t (s = t); E_c the chunk's entry
+// state (fp32, as the forward stores it); X = dL/d(exit state of c); last = C − 1:
+//   o_t     = Σ_{s≤t} (q̃_t·k̃_s) W_ts v_s + e^{l_t} E_c q̃_t + D v_t      (v = PsiV)
+//   E_{c+1} = e^{l_last} E_c + Σ_s e^{l_last − l_s} κ_s v_s k̃_sᵀ
+// and, with dA_ts = dO_t·v_s, S_ts = q̃_t·k̃_s, G_ts = dA_ts S_ts W_ts (s < t):
+//   dq̃_t = Σ_{s≤t} dA_ts W_ts k̃_s + e^{l_t} E_cᵀ dO_t
+//   dk̃_s = Σ_{t≥s} dA_ts W_ts q̃_t + e^{l_last − l_s} κ_s Xᵀ v_s
+//   dv_s  = Σ_{t≥s} S_ts W_ts dO_t + e^{l_last − l_s} κ_s X k̃_s + D dO_s
+//   dl_t  = Σ_{s<t} G_ts − Σ_{u>t} G_ut + e^{l_t} dO_t·(E_c q̃_t) − e^{l_last − l_t} κ_t v_t·(X k̃_t)
+//           + [t = last] (Σ_s e^{l_last − l_s} κ_s v_s·(X k̃_s) + e^{l_last} <E_c, X>);
+//   dADT_u = Σ_{t ≥ u of the chunk} dl_t
+//   dκ_s  = Σ_{t>s} dA_ts S_ts e^{l_t − l_s} + e^{l_last − l_s} v_s·(X k̃_s),  dγ_t = dA_tt S_tt
+//   dq_t = R(θ_t)ᵀ dq̃_t, dθ_t (pair n) = the q and k terms −dq̃_n q̃_{n+N/2} + dq̃_{n+N/2} q̃_n,
+//   dD = Σ_t dO_t·v_t, and X for chunk c − 1: e^{l_last} X + Σ_t e^{l_t} dO_t q̃_tᵀ.
+// Padded tokens of a last, shorter chunk arrive as zeros (q, k, v, dO; κ = γ = 0, adt = 0), so
+// they add nothing anywhere.
+//
+// Precision: chunk_backward_kernel's note holds here too. The rotated q and k are rounded once and
+// used by both sides; every product with the state (E, X, e^{l} dO) takes split hi + lo operands.
+// dO is rounded to bf16 once (as the official kernels do), and every product reads that one value,
+// so the angle gradient's cancelling terms still see the same numbers.
+#include "kernels/cuda/mamba3_scan_device.cuh"
+
+namespace megacpp::cuda::scan_detail {
+namespace {
+
+constexpr int kC = 64, kN = 64, kP = 64, kA = 16;
+// bf16 row stride of every [64][64] operand: ldmatrix rows on distinct banks.
+constexpr int kLd = 72;
+constexpr int kTile = kC * kLd;
+constexpr int kCoreWarps = 8, kCoreThreads = kCoreWarps * 32;
+constexpr int kAngleLd = kA + 1;     // fp32 row stride of the dθ parts
+constexpr int kRotationLd = kA + 4;  // fp32 row stride of cos θ and sin θ: 16-byte copies
+constexpr int kEntryLd = kN + 4;     // fp32 row stride of E_c: the X fragments' reads 2-way, not 8
+
+// Shared memory: two stages of the chunk's q and k (rotated in place once in), v (as it came in),
+// dO (bf16 [C][kLd]), E_c (fp32 [P][kEntryLd]), cos θ, sin θ, l, κ and γ; then PsiV = v ⊙ mimo_x
+// and the split operands (E and X: rows p, columns n; e^{l} dO: rows t, columns p; hi and lo
+// each), the head's mimo_x, and the parts that a chunk's warps leave for the next chunk to finish
+// (two slots: dl's per token, the exit terms, <E, X>, dθ's q and k terms, and mimo_x's column sums
+// of each key warp).
+struct CoreSmem {
+  bf16 q[2][kTile], k[2][kTile], v[2][kTile], d_out[2][kTile];
+  float entry[2][kP * kEntryLd];
+  float cos_theta[2][kC * kRotationLd], sin_theta[2][kC * kRotationLd];
+  float log_decay[2][kC], kappa[2][kC], gamma[2][kC];
+  bf16 psiv[kTile];
+  bf16 e_hi[kTile], e_lo[kTile], x_hi[kTile], x_lo[kTile], ds_hi[kTile], ds_lo[kTile];
+  float mimo_x[kP];
+  float dl_query[2][kC], dl_key[2][kC], exit_terms[2][kC], dot_total[2];
+  float d_theta[2][2][kC * kAngleLd];
+  float mimo_x_parts[2][4][kP];
+  float dot_parts[4];
+};
+
+// The padded token count of a (batch, head): chunks · C (the sweep's own buffers hold whole
+// chunks).
+__host__ __device__ inline size_t padded_tokens(const Dims& d) {
+  return static_cast<size_t>(d.chunks) * kC;
+}
+
+// ---------------------------------------------------------------------------------
+// sweep_prep
+
+constexpr int kPrepThreads = 256;
+
+__global__ void __launch_bounds__(kPrepThreads)
+    sweep_prep_kernel(Dims d, DevInputs in, Work w, const bf16* dy, DevGrads grads) {
+  const int c = blockIdx.x, bh = blockIdx.y, b = bh / d.heads, h = bh % d.heads;
+  const int t0 = c * kC, len = min(kC, d.seqlen - t0);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const size_t Tp = padded_tokens(d), pairs = static_cast<size_t>(d.batch) * d.heads;
+  const size_t token_base = static_cast<size_t>(bh) * Tp + t0;
+
+  // θ of pair j at token i = θ at the chunk's start + Σ_{k ≤ i} tanh(angle_k,j)·DT_k·π, summed
+  // as load_scalars sums it (a scan of 32 lanes, a carry between the two groups); padded tokens
+  // get cos 1, sin 0.
+  // Every load of a warp's steps is issued before the first is used (a warp's steps would
+  // otherwise wait on one load after another).
+  constexpr int kWarps = kPrepThreads / 32, kPairsPerWarp = kA / kWarps, kGroups = kC / 32;
+  static_assert(kPairsPerWarp * kWarps == kA);
+  bf16 angles[kPairsPerWarp][kGroups], dts[kGroups];
+  float starts[kPairsPerWarp];
+#pragma unroll
+  for (int group = 0; group < kGroups; ++group) {
+    const int i = 32 * group + lane;
+    const bool valid = i < len;
+    const size_t token = static_cast<size_t>(b) * d.seqlen + t0 + (valid ? i : 0);
+    dts[group] = valid ? in.dt[token * d.heads + h] : __float2bfloat16(0.f);
+#pragma unroll
+    for (int pair = 0; pair < kPairsPerWarp; ++pair) {
+      angles[pair][group] =
+          valid ? in.angles[token * kA + warp + kWarps * pair] : __float2bfloat16(0.f);
+    }
+  }
+#pragma unroll
+  for (int pair = 0; pair < kPairsPerWarp; ++pair) {
+    starts[pair] = w.theta0[(static_cast<size_t>(bh) * d.chunks + c) * kA + warp + kWarps * pair];
+  }
+  float* cos_out = w.sweep_rotation + token_base * kA;
+  float* sin_out = cos_out + pairs * Tp * kA;
+#pragma unroll
+  for (int pair = 0; pair < kPairsPerWarp; ++pair) {
+    const int j = warp + kWarps * pair;
+    float carry = starts[pair];
+#pragma unroll
+    for (int group = 0; group < kGroups; ++group) {
+      const int i = 32 * group + lane;
+      // 0 for padded tokens (their angle and DT loaded as zeros).
+      float inclusive = tanhf(to_f(angles[pair][group])) * to_f(dts[group]) * kPi;
+#pragma unroll
+      for (int offset = 1; offset < 32; offset <<= 1) {
+        const float other = __shfl_up_sync(0xffffffffu, inclusive, offset);
+        if (lane >= offset) inclusive += other;
+      }
+      float cs = 1.f, sn = 0.f;
+      if (i < len) sincosf(carry + inclusive, &sn, &cs);
+      cos_out[i * kA + j] = cs;
+      sin_out[i * kA + j] = sn;
+      carry += __shfl_sync(0xffffffffu, inclusive, 31);
+    }
+  }
+  // l (the prefix of adt), κ and γ, as load_scalars makes them.
+  if (warp == kWarps - 1) {
+    struct TokenLoads {
+      bf16 adt, dt, trap, next_trap, next_dt;
+    };
+    TokenLoads loads[kGroups];
+#pragma unroll
+    for (int group = 0; group < kGroups; ++group) {
+      const int i = 32 * group + lane;
+      const bf16 zero = __float2bfloat16(0.f);
+      loads[group] = {zero, zero, zero, zero, zero};
+      if (i < len) {
+        const size_t th = token_head(d, b, t0 + i, h);
+        loads[group].adt = in.adt[th];
+        loads[group].dt = in.dt[th];
+        loads[group].trap = in.trap[th];
+        if (t0 + i + 1 < d.seqlen) {
+          loads[group].next_trap = in.trap[th + d.heads];
+          loads[group].next_dt = in.dt[th + d.heads];
+        }
+      }
+    }
+    float* l_out = w.sweep_scalars + token_base;
+    float* kappa_out = l_out + pairs * Tp;
+    float* gamma_out = kappa_out + pairs * Tp;
+    float log_carry = 0.f;
+#pragma unroll
+    for (int group = 0; group < kGroups; ++group) {
+      const int i = 32 * group + lane;
+      const TokenLoads& t = loads[group];
+      float kappa = 0.f, gamma = 0.f;
+      if (i < len) {
+        const float tau = sigmoidf(to_f(t.trap));
+        gamma = tau * to_f(t.dt);
+        kappa = gamma;
+        if (t0 + i + 1 < d.seqlen) kappa += (1.f - sigmoidf(to_f(t.next_trap))) * to_f(t.next_dt);
+      }
+      float inclusive = to_f(t.adt);
+#pragma unroll
+      for (int offset = 1; offset < 32; offset <<= 1) {
+        const float other = __shfl_up_sync(0xffffffffu, inclusive, offset);
+        if (lane >= offset) inclusive += other;
+      }
+      l_out[i] = log_carry + inclusive;
+      kappa_out[i] = kappa;
+      gamma_out[i] = gamma;
+      log_carry += __shfl_sync(0xffffffffu, inclusive, 31);
+    }
+  }
+
+  // The gating's backward: a thread's eight columns p … p + 7 (16-byte rows) of tokens row and
+  // row + 32; mimo_z's and mimo_o's terms summed over a warp's four rows of each column (lanes
+  // 8 apart), then over the warps in order.
+  __shared__ float sums[2][kPrepThreads / 32][kP];
+  constexpr int W = 8;
+  const int p = W * (lane % W), row = threadIdx.x / W;
+  const size_t wr = static_cast<size_t>(h) * kP + p;
+  const Bf16Row<W> mimo_z = load_row<W>(in.mimo_z + wr), mimo_o = load_row<W>(in.mimo_o + wr);
+  float sum_z[W] = {}, sum_o[W] = {};
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int i = row + 32 * half;
+    if (i >= len) break;
+    const size_t th = token_head(d, b, t0 + i, h);
+    const Bf16Row<W> dy_row = load_row<W>(dy + th * kP + p);
+    const Bf16Row<W> z_row = load_row<W>(in.z + zv_row(d, in, b, t0 + i, h) + p);
+    const Bf16Row<W> o_row = load_row<W>(w.gate_in + th * kP + p);
+    float d_out[W], dz[W];
+#pragma unroll
+    for (int e = 0; e < W; ++e) {
+      const float dy_e = dy_row.at(e), z = z_row.at(e), o = o_row.at(e);
+      const float mz = mimo_z.at(e), mo = mimo_o.at(e);
+      const float gate = z * mz, sig = sigmoidf(gate), silu = gate * sig;
+      d_out[e] = dy_e * silu * mo;
+      sum_o[e] += dy_e * o * silu;
+      const float d_gate = dy_e * o * mo * sig * (1.f + gate * (1.f - sig));
+      dz[e] = d_gate * mz;
+      sum_z[e] += d_gate * z;
+    }
+    store_row(w.sweep_d_out + th * kP + p, round_row<W>(d_out));
+    store_row(grads.z + th * kP + p, round_row<W>(dz));
+  }
+#pragma unroll
+  for (int e = 0; e < W; ++e) {
+    float z = sum_z[e], o = sum_o[e];
+    z += __shfl_xor_sync(0xffffffffu, z, 8);
+    z += __shfl_xor_sync(0xffffffffu, z, 16);
+    o += __shfl_xor_sync(0xffffffffu, o, 8);
+    o += __shfl_xor_sync(0xffffffffu, o, 16);
+    if (lane < W) {
+      sums[0][warp][p + e] = z;
+      sums[1][warp][p + e] = o;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < 2 * kP) {
+    const int which = threadIdx.x / kP, column = threadIdx.x % kP;
+    float total = 0.f;
+    for (int x = 0; x < kPrepThreads / 32; ++x) total += sums[which][x][column];
+    const size_t slot = static_cast<size_t>(b) * d.chunks + c;
+    const size_t slots = static_cast<size_t>(d.batch) * d.chunks;
+    // mimo_z's terms after the biases' and mimo_x's, then mimo_o's (reduce_params' layout).
+    float* partial = w.partials + (static_cast<size_t>(h) * slots + slot) * d.partial_width;
+    partial[2 * kN + (1 + which) * kP + column] = total;
+  }
+}
+
+// ---------------------------------------------------------------------------------
+// sweep_core
+
+// lane's ldmatrix row address within a 16×16 operand block, as accumulate_tile (common.cuh) takes
+// it: A [m][k] non-transposed, B as [n][k] non-transposed, B as [k][n] transposed, A as [k][m]
+// transposed.
+struct LaneAddress {
+  int a_row, a_col, bn_row, bn_col, bt_row, bt_col, at_row, at_col;
+  __device__ explicit LaneAddress(int lane) {
+    const int lo8 = lane % 8, second = (lane / 8) % 2, upper = lane / 16;
+    a_row = lo8 + 8 * second, a_col = 8 * upper;
+    bn_row = lo8 + 8 * upper, bn_col = 8 * second;
+    bt_row = lo8 + 8 * second, bt_col = 8 * upper;
+    at_row = lo8 + 8 * upper, at_col = 8 * second;
+  }
+};
+
+// acc[8][4] (16 rows × 64 columns, eight n-tiles) += A(16 rows from r0 of `a`, [m][k]) × Bᵀ where
+// `b` holds B as [n][k] (rows n): both non-transposed, k = 64; only the 16-column blocks first …
+// last (the causal mask's nonzero ones; the others are left as they are).
+__device__ __forceinline__ void rows_times_rows(float (&acc)[8][4], const bf16* a, int r0,
+                                                const bf16* b, const LaneAddress& at, int first,
+                                                int last) {
+#pragma unroll
+  for (int k0 = 0; k0 < 64; k0 += 16) {
+    uint32_t af[4];
+    ldmatrix_x4<false>(af, a + (r0 + at.a_row) * kLd + k0 + at.a_col);
+#pragma unroll
+    for (int n0 = 0; n0 < 64; n0 += 16) {
+      if (n0 / 16 < first || n0 / 16 > last) continue;
+      uint32_t bf[4];
+      ldmatrix_x4<false>(bf, b + (n0 + at.bn_row) * kLd + k0 + at.bn_col);
+      mma_bf16_16816(acc[n0 / 8], af, bf[0], bf[1]);
+      mma_bf16_16816(acc[n0 / 8 + 1], af, bf[2], bf[3]);
+    }
+  }
+}
+
+// acc[8][4] += A(16 rows from r0) × B, B held as [k][n] (`b`): B transposed by ldmatrix, k = 64.
+// `a` holds A as [m][k], or with kTransposedA as [k][m] (A's rows are then its columns r0 …).
+template <bool kTransposedA = false>
+__device__ __forceinline__ void rows_times_cols(float (&acc)[8][4], const bf16* a, int r0,
+                                                const bf16* b, const LaneAddress& at) {
+#pragma unroll
+  for (int k0 = 0; k0 < 64; k0 += 16) {
+    uint32_t af[4];
+    ldmatrix_x4<kTransposedA>(af, kTransposedA ? a + (k0 + at.at_row) * kLd + r0 + at.at_col
+                                               : a + (r0 + at.a_row) * kLd + k0 + at.a_col);
+#pragma unroll
+    for (int n0 = 0; n0 < 64; n0 += 16) {
+      uint32_t bf[4];
+      ldmatrix_x4<true>(bf, b + (k0 + at.bt_row) * kLd + n0 + at.bt_col);
+      mma_bf16_16816(acc[n0 / 8], af, bf[0], bf[1]);
+      mma_bf16_16816(acc[n0 / 8 + 1], af, bf[2], bf[3]);
+    }
+  }
+}
+
+// acc[8][4] += F × B where F (16 × 64, k = the chunk's tokens) is in registers as C fragments
+// (f[8][4], rounded to bf16 here) and B is held as [k][n] (`b`): transposed by ldmatrix; only the
+// k blocks of 16 first … last (F is zero elsewhere).
+__device__ __forceinline__ void frags_times_cols(float (&acc)[8][4], const float (&f)[8][4],
+                                                 const bf16* b, const LaneAddress& at, int first,
+                                                 int last) {
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    if (kk < first || kk > last) continue;
+    const uint32_t af[4] = {pack_bf16(f[2 * kk][0], f[2 * kk][1]),
+                            pack_bf16(f[2 * kk][2], f[2 * kk][3]),
+                            pack_bf16(f[2 * kk + 1][0], f[2 * kk + 1][1]),
+                            pack_bf16(f[2 * kk + 1][2], f[2 * kk + 1][3])};
+#pragma unroll
+    for (int n0 = 0; n0 < 64; n0 += 16) {
+      uint32_t bf[4];
+      ldmatrix_x4<true>(bf, b + (16 * kk + at.bt_row) * kLd + n0 + at.bt_col);
+      mma_bf16_16816(acc[n0 / 8], af, bf[0], bf[1]);
+      mma_bf16_16816(acc[n0 / 8 + 1], af, bf[2], bf[3]);
+    }
+  }
+}
+
+__device__ __forceinline__ void zero(float (&acc)[8][4]) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+}
+
+// One side's two score tiles for its 16 rows from r0: scores = A Bᵀ (rotated q and k, one way or
+// the other) and d_scores = C Dᵀ (dO and PsiV, the same way), unweighted.
+__device__ __forceinline__ void score_tiles(float (&scores)[8][4], float (&d_scores)[8][4],
+                                            const bf16* a, const bf16* b, const bf16* c,
+                                            const bf16* d, int r0, const LaneAddress& at) {
+  zero(scores);
+  zero(d_scores);
+  rows_times_rows(scores, a, r0, b, at, 0, 3);
+  rows_times_rows(d_scores, c, r0, d, at, 0, 3);
+}
+
+// The four lanes of a quad hold one row's columns: their sum, in every lane of the quad.
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  x += __shfl_xor_sync(0xffffffffu, x, 2);
+  return x;
+}
+
+// acc = A (16 rows from r0 of `a`, [t][p]) × a state held as [p][n] (hi + lo parts), and each
+// row's dot with `rows` (the same tokens' rotated q or k): dl's state term for the row before its
+// scale.
+__device__ __forceinline__ void state_product(float (&acc)[8][4], float (&dots)[2], const bf16* a,
+                                              const bf16* hi, const bf16* lo, const bf16* rows,
+                                              int r0, int g, int c4, const LaneAddress& at) {
+  zero(acc);
+  rows_times_cols(acc, a, r0, hi, at);
+  rows_times_cols(acc, a, r0, lo, at);
+  dots[0] = dots[1] = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int t = r0 + g + 8 * (e / 2), n = 8 * j + 2 * c4 + e % 2;
+      dots[e / 2] += acc[j][e] * to_f(rows[t * kLd + n]);
+    }
+  }
+}
+
+// dθ's terms of the rows r0 … r0 + 15 into d_theta_part, and acc (dL/d(rotated) of those rows, all
+// columns) un-rotated in place: w.r.t. q or k as they came in. `rotated` holds the rotated rows
+// as rounded (the values every product used). A thread's columns n and n + N/2 are its tiles j and
+// j + 4, so each pair is in one thread.
+__device__ __forceinline__ void unrotate(float (&acc)[8][4], const bf16* rotated,
+                                         const float* cos_theta, const float* sin_theta,
+                                         float* d_theta_part, int r0, int g, int c4) {
+#pragma unroll
+  for (int j = 0; j < kA / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int t = r0 + g + 8 * (e / 2), n = 8 * j + 2 * c4 + e % 2;
+      const float d_first = acc[j][e], d_second = acc[j + 4][e];
+      const float first = to_f(rotated[t * kLd + n]), second = to_f(rotated[t * kLd + n + kN / 2]);
+      d_theta_part[t * kAngleLd + n] = d_second * first - d_first * second;
+      const float c = cos_theta[t * kRotationLd + n], s = sin_theta[t * kRotationLd + n];
+      acc[j][e] = d_first * c + d_second * s;
+      acc[j + 4][e] = d_second * c - d_first * s;
+    }
+  }
+}
+
+// The rows r0 … r0 + 15 of acc (all 64 columns) to a [B][chunks · C][H][64] fp32 tensor.
+__device__ __forceinline__ void store_rows(float* to, const float (&acc)[8][4], size_t first_row,
+                                           int heads, int r0, int g, int c4) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const size_t row = first_row + static_cast<size_t>(r0 + g + 8 * half) * heads;
+      *reinterpret_cast<float2*>(to + row * 64 + 8 * j + 2 * c4) =
+          make_float2(acc[j][2 * half], acc[j][2 * half + 1]);
+    }
+  }
+}
+
+// Warps 0-3 are the query side (rows of 16 tokens: dq and dγ, and X's 16 rows each), warps 4-7
+// the key side (dk, dv, dκ): a scheduler (warp % 4) holds query block i, whose causal work grows
+// with i, and key block i, whose work shrinks with it. Every score block is computed (the causal
+// mask's zero blocks too: skipping them measured no gain, bench/RESULTS.md session 32).
+__global__ void __launch_bounds__(kCoreThreads, 1)
+    sweep_core_kernel(Dims d, DevInputs in, Work w, DevGrads grads) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  CoreSmem& sm = *reinterpret_cast<CoreSmem*>(smem_raw);
+  const int h = blockIdx.x, b = blockIdx.y;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c4 = lane % 4;
+  const int H = d.heads, T = d.seqlen, chunks = d.chunks;
+  const size_t Tp = padded_tokens(d), pairs = static_cast<size_t>(d.batch) * H;
+  const LaneAddress at(lane);
+  const bool query_side = warp < 4;
+  const int r0 = 16 * (warp % 4);
+  float x[8][4];  // query warps: X's rows r0 … r0 + 15, all 64 columns
+  zero(x);
+  const size_t bh = static_cast<size_t>(b) * H + h;
+  const float skip = to_f(in.d[h]);
+  float d_skip = 0.f;
+  // A thread rotates the pairs (n, n + N/2) of column n = lane in rows warp, warp + 8, ...
+  const float q_bias[2] = {to_f(in.q_bias[h * kN + lane]), to_f(in.q_bias[h * kN + lane + kN / 2])};
+  const float k_bias[2] = {to_f(in.k_bias[h * kN + lane]), to_f(in.k_bias[h * kN + lane + kN / 2])};
+  if (threadIdx.x < kP) sm.mimo_x[threadIdx.x] = to_f(in.mimo_x[h * kP + threadIdx.x]);
+
+  // A thread's copies are the same rows of every chunk: row thread / 8 (and + 32) of each of q,
+  // k, v, dO, its 16-byte part thread % 8 (zeros past the sequence); E's quads thread, + 256, ...;
+  // cos θ's and sin θ's quad thread; l, κ, γ by 48 threads.
+  const int copy_row = threadIdx.x / 8, copy_part = threadIdx.x % 8;
+  const int qk_row_stride = d.groups * kN;
+  const bf16* q_source = in.q + (h / d.heads_per_group) * kN + copy_part * 8;
+  const bf16* k_source = in.k + (h / d.heads_per_group) * kN + copy_part * 8;
+  const bf16* v_source = in.v + static_cast<size_t>(h) * kP + copy_part * 8;
+  const bf16* o_source = w.sweep_d_out + static_cast<size_t>(h) * kP + copy_part * 8;
+  const float* cos_source = w.sweep_rotation + bh * Tp * kA;
+  const float* sin_source = cos_source + pairs * Tp * kA;
+  const auto load_chunk = [&](int c, int stage) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = copy_row + 32 * half, t = c * kC + row;
+      const bool valid = t < T;
+      const size_t token = static_cast<size_t>(b) * T + (valid ? t : 0);
+      const int to = row * kLd + copy_part * 8;
+      copy_16_async(sm.q[stage] + to, q_source + token * qk_row_stride, valid);
+      copy_16_async(sm.k[stage] + to, k_source + token * qk_row_stride, valid);
+      copy_16_async(sm.v[stage] + to, v_source + token * in.zv_stride, valid);
+      copy_16_async(sm.d_out[stage] + to, o_source + token * H * kP, valid);
+    }
+    const float* entry = w.states + (bh * chunks + c) * kP * kN;
+#pragma unroll
+    for (int i = 0; i < kP * kN / 4 / kCoreThreads; ++i) {
+      const int quad = threadIdx.x + i * kCoreThreads, row = quad / (kN / 4),
+                col = quad % (kN / 4) * 4;
+      copy_16_async(sm.entry[stage] + row * kEntryLd + col, entry + quad * 4, true);
+    }
+    {
+      const int row = threadIdx.x / (kA / 4), col = threadIdx.x % (kA / 4) * 4;
+      const size_t from = (static_cast<size_t>(c) * kC + row) * kA + col;
+      copy_16_async(sm.cos_theta[stage] + row * kRotationLd + col, cos_source + from, true);
+      copy_16_async(sm.sin_theta[stage] + row * kRotationLd + col, sin_source + from, true);
+    }
+    if (threadIdx.x < 48) {
+      const int which = threadIdx.x / 16, part = threadIdx.x % 16;
+      float* target = which == 0   ? sm.log_decay[stage]
+                      : which == 1 ? sm.kappa[stage]
+                                   : sm.gamma[stage];
+      copy_16_async(target + part * 4,
+                    w.sweep_scalars + which * pairs * Tp + bh * Tp + c * kC + part * 4, true);
+    }
+    commit_copies();
+  };
+
+  // Chunk c's per-token results from the parts its warps left in slot c % 2: dθ (the q and k
+  // terms added; the four query warps), and dl, the last token's with the chunk's exit terms and
+  // e^{l_last} <E_c, X>, its suffix sums within the chunk being dADT (warp 0; a fixed order).
+  const auto finish_chunk = [&](int c) {
+    const int slot = c % 2;
+    const int t0 = c * kC, len = min(kC, T - t0);
+    for (int item = threadIdx.x; item < len * kA; item += 128) {
+      const int t = item / kA, n = item % kA;
+      w.dtheta[(bh * T + t0 + t) * kA + n] =
+          sm.d_theta[slot][0][t * kAngleLd + n] + sm.d_theta[slot][1][t * kAngleLd + n];
+    }
+    if (threadIdx.x < kP) {
+      const float* parts = &sm.mimo_x_parts[slot][0][threadIdx.x];
+      const size_t slots = static_cast<size_t>(d.batch) * chunks;
+      w.partials[(static_cast<size_t>(h) * slots + static_cast<size_t>(b) * chunks + c) *
+                     d.partial_width +
+                 2 * kN + threadIdx.x] = parts[0] + parts[kP] + parts[2 * kP] + parts[3 * kP];
+    }
+    if (warp != 0) return;
+    const float exit_total = warp_sum(sm.exit_terms[slot][lane] + sm.exit_terms[slot][lane + 32]);
+    const float first = sm.dl_query[slot][lane] + sm.dl_key[slot][lane];
+    float second = sm.dl_query[slot][lane + 32] + sm.dl_key[slot][lane + 32];
+    if (lane == 31) second += exit_total + sm.dot_total[slot];
+    float later = second;
+#pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+      const float y = __shfl_down_sync(0xffffffffu, later, offset);
+      if (lane + offset < 32) later += y;
+    }
+    const float second_total = __shfl_sync(0xffffffffu, later, 0);
+    float earlier = first;
+#pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+      const float y = __shfl_down_sync(0xffffffffu, earlier, offset);
+      if (lane + offset < 32) earlier += y;
+    }
+    if (lane < len) w.tok_dadt[token_head(d, b, t0 + lane, h)] = earlier + second_total;
+    if (lane + 32 < len) w.tok_dadt[token_head(d, b, t0 + lane + 32, h)] = later;
+  };
+
+  load_chunk(chunks - 1, (chunks - 1) % 2);
+  for (int c = chunks - 1; c >= 0; --c) {
+    const int stage = c % 2, slot = c % 2;
+    const size_t first_row = (static_cast<size_t>(b) * Tp + static_cast<size_t>(c) * kC) * H + h;
+    const int t0 = c * kC;
+    wait_copies<0>();
+    // Barrier 1: the stage is in; every read of chunk c + 1's operands and parts is done.
+    __syncthreads();
+    if (c > 0) load_chunk(c - 1, (c - 1) % 2);
+    bf16 *q = sm.q[stage], *k = sm.k[stage];
+    const bf16 *v = sm.psiv, *v_in = sm.v[stage], *d_out = sm.d_out[stage];
+    const float *l = sm.log_decay[stage], *kappa = sm.kappa[stage], *gamma = sm.gamma[stage];
+    const float* entry = sm.entry[stage];
+    const float l_last = l[kC - 1];
+    const float *cos_theta = sm.cos_theta[stage], *sin_theta = sm.sin_theta[stage];
+    const bf16 *x_hi = sm.x_hi, *x_lo = sm.x_lo;
+
+    // The chunk's operands: X split from the query warps' registers (with <E_c, X>, X the
+    // gradient of this chunk's exit state); q and k rotated in place; E and e^{l} dO split.
+    if (query_side) {
+      float dot = 0.f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int col = 8 * j + 2 * c4;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int row = r0 + g + 8 * half;
+          const float x0 = x[j][2 * half], x1 = x[j][2 * half + 1];
+          const float2 e = *reinterpret_cast<const float2*>(entry + row * kEntryLd + col);
+          dot += x0 * e.x + x1 * e.y;
+          uint32_t hi, lo;
+          split_bf16(x0, x1, hi, lo);
+          *reinterpret_cast<uint32_t*>(sm.x_hi + row * kLd + col) = hi;
+          *reinterpret_cast<uint32_t*>(sm.x_lo + row * kLd + col) = lo;
+        }
+      }
+      dot = warp_sum(dot);
+      if (lane == 0) sm.dot_parts[warp] = dot;
+    }
+    for (int t = warp; t < kC; t += kCoreWarps) {
+      const int n = lane;
+      const bool token = t0 + t < T;  // padded rows stay zero
+      const float q_first = to_f(q[t * kLd + n]) + (token ? q_bias[0] : 0.f);
+      const float q_second = to_f(q[t * kLd + n + kN / 2]) + (token ? q_bias[1] : 0.f);
+      const float k_first = to_f(k[t * kLd + n]) + (token ? k_bias[0] : 0.f);
+      const float k_second = to_f(k[t * kLd + n + kN / 2]) + (token ? k_bias[1] : 0.f);
+      float c_ = 1.f, s_ = 0.f;
+      if (n < kA) {
+        c_ = cos_theta[t * kRotationLd + n];
+        s_ = sin_theta[t * kRotationLd + n];
+      }
+      q[t * kLd + n] = __float2bfloat16(q_first * c_ - q_second * s_);
+      q[t * kLd + n + kN / 2] = __float2bfloat16(q_first * s_ + q_second * c_);
+      k[t * kLd + n] = __float2bfloat16(k_first * c_ - k_second * s_);
+      k[t * kLd + n + kN / 2] = __float2bfloat16(k_first * s_ + k_second * c_);
+    }
+    for (int item = threadIdx.x; item < kP * kN / 2; item += kCoreThreads) {
+      const int row = item / (kN / 2), col = item % (kN / 2) * 2;
+      const float2 e = *reinterpret_cast<const float2*>(entry + row * kEntryLd + col);
+      const float scale = __expf(l[row]);
+      const float s0 = to_f(d_out[row * kLd + col]) * scale;
+      const float s1 = to_f(d_out[row * kLd + col + 1]) * scale;
+      uint32_t hi, lo;
+      split_bf16(e.x, e.y, hi, lo);
+      *reinterpret_cast<uint32_t*>(sm.e_hi + row * kLd + col) = hi;
+      *reinterpret_cast<uint32_t*>(sm.e_lo + row * kLd + col) = lo;
+      split_bf16(s0, s1, hi, lo);
+      *reinterpret_cast<uint32_t*>(sm.ds_hi + row * kLd + col) = hi;
+      *reinterpret_cast<uint32_t*>(sm.ds_lo + row * kLd + col) = lo;
+      // PsiV as the forward rounds it (PsivLoader): zeros for padded tokens, whose v is zero.
+      const float2 raw =
+          __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(v_in + row * kLd + col));
+      *reinterpret_cast<__nv_bfloat162*>(sm.psiv + row * kLd + col) =
+          __floats2bfloat162_rn(raw.x * sm.mimo_x[col], raw.y * sm.mimo_x[col + 1]);
+    }
+    // Barrier 2: the operands and the dot's parts are in.
+    __syncthreads();
+
+    if (query_side) {
+      // Chunk c + 1's parts are complete (barrier 1); the query warps, with the lighter share of
+      // the causal work, finish them.
+      if (c + 1 < chunks) finish_chunk(c + 1);
+      if (warp == 0) {
+        sm.dot_total[slot] = __expf(l_last) * (sm.dot_parts[0] + sm.dot_parts[1] + sm.dot_parts[2] +
+                                               sm.dot_parts[3]);
+      }
+      // S = Q̃ K̃ᵀ and dA = dO Vᵀ for the warp's 16 query rows, weighted by W; G's row sums and dγ.
+      float s[8][4], da[8][4];
+      score_tiles(s, da, q, k, d_out, v, r0, at);
+      float dl_rows[2] = {0.f, 0.f}, d_gamma[2] = {0.f, 0.f};
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int t = r0 + g + 8 * (e / 2), u = 8 * j + 2 * c4 + e % 2;
+          const float product = da[j][e] * s[j][e];
+          float weight = 0.f;
+          if (u < t) {
+            weight = __expf(l[t] - l[u]) * kappa[u];
+            dl_rows[e / 2] += product * weight;
+          } else if (u == t) {
+            weight = gamma[t];
+            d_gamma[e / 2] += product;
+          }
+          da[j][e] *= weight;
+        }
+      }
+      // dq̃: the state's part first (its dot with q̃ is dl's inter term), then the chunk's.
+      float acc[8][4];
+      float inter[2];
+      state_product(acc, inter, d_out, sm.e_hi, sm.e_lo, q, r0, g, c4, at);
+      float scale[2];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int t = r0 + g + 8 * half;
+        scale[half] = __expf(l[t]);
+        dl_rows[half] = quad_sum(dl_rows[half] + scale[half] * inter[half]);
+        d_gamma[half] = quad_sum(d_gamma[half]);
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] *= scale[e / 2];
+      }
+      frags_times_cols(acc, da, k, at, 0, 3);
+      unrotate(acc, q, cos_theta, sin_theta, sm.d_theta[slot][0], r0, g, c4);
+      store_rows(w.sweep_dq, acc, first_row, H, r0, g, c4);
+      if (c4 == 0) {
+        sm.dl_query[slot][r0 + g] = dl_rows[0];
+        sm.dl_query[slot][r0 + g + 8] = dl_rows[1];
+        float* d_gamma_out = w.sweep_scalars + 3 * pairs * Tp + bh * Tp + t0;
+        d_gamma_out[r0 + g] = d_gamma[0];
+        d_gamma_out[r0 + g + 8] = d_gamma[1];
+      }
+      // X for chunk c − 1: e^{l_last} X + (e^{l} dO)ᵀ Q̃, the warp's 16 rows.
+      float update[8][4];
+      zero(update);
+      rows_times_cols<true>(update, sm.ds_hi, r0, q, at);
+      rows_times_cols<true>(update, sm.ds_lo, r0, q, at);
+      const float decay = __expf(l_last);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) x[j][e] = decay * x[j][e] + update[j][e];
+      }
+    } else {
+      // Sᵀ = K̃ Q̃ᵀ and dAᵀ = V dOᵀ for the warp's 16 key rows, weighted by Wᵀ; dκ's chunk part.
+      float st[8][4], dat[8][4];
+      score_tiles(st, dat, k, q, v, d_out, r0, at);
+      float dl_rows[2] = {0.f, 0.f}, d_kappa[2] = {0.f, 0.f};
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int s_row = r0 + g + 8 * (e / 2), u = 8 * j + 2 * c4 + e % 2;
+          const float product = dat[j][e] * st[j][e];
+          float weight = 0.f;
+          if (u > s_row) {
+            const float decay = __expf(l[u] - l[s_row]);
+            d_kappa[e / 2] += product * decay;
+            weight = decay * kappa[s_row];
+            dl_rows[e / 2] -= product * weight;
+          } else if (u == s_row) {
+            weight = gamma[s_row];
+          }
+          st[j][e] *= weight;
+          dat[j][e] *= weight;
+        }
+      }
+      // dk̃: Xᵀ v's part first (its dot with k̃ is dl's and dκ's exit term), then the chunk's.
+      float acc[8][4];
+      float exit_term[2];
+      state_product(acc, exit_term, v, x_hi, x_lo, k, r0, g, c4, at);
+      float scale[2];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int s_row = r0 + g + 8 * half;
+        const float exit_decay = __expf(l_last - l[s_row]);
+        scale[half] = exit_decay * kappa[s_row];
+        const float raw = quad_sum(exit_term[half]);
+        const float term = scale[half] * raw;
+        dl_rows[half] = quad_sum(dl_rows[half]) - term;
+        d_kappa[half] = quad_sum(d_kappa[half]) + exit_decay * raw;
+        if (c4 == 0) {
+          sm.exit_terms[slot][s_row] = term;
+          sm.dl_key[slot][s_row] = dl_rows[half];
+          if (t0 + s_row < T) w.tok_dkappa[token_head(d, b, t0 + s_row, h)] = d_kappa[half];
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] *= scale[e / 2];
+      }
+      frags_times_cols(acc, dat, q, at, 0, 3);
+      unrotate(acc, k, cos_theta, sin_theta, sm.d_theta[slot][1], r0, g, c4);
+      store_rows(w.sweep_dk, acc, first_row, H, r0, g, c4);
+      // dL/dPsiV: X k̃'s part (X's rows p are B's rows n), the chunk's, and D's.
+      zero(acc);
+      rows_times_rows(acc, k, r0, x_hi, at, 0, 3);
+      rows_times_rows(acc, k, r0, x_lo, at, 0, 3);
+      float own[2] = {0.f, 0.f};
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int s_row = r0 + g + 8 * (e / 2), p = 8 * j + 2 * c4 + e % 2;
+          const float o = to_f(d_out[s_row * kLd + p]);
+          own[e / 2] += o * to_f(v[s_row * kLd + p]);
+          acc[j][e] = acc[j][e] * scale[e / 2] + skip * o;
+        }
+      }
+      frags_times_cols(acc, st, d_out, at, 0, 3);
+      // dv = dL/dPsiV ⊙ mimo_x, and mimo_x's terms dL/dPsiV ⊙ v summed over the warp's 16 rows,
+      // left for finish_chunk to add over the key warps.
+      bf16* v_rows[2];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int t = t0 + r0 + g + 8 * half;
+        v_rows[half] = t < T ? grads.v + token_head(d, b, t, h) * kP + 2 * c4 : nullptr;
+      }
+      float column_sums[16];  // [j][column of the pair]: columns 8j + 2 c4 (+ 1)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int p = 8 * j + 2 * c4;
+        const float2 mimo_x = make_float2(sm.mimo_x[p], sm.mimo_x[p + 1]);
+        column_sums[2 * j] = column_sums[2 * j + 1] = 0.f;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int s_row = r0 + g + 8 * half;
+          const float2 raw =
+              __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(v_in + s_row * kLd + p));
+          column_sums[2 * j] += acc[j][2 * half] * raw.x;
+          column_sums[2 * j + 1] += acc[j][2 * half + 1] * raw.y;
+          if (v_rows[half] != nullptr) {
+            *reinterpret_cast<__nv_bfloat162*>(v_rows[half] + 8 * j) =
+                __floats2bfloat162_rn(acc[j][2 * half] * mimo_x.x, acc[j][2 * half + 1] * mimo_x.y);
+          }
+        }
+      }
+      // The sums over the rows (lanes g, bits 2-4 of the lane) by halving: each exchange keeps the
+      // half of the values its lane's bit selects and adds the partner's copy of them, so after
+      // three steps lane (g, c4) holds the whole sums of j = g (14 shuffles, not 48).
+#pragma unroll
+      for (int step = 0; step < 3; ++step) {
+        const int width = 8 >> step, mask = 16 >> step;
+        const bool upper = (lane & mask) != 0;
+#pragma unroll
+        for (int i = 0; i < width; ++i) {
+          const float send = upper ? column_sums[i] : column_sums[i + width];
+          const float keep = upper ? column_sums[i + width] : column_sums[i];
+          column_sums[i] = keep + __shfl_xor_sync(0xffffffffu, send, mask);
+        }
+      }
+      sm.mimo_x_parts[slot][warp - 4][8 * g + 2 * c4] = column_sums[0];
+      sm.mimo_x_parts[slot][warp - 4][8 * g + 2 * c4 + 1] = column_sums[1];
+      d_skip += quad_sum(own[0]) + quad_sum(own[1]);
+    }
+  }
+  __syncthreads();
+  if (query_side) {
+    finish_chunk(0);
+  } else {
+    // Each quad's lanes hold the same sums: lane 0 of each quad counts them once.
+    d_skip = warp_sum(c4 == 0 ? d_skip : 0.f);
+    if (lane == 0) sm.dot_parts[warp - 4] = d_skip;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    // dD's partial of the pair, in its chunk 0 slot (sweep_finish zeroes the other chunks').
+    const size_t slots = static_cast<size_t>(d.batch) * chunks;
+    w.partials[(static_cast<size_t>(h) * slots + static_cast<size_t>(b) * chunks + 1) *
+                   d.partial_width -
+               1] = sm.dot_parts[0] + sm.dot_parts[1] + sm.dot_parts[2] + sm.dot_parts[3];
+  }
+}
+
+// ---------------------------------------------------------------------------------
+// sweep_finish
+
+constexpr int kFinishThreads = 256;
+
+__global__ void __launch_bounds__(kFinishThreads)
+    sweep_finish_kernel(Dims d, DevInputs in, Work w, DevGrads grads) {
+  // Each head's q and k gradients summed over the chunk's tokens (the biases' partials), per half
+  // of the chunk: [2 halves][q, k][H][N].
+  extern __shared__ float bias_sums[];
+  const int c = blockIdx.x, b = blockIdx.y, H = d.heads, G = d.groups,
+            per_group = d.heads_per_group;
+  const int t0 = c * kC, len = min(kC, d.seqlen - t0);
+  const size_t Tp = padded_tokens(d), pairs = static_cast<size_t>(d.batch) * H;
+  const size_t slots = static_cast<size_t>(d.batch) * d.chunks;
+  const size_t slot = static_cast<size_t>(b) * d.chunks + c;
+  // One pass over the heads' gradients: a thread's column n of q's or k's, for half the chunk's
+  // tokens. Each group's heads added in head order, the first to zero; each head's into its
+  // column of bias_sums.
+  {
+    const int half = threadIdx.x / 128, which = threadIdx.x / 64 % 2, n = threadIdx.x % 64;
+    const float* from = (which == 0 ? w.sweep_dq : w.sweep_dk) + n;
+    bf16* to = (which == 0 ? grads.q : grads.k) + n;
+    float* mine = bias_sums + static_cast<size_t>(half * 2 + which) * H * kN + n;
+    for (int h = 0; h < H; ++h) mine[h * kN] = 0.f;
+    const int last = min(len, 32 * half + 32);
+    for (int i = 32 * half; i < last; ++i) {
+      const float* row = from + (static_cast<size_t>(b) * Tp + t0 + i) * H * 64;
+      for (int g = 0; g < G; ++g) {
+        float sum = 0.f;
+#pragma unroll 8
+        for (int hg = 0; hg < per_group; ++hg) {
+          const int h = g * per_group + hg;
+          const float x = row[h * 64];
+          sum += x;
+          mine[h * kN] += x;
+        }
+        to[((static_cast<size_t>(b) * d.seqlen + t0 + i) * G + g) * kN] = __float2bfloat16(sum);
+      }
+    }
+  }
+  __syncthreads();
+  for (int item = threadIdx.x; item < 2 * H * kN; item += kFinishThreads) {
+    const int which = item / (H * kN), h = item / kN % H, n = item % kN;
+    const float total = bias_sums[static_cast<size_t>(which) * H * kN + h * kN + n] +
+                        bias_sums[static_cast<size_t>(2 + which) * H * kN + h * kN + n];
+    float* partial = w.partials + (static_cast<size_t>(h) * slots + slot) * d.partial_width;
+    partial[which * kN + n] = total;
+    // dD's partial is the pair's whole sum in its chunk 0 slot (sweep_core).
+    if (which == 0 && n == 0 && c > 0) partial[d.partial_width - 1] = 0.f;
+  }
+  // dθ's chunk totals, for dtheta_offsets.
+  for (int item = threadIdx.x; item < H * kA; item += kFinishThreads) {
+    const int h = item / kA, j = item % kA;
+    const size_t bh = static_cast<size_t>(b) * H + h;
+    float total = 0.f;
+    for (int i = 0; i < len; ++i) total += w.dtheta[(bh * d.seqlen + t0 + i) * kA + j];
+    w.dtheta_tot[(bh * d.chunks + c) * kA + j] = total;
+  }
+  // dt's and trap's terms of dγ and dκ (γ_t = τ_t DT_t, κ_t = τ_t DT_t + ...): finish_tokens adds
+  // the κ_{t−1} and angle terms.
+  for (int item = threadIdx.x; item < len * H; item += kFinishThreads) {
+    const int i = item / H, h = item % H;
+    const size_t th = token_head(d, b, t0 + i, h);
+    const size_t bh = static_cast<size_t>(b) * H + h;
+    const float d_gamma = w.sweep_scalars[3 * pairs * Tp + bh * Tp + t0 + i];
+    const float both = d_gamma + w.tok_dkappa[th];
+    w.tok_ddt[th] = both * sigmoidf(to_f(in.trap[th]));
+    w.tok_dtau[th] = both * to_f(in.dt[th]);
+  }
+}
+
+// sweep_finish's dynamic shared memory: the biases' partial sums, [2 halves][q, k][H][N].
+size_t finish_shared_bytes(const Dims& d) {
+  return 4 * static_cast<size_t>(d.heads) * kN * sizeof(float);
+}
+
+}  // namespace
+
+bool sweep_applies(const Dims& d, bool tensor_cores, size_t shared_per_block) {
+  return tensor_cores && d.state == kN && d.headdim == kP && d.rank == 1 && d.chunk == kC &&
+         d.angles == kA && shared_per_block >= sizeof(CoreSmem) &&
+         shared_per_block >= finish_shared_bytes(d);
+}
+
+size_t sweep_core_shared_bytes() {
+  return sizeof(CoreSmem);
+}
+
+SweepFloats sweep_floats(const Dims& d) {
+  const size_t pairs = static_cast<size_t>(d.batch) * d.heads, Tp = padded_tokens(d);
+  const size_t per_token = static_cast<size_t>(d.batch) * d.seqlen * d.heads * kP;
+  SweepFloats f;
+  f.gate_in = per_token / 2;
+  f.d_out = per_token / 2;
+  f.scalars = 4 * pairs * Tp;
+  f.rotation = 2 * pairs * Tp * kA;
+  f.per_head = pairs * Tp * 64;
+  return f;
+}
+
+SweepLaunches sweep_launches(const Dims& d) {
+  const unsigned bh = static_cast<unsigned>(d.batch * d.heads);
+  const unsigned chunks = static_cast<unsigned>(d.chunks);
+  SweepLaunches l;
+  l.prep = {
+      "sweep_prep", kernel_address(&sweep_prep_kernel), dim3(chunks, bh), dim3(kPrepThreads), {}};
+  SmemPlan core{};
+  core.total = sizeof(CoreSmem);
+  l.core = {"sweep_core", kernel_address(&sweep_core_kernel),
+            dim3(static_cast<unsigned>(d.heads), static_cast<unsigned>(d.batch)),
+            dim3(kCoreThreads), core};
+  SmemPlan finish{};
+  finish.total = finish_shared_bytes(d);
+  l.finish = {"sweep_finish", kernel_address(&sweep_finish_kernel),
+              dim3(chunks, static_cast<unsigned>(d.batch)), dim3(kFinishThreads), finish};
+  return l;
+}
+
+void run_sweep(const SweepLaunches& launches, const Dims& d, const DevInputs& in, const Work& w,
+               const bf16* dy, const DevGrads& grads, cudaStream_t stream) {
+  {
+    const Launch& l = launches.prep;
+    sweep_prep_kernel<<<l.grid, l.block, 0, stream>>>(d, in, w, dy, grads);
+    MEGACPP_CUDA_CHECK_LAUNCH(l.name);
+  }
+  {
+    const Launch& l = launches.core;
+    sweep_core_kernel<<<l.grid, l.block, l.smem.total, stream>>>(d, in, w, grads);
+    MEGACPP_CUDA_CHECK_LAUNCH(l.name);
+  }
+  {
+    const Launch& l = launches.finish;
+    sweep_finish_kernel<<<l.grid, l.block, l.smem.total, stream>>>(d, in, w, grads);
+    MEGACPP_CUDA_CHECK_LAUNCH(l.name);
+  }
+}
+
+}  // namespace megacpp::cuda::scan_detail
