@@ -313,7 +313,7 @@ namespace {
 // (the chunk chains' tickets and flags, zeroed before each use by forward() and backward()), which
 // must not be shared: a scan sharing the temporaries may run its forward between this one's
 // forward and backward. The rest are backward()'s temporaries (several scans may share them).
-constexpr int kParts = 20;
+constexpr int kParts = 19;
 constexpr int kForwardParts = 5;
 
 // split_units: chunk_backward's units that run a block per head (planned_split_units); sweep: the
@@ -331,7 +331,7 @@ std::array<size_t, kParts> part_sizes(const Dims& d, int split_units, bool sweep
       B * H * chunks,           // decay
       chain_order_ints(d),      // order (ints)
       f.gate_in,                // gate_in (bf16)
-      B * H * chunks * matrix,  // gstates (the sweep's dq: the same size)
+      B * H * chunks * matrix,  // gstates (the sweep's dq and dk, bf16: the same size)
       qk,                       // dq_acc
       qk,                       // dk_acc
       B * H * L * A,            // dtheta
@@ -345,7 +345,6 @@ std::array<size_t, kParts> part_sizes(const Dims& d, int split_units, bool sweep
       f.d_out,                                                // sweep_d_out (bf16)
       f.scalars,                                              // sweep_scalars
       f.rotation,                                             // sweep_rotation
-      f.per_head,                                             // sweep_dk
   };
 }
 
@@ -507,8 +506,9 @@ Mamba3ScanCuda::Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache, boo
     w.sweep_d_out = reinterpret_cast<bf16*>(parts[16]);
     w.sweep_scalars = parts[17];
     w.sweep_rotation = parts[18];
-    w.sweep_dq = w.gstates;
-    w.sweep_dk = parts[19];
+    // Each head's dq and dk, bf16, in gstates' space (B·H·chunks·P·N floats at P = N = C).
+    w.sweep_dq = reinterpret_cast<bf16*>(w.gstates);
+    w.sweep_dk = w.sweep_dq + static_cast<size_t>(d.batch) * d.heads * d.chunks * d.chunk * d.state;
   }
   // The parameter stage: the arena's last bytes, each tensor's slot a multiple of 256 bytes.
   unsigned char* stage = static_cast<unsigned char*>(arena_) + own + psiv_bytes_;

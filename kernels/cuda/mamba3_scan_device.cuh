@@ -434,8 +434,8 @@ struct Work {
   bf16* sweep_d_out;      // [B, L, H, P] dL/do, rounded once
   float* sweep_scalars;   // [4][B, H, chunks · C] l, κ, γ, then dL/dγ
   float* sweep_rotation;  // [2][B, H, chunks · C, A] cos θ, then sin θ
-  float* sweep_dq;        // [B, chunks · C, H, N] each head's dL/dq (in gstates' space)
-  float* sweep_dk;        // [B, chunks · C, H, N] each head's dL/dk
+  bf16* sweep_dq;         // [B, chunks · C, H, N] each head's dL/dq, then its dL/dk: both in
+  bf16* sweep_dk;         //   gstates' space
 };
 
 // Work::order's length in ints: the ticket counter, then a ready flag per (batch, head, chunk).
@@ -522,7 +522,7 @@ struct SweepLaunches {
 };
 // Floats of the sweep's workspace parts (Work's sweep fields; bf16 ones as half as many floats).
 struct SweepFloats {
-  size_t gate_in = 0, d_out = 0, scalars = 0, rotation = 0, per_head = 0;
+  size_t gate_in = 0, d_out = 0, scalars = 0, rotation = 0;
 };
 // Whether the sweep computes `d`'s backward: the fixed SISO shape with 16 rotation pairs, on the
 // tensor cores, where a block may have sweep_core's shared memory (Hopper: about 214 KB).

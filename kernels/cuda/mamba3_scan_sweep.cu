@@ -37,7 +37,8 @@
 // Precision: chunk_backward_kernel's note holds here too. The rotated q and k are rounded once and
 // used by both sides; every product with the state (E, X, e^{l} dO) takes split hi + lo operands.
 // dO is rounded to bf16 once (as the official kernels do), and every product reads that one value,
-// so the angle gradient's cancelling terms still see the same numbers.
+// so the angle gradient's cancelling terms still see the same numbers. Each head's dq and dk (not
+// dθ, which the core sums in fp32) are rounded to bf16 before the sums over heads and tokens.
 #include "kernels/cuda/mamba3_scan_device.cuh"
 
 namespace megacpp::cuda::scan_detail {
@@ -83,7 +84,7 @@ __host__ __device__ inline size_t padded_tokens(const Dims& d) {
 
 constexpr int kPrepThreads = 256;
 
-__global__ void __launch_bounds__(kPrepThreads)
+__global__ void __launch_bounds__(kPrepThreads, 4)
     sweep_prep_kernel(Dims d, DevInputs in, Work w, const bf16* dy, DevGrads grads) {
   const int c = blockIdx.x, bh = blockIdx.y, b = bh / d.heads, h = bh % d.heads;
   const int t0 = c * kC, len = min(kC, d.seqlen - t0);
@@ -392,16 +393,16 @@ __device__ __forceinline__ void unrotate(float (&acc)[8][4], const bf16* rotated
   }
 }
 
-// The rows r0 … r0 + 15 of acc (all 64 columns) to a [B][chunks · C][H][64] fp32 tensor.
-__device__ __forceinline__ void store_rows(float* to, const float (&acc)[8][4], size_t first_row,
+// The rows r0 … r0 + 15 of acc (all 64 columns) to a [B][chunks · C][H][64] bf16 tensor.
+__device__ __forceinline__ void store_rows(bf16* to, const float (&acc)[8][4], size_t first_row,
                                            int heads, int r0, int g, int c4) {
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
+  for (int half = 0; half < 2; ++half) {
+    bf16* row = to + (first_row + static_cast<size_t>(r0 + g + 8 * half) * heads) * 64 + 2 * c4;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const size_t row = first_row + static_cast<size_t>(r0 + g + 8 * half) * heads;
-      *reinterpret_cast<float2*>(to + row * 64 + 8 * j + 2 * c4) =
-          make_float2(acc[j][2 * half], acc[j][2 * half + 1]);
+    for (int j = 0; j < 8; ++j) {
+      *reinterpret_cast<__nv_bfloat162*>(row + 8 * j) =
+          __floats2bfloat162_rn(acc[j][2 * half], acc[j][2 * half + 1]);
     }
   }
 }
@@ -816,19 +817,19 @@ __global__ void __launch_bounds__(kFinishThreads)
   // column of bias_sums.
   {
     const int half = threadIdx.x / 128, which = threadIdx.x / 64 % 2, n = threadIdx.x % 64;
-    const float* from = (which == 0 ? w.sweep_dq : w.sweep_dk) + n;
+    const bf16* from = (which == 0 ? w.sweep_dq : w.sweep_dk) + n;
     bf16* to = (which == 0 ? grads.q : grads.k) + n;
     float* mine = bias_sums + static_cast<size_t>(half * 2 + which) * H * kN + n;
     for (int h = 0; h < H; ++h) mine[h * kN] = 0.f;
     const int last = min(len, 32 * half + 32);
     for (int i = 32 * half; i < last; ++i) {
-      const float* row = from + (static_cast<size_t>(b) * Tp + t0 + i) * H * 64;
+      const bf16* row = from + (static_cast<size_t>(b) * Tp + t0 + i) * H * 64;
       for (int g = 0; g < G; ++g) {
         float sum = 0.f;
 #pragma unroll 8
         for (int hg = 0; hg < per_group; ++hg) {
           const int h = g * per_group + hg;
-          const float x = row[h * 64];
+          const float x = to_f(row[h * 64]);
           sum += x;
           mine[h * kN] += x;
         }
@@ -892,7 +893,6 @@ SweepFloats sweep_floats(const Dims& d) {
   f.d_out = per_token / 2;
   f.scalars = 4 * pairs * Tp;
   f.rotation = 2 * pairs * Tp * kA;
-  f.per_head = pairs * Tp * 64;
   return f;
 }
 
