@@ -314,7 +314,7 @@ namespace {
 // must not be shared: a scan sharing the temporaries may run its forward between this one's
 // forward and backward. The rest are backward()'s temporaries (several scans may share them).
 constexpr int kParts = 19;
-constexpr int kForwardParts = 5;
+constexpr int kForwardParts = 7;
 
 // split_units: chunk_backward's units that run a block per head (planned_split_units); sweep: the
 // sweep's parts are sized (either math variant may run it: sweep_planned).
@@ -331,6 +331,8 @@ std::array<size_t, kParts> part_sizes(const Dims& d, int split_units, bool sweep
       B * H * chunks,           // decay
       chain_order_ints(d),      // order (ints)
       f.gate_in,                // gate_in (bf16)
+      f.scalars,                // sweep_scalars (the forward's l, κ, γ; the backward's dγ)
+      f.rotation,               // sweep_rotation (the forward's cos θ and sin θ)
       B * H * chunks * matrix,  // gstates (the sweep's dq and dk, bf16: the same size)
       qk,                       // dq_acc
       qk,                       // dk_acc
@@ -343,8 +345,6 @@ std::array<size_t, kParts> part_sizes(const Dims& d, int split_units, bool sweep
       H * B * chunks * static_cast<size_t>(d.partial_width),  // partials
       scan_detail::split_qk_floats(d, split_units),           // split_qk
       f.d_out,                                                // sweep_d_out (bf16)
-      f.scalars,                                              // sweep_scalars
-      f.rotation,                                             // sweep_rotation
   };
 }
 
@@ -489,23 +489,23 @@ Mamba3ScanCuda::Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache, boo
   w.states = parts[1];
   w.decay = parts[2];
   w.order = reinterpret_cast<int*>(parts[3]);
-  w.gstates = parts[5];
-  w.dq_acc = parts[6];
-  w.dk_acc = parts[7];
-  w.dtheta = parts[8];
-  w.dtheta_tot = parts[9];
-  w.tok_dadt = parts[10];
-  w.tok_ddt = parts[11];
-  w.tok_dtau = parts[12];
-  w.tok_dkappa = parts[13];
-  w.partials = parts[14];
-  w.split_qk = buffers_->backward.split.split_units > 0 ? parts[15] : nullptr;
+  w.gstates = parts[7];
+  w.dq_acc = parts[8];
+  w.dk_acc = parts[9];
+  w.dtheta = parts[10];
+  w.dtheta_tot = parts[11];
+  w.tok_dadt = parts[12];
+  w.tok_ddt = parts[13];
+  w.tok_dtau = parts[14];
+  w.tok_dkappa = parts[15];
+  w.partials = parts[16];
+  w.split_qk = buffers_->backward.split.split_units > 0 ? parts[17] : nullptr;
   w.psiv = psiv_cache ? reinterpret_cast<bf16*>(cursor) : nullptr;
   if (sweeps_) {
     w.gate_in = reinterpret_cast<bf16*>(parts[4]);
-    w.sweep_d_out = reinterpret_cast<bf16*>(parts[16]);
-    w.sweep_scalars = parts[17];
-    w.sweep_rotation = parts[18];
+    w.sweep_scalars = parts[5];
+    w.sweep_rotation = parts[6];
+    w.sweep_d_out = reinterpret_cast<bf16*>(parts[18]);
     // Each head's dq and dk, bf16, in gstates' space (B·H·chunks·P·N floats at P = N = C).
     w.sweep_dq = reinterpret_cast<bf16*>(w.gstates);
     w.sweep_dk = w.sweep_dq + static_cast<size_t>(d.batch) * d.heads * d.chunks * d.chunk * d.state;

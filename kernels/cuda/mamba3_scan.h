@@ -115,7 +115,8 @@ enum class ScanHeadSplit { kWherePaying, kAlways, kNever };
 // run as a sweep (kernels/cuda/mamba3_scan_sweep.cu): a block per (batch, head) walks its chunks
 // in reverse with dL/d(state) on chip, the official SISO kernels' structure, instead of
 // chunk_dstate, the reverse state pass and chunk_backward (a block per chunk). The forward then
-// also keeps its output before the gating (bf16, B·L·H·P) for the backward. kWherePaying runs it
+// also keeps for the backward its output before the gating (bf16, B·L·H·P), the per-token
+// scalars and the rotation's cos θ and sin θ (fp32, B·H·L·(4 + 2A) at most). kWherePaying runs it
 // from kSweepLeastPairs (batch, head) pairs: a block each walks all its chunks, so with fewer the
 // SMs idle (on an H200 at seqlen 8192 and 16 heads: the backward 40% faster at 128 pairs, 7% at
 // 64, 72% slower at 32; bench/RESULTS.md session 33); kAlways wherever it applies; kNever nowhere.

@@ -432,8 +432,8 @@ struct Work {
   // chunk's 64 tokens, chunks · C the padded token count of a (batch, head).
   bf16* gate_in;          // [B, L, H, P] o before the gating: forward() keeps it for backward()
   bf16* sweep_d_out;      // [B, L, H, P] dL/do, rounded once
-  float* sweep_scalars;   // [4][B, H, chunks · C] l, κ, γ, then dL/dγ
-  float* sweep_rotation;  // [2][B, H, chunks · C, A] cos θ, then sin θ
+  float* sweep_scalars;   // [4][B, H, chunks · C] l, κ, γ (forward() keeps them), then dL/dγ
+  float* sweep_rotation;  // [2][B, H, chunks · C, A] cos θ, then sin θ (forward() keeps them)
   bf16* sweep_dq;         // [B, chunks · C, H, N] each head's dL/dq, then its dL/dk: both in
   bf16* sweep_dk;         //   gstates' space
 };

@@ -126,6 +126,31 @@ static __device__ __forceinline__ void write_gated_output(const D& d, const DevI
   }
 }
 
+// Where the sweep backward will run (Work::sweep_rotation not null): the chunk's cos θ, sin θ, l,
+// κ and γ as load_scalars made them, in the layouts Work gives, for sweep_core (which then reads
+// the values the forward used).
+template <class D>
+static __device__ void keep_sweep_scalars(const D& d, const Work& w, const ChunkPos& pos,
+                                          const float* sc, const float* cosv, const float* sinv) {
+  if (w.sweep_rotation == nullptr) return;
+  const int C = d.chunk, A = d.angles, ld_a = angles_stride(A);
+  const size_t pairs = static_cast<size_t>(d.batch) * d.heads;
+  const size_t padded = static_cast<size_t>(d.chunks) * C;
+  const size_t first = (static_cast<size_t>(pos.b) * d.heads + pos.h) * padded + pos.t0;
+  float* cos_out = w.sweep_rotation + first * A;
+  float* sin_out = cos_out + pairs * padded * A;
+  for (int idx = threadIdx.x; idx < C * A; idx += blockDim.x) {
+    const int i = d.by_angles.div(idx), j = d.by_angles.mod(idx);
+    cos_out[idx] = cosv[i * ld_a + j];
+    sin_out[idx] = sinv[i * ld_a + j];
+  }
+  for (int idx = threadIdx.x; idx < 3 * C; idx += blockDim.x) {
+    const int which = idx / C, i = idx % C;
+    const int scalar = which == 0 ? kLog : which == 1 ? kKappa : kGamma;
+    w.sweep_scalars[which * pairs * padded + first + i] = sc[scalar * C + i];
+  }
+}
+
 // o = e^{l} Q Eᵀ + (QKᵀ ⊙ W) V + D v, y = Σ_r o_r ⊙ silu(z ⊙ mimo_z_r) ⊙ mimo_o_r.
 template <bool kTensor, class D>
 __global__ void __launch_bounds__(kOutputThreads)
@@ -146,6 +171,7 @@ __global__ void __launch_bounds__(kOutputThreads)
   const int ld_w = weights_stride(C);
   const size_t bhc = (static_cast<size_t>(pos.b) * d.heads + pos.h) * d.chunks + pos.c;
   load_scalars(d, in, w, pos, sc, cosv, sinv);
+  keep_sweep_scalars(d, w, pos, sc, cosv, sinv);
   const SmemStrides ld = strides_of<D>(plan);
   const int ld_qk = ld.qk, ld_pv = ld.pv, ld_state = ld.state;
   const int ld_mp = ld.mp;
@@ -230,6 +256,7 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
   const int ld_qk = ld.qk, ld_pv = ld.pv, ld_sw = ld.sw;
   const int ld_split = plan.ld_split;
   load_scalars(d, in, w, pos, sc, cosv, sinv);
+  keep_sweep_scalars(d, w, pos, sc, cosv, sinv);
   load_rotated_qk(d, in, pos, cosv, sinv, q_rot, k_rot, ld_qk);
   load_psiv(d, in, pos, w.psiv, false, write_psiv, psiv, ld_pv);
   fill_weights(d, sc, weights);

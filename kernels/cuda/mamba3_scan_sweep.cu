@@ -2,9 +2,10 @@
 // R = 1, chunk 64, A = 16 rotation pairs) on the tensor cores, where a block may have the core's
 // shared memory (Hopper), three kernels replace chunk_dstate, the reverse state pass and
 // chunk_backward:
-//   sweep_prep    a block per (chunk, batch, head): the per-token scalars l, κ, γ, the rotation's
-//                 cos θ and sin θ, dO = dy ⊙ silu(z ⊙ mimo_z) ⊙ mimo_o (bf16), dz, mimo_z's and
-//                 mimo_o's partials from the pre-gate output the forward kept (Work::gate_in);
+//   sweep_prep    a block per (chunk, batch, head): dO = dy ⊙ silu(z ⊙ mimo_z) ⊙ mimo_o (bf16),
+//                 dz, mimo_z's and mimo_o's partials, from the pre-gate output the forward kept
+//                 (Work::gate_in; the forward also kept the per-token scalars l, κ, γ and the
+//                 rotation's cos θ and sin θ, as its load_scalars made them);
 //   sweep_core    a block of 8 warps per (batch, head) walking the chunks in reverse with
 //                 dL/d(exit state) on chip (the official mamba3_siso_bwd_kernel_dqkv's structure,
 //                 bench/RESULTS.md sessions 32-33), which gives each head's un-rotated dq and dk,
@@ -89,106 +90,6 @@ __global__ void __launch_bounds__(kPrepThreads, 4)
   const int c = blockIdx.x, bh = blockIdx.y, b = bh / d.heads, h = bh % d.heads;
   const int t0 = c * kC, len = min(kC, d.seqlen - t0);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const size_t Tp = padded_tokens(d), pairs = static_cast<size_t>(d.batch) * d.heads;
-  const size_t token_base = static_cast<size_t>(bh) * Tp + t0;
-
-  // θ of pair j at token i = θ at the chunk's start + Σ_{k ≤ i} tanh(angle_k,j)·DT_k·π, summed
-  // as load_scalars sums it (a scan of 32 lanes, a carry between the two groups); padded tokens
-  // get cos 1, sin 0.
-  // Every load of a warp's steps is issued before the first is used (a warp's steps would
-  // otherwise wait on one load after another).
-  constexpr int kWarps = kPrepThreads / 32, kPairsPerWarp = kA / kWarps, kGroups = kC / 32;
-  static_assert(kPairsPerWarp * kWarps == kA);
-  bf16 angles[kPairsPerWarp][kGroups], dts[kGroups];
-  float starts[kPairsPerWarp];
-#pragma unroll
-  for (int group = 0; group < kGroups; ++group) {
-    const int i = 32 * group + lane;
-    const bool valid = i < len;
-    const size_t token = static_cast<size_t>(b) * d.seqlen + t0 + (valid ? i : 0);
-    dts[group] = valid ? in.dt[token * d.heads + h] : __float2bfloat16(0.f);
-#pragma unroll
-    for (int pair = 0; pair < kPairsPerWarp; ++pair) {
-      angles[pair][group] =
-          valid ? in.angles[token * kA + warp + kWarps * pair] : __float2bfloat16(0.f);
-    }
-  }
-#pragma unroll
-  for (int pair = 0; pair < kPairsPerWarp; ++pair) {
-    starts[pair] = w.theta0[(static_cast<size_t>(bh) * d.chunks + c) * kA + warp + kWarps * pair];
-  }
-  float* cos_out = w.sweep_rotation + token_base * kA;
-  float* sin_out = cos_out + pairs * Tp * kA;
-#pragma unroll
-  for (int pair = 0; pair < kPairsPerWarp; ++pair) {
-    const int j = warp + kWarps * pair;
-    float carry = starts[pair];
-#pragma unroll
-    for (int group = 0; group < kGroups; ++group) {
-      const int i = 32 * group + lane;
-      // 0 for padded tokens (their angle and DT loaded as zeros).
-      float inclusive = tanhf(to_f(angles[pair][group])) * to_f(dts[group]) * kPi;
-#pragma unroll
-      for (int offset = 1; offset < 32; offset <<= 1) {
-        const float other = __shfl_up_sync(0xffffffffu, inclusive, offset);
-        if (lane >= offset) inclusive += other;
-      }
-      float cs = 1.f, sn = 0.f;
-      if (i < len) sincosf(carry + inclusive, &sn, &cs);
-      cos_out[i * kA + j] = cs;
-      sin_out[i * kA + j] = sn;
-      carry += __shfl_sync(0xffffffffu, inclusive, 31);
-    }
-  }
-  // l (the prefix of adt), κ and γ, as load_scalars makes them.
-  if (warp == kWarps - 1) {
-    struct TokenLoads {
-      bf16 adt, dt, trap, next_trap, next_dt;
-    };
-    TokenLoads loads[kGroups];
-#pragma unroll
-    for (int group = 0; group < kGroups; ++group) {
-      const int i = 32 * group + lane;
-      const bf16 zero = __float2bfloat16(0.f);
-      loads[group] = {zero, zero, zero, zero, zero};
-      if (i < len) {
-        const size_t th = token_head(d, b, t0 + i, h);
-        loads[group].adt = in.adt[th];
-        loads[group].dt = in.dt[th];
-        loads[group].trap = in.trap[th];
-        if (t0 + i + 1 < d.seqlen) {
-          loads[group].next_trap = in.trap[th + d.heads];
-          loads[group].next_dt = in.dt[th + d.heads];
-        }
-      }
-    }
-    float* l_out = w.sweep_scalars + token_base;
-    float* kappa_out = l_out + pairs * Tp;
-    float* gamma_out = kappa_out + pairs * Tp;
-    float log_carry = 0.f;
-#pragma unroll
-    for (int group = 0; group < kGroups; ++group) {
-      const int i = 32 * group + lane;
-      const TokenLoads& t = loads[group];
-      float kappa = 0.f, gamma = 0.f;
-      if (i < len) {
-        const float tau = sigmoidf(to_f(t.trap));
-        gamma = tau * to_f(t.dt);
-        kappa = gamma;
-        if (t0 + i + 1 < d.seqlen) kappa += (1.f - sigmoidf(to_f(t.next_trap))) * to_f(t.next_dt);
-      }
-      float inclusive = to_f(t.adt);
-#pragma unroll
-      for (int offset = 1; offset < 32; offset <<= 1) {
-        const float other = __shfl_up_sync(0xffffffffu, inclusive, offset);
-        if (lane >= offset) inclusive += other;
-      }
-      l_out[i] = log_carry + inclusive;
-      kappa_out[i] = kappa;
-      gamma_out[i] = gamma;
-      log_carry += __shfl_sync(0xffffffffu, inclusive, 31);
-    }
-  }
 
   // The gating's backward: a thread's eight columns p … p + 7 (16-byte rows) of tokens row and
   // row + 32; mimo_z's and mimo_o's terms summed over a warp's four rows of each column (lanes
