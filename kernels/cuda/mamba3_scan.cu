@@ -424,29 +424,29 @@ Mamba3ScanCuda::Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache, boo
       tensor_cores_(tensor_cores),
       chains_(chains),
       head_split_(head_split),
-      sweep_(sweep) {
+      sweep_policy_(sweep) {
   MEGACPP_CUDA_CHECK(cudaGetDevice(&device_));
   const SharedMemoryLimits shared = shared_memory_limits(device_);
   const ops::ScanShape planned = scan_detail::planned_shape(shape, shared);
   planned_chunk_ = planned.chunk;
   const Dims d = scan_detail::dims_of(planned);
   scan_detail::raise_shared_limits(d, shared, chains);
-  // This variant's split, and the workspace's: the larger of both variants' (as
-  // backward_workspace_bytes sizes it), each planned once.
-  // The sweep's parts are sized wherever the tensor-core variant would sweep (as
-  // backward_workspace_bytes and own_workspace_bytes size them), and used where this one does.
-  sweeps_ = scan_detail::sweep_planned(d, tensor_cores, shared, sweep);
+  // The workspace is sized as backward_workspace_bytes and own_workspace_bytes size it: for the
+  // split units of either variant (the larger), and with the sweep's parts wherever the
+  // tensor-core variant would sweep; this scan uses what its own plan needs (no split units
+  // where it sweeps).
+  runs_sweep_ = scan_detail::sweep_planned(d, tensor_cores, shared, sweep);
   const bool workspace_sweep = scan_detail::sweep_planned(d, true, shared, sweep);
-  const int split_units =
-      sweeps_ ? 0 : scan_detail::planned_split_units(d, tensor_cores, shared, head_split);
+  const int own_split = scan_detail::planned_split_units(d, tensor_cores, shared, head_split);
+  const int split_units = runs_sweep_ ? 0 : own_split;
   const int workspace_split =
-      std::max(split_units, scan_detail::planned_split_units(d, !tensor_cores, shared, head_split));
+      std::max(own_split, scan_detail::planned_split_units(d, !tensor_cores, shared, head_split));
   const std::array<size_t, kParts> sizes = part_sizes(d, workspace_split, workspace_sweep);
   const size_t backward_needed = bytes_of_parts(sizes, kForwardParts, kParts);
   if (backward_workspace != nullptr && backward_bytes < backward_needed) {
     refuse(ErrorKind::kInvalidArgument,
-           "Mamba3ScanCuda: the shared backward workspace has {} bytes, backward_workspace_bytes "
-           "is {}",
+           "Mamba3ScanCuda: the shared backward workspace has {} bytes; this shape needs {} "
+           "(backward_workspace_bytes with the same head_split and sweep as this scan's)",
            backward_bytes, backward_needed);
   }
   // The state passes move four floats at a time.
@@ -464,7 +464,7 @@ Mamba3ScanCuda::Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache, boo
   buffers_->dims = d;
   buffers_->forward = scan_detail::forward_launches(d, tensor_cores, shared.per_sm, chains);
   buffers_->backward = scan_detail::backward_launches(d, tensor_cores, shared.per_block, chains,
-                                                      split_units, sweeps_);
+                                                      split_units, runs_sweep_);
   unsigned char* cursor = static_cast<unsigned char*>(arena_);
   float* parts[kParts];
   for (int i = 0; i < kParts; ++i) {
@@ -501,7 +501,7 @@ Mamba3ScanCuda::Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache, boo
   w.partials = parts[16];
   w.split_qk = buffers_->backward.split.split_units > 0 ? parts[17] : nullptr;
   w.psiv = psiv_cache ? reinterpret_cast<bf16*>(cursor) : nullptr;
-  if (sweeps_) {
+  if (runs_sweep_) {
     w.gate_in = reinterpret_cast<bf16*>(parts[4]);
     w.sweep_scalars = parts[5];
     w.sweep_rotation = parts[6];
@@ -634,7 +634,8 @@ std::vector<KernelAttributes> kernel_attributes(const ops::ScanShape& shape, boo
 }
 
 std::vector<KernelAttributes> Mamba3ScanCuda::kernel_attributes() const {
-  return megacpp::cuda::kernel_attributes(shape_, tensor_cores_, chains_, head_split_, sweep_);
+  return megacpp::cuda::kernel_attributes(shape_, tensor_cores_, chains_, head_split_,
+                                          sweep_policy_);
 }
 
 }  // namespace megacpp::cuda

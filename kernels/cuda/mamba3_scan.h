@@ -111,12 +111,13 @@ enum class ScanChains { kWherePaying, kAlways, kNever };
 // that both ways give the same bits, and the benchmark); kNever splits none.
 enum class ScanHeadSplit { kWherePaying, kAlways, kNever };
 // At the fixed SISO shape (state 64, headdim 64, rank 1, chunk 64) with 16 rotation pairs, on the
-// tensor cores, where a block may have about 214 KB of shared memory (Hopper), the backward can
+// tensor cores, where a block may have about 211 KiB of shared memory (Hopper), the backward can
 // run as a sweep (kernels/cuda/mamba3_scan_sweep.cu): a block per (batch, head) walks its chunks
 // in reverse with dL/d(state) on chip, the official SISO kernels' structure, instead of
 // chunk_dstate, the reverse state pass and chunk_backward (a block per chunk). The forward then
 // also keeps for the backward its output before the gating (bf16, B·L·H·P), the per-token
-// scalars and the rotation's cos θ and sin θ (fp32, B·H·L·(4 + 2A) at most). kWherePaying runs it
+// scalars and the rotation's cos θ and sin θ (fp32, B·H·chunks·C·(4 + 2A), one of the four the
+// backward's dL/dγ). kWherePaying runs it
 // from kSweepLeastPairs (batch, head) pairs: a block each walks all its chunks, so with fewer the
 // SMs idle (on an H200 at seqlen 8192 and 16 heads: the backward 40% faster at 128 pairs, 7% at
 // 64, 72% slower at 32; bench/RESULTS.md session 33); kAlways wherever it applies; kNever nowhere.
@@ -154,8 +155,9 @@ class Mamba3ScanCuda {
   // backward_workspace: null, or backward_workspace_bytes(shape) bytes of 16-byte aligned device
   // memory (refused otherwise) for backward()'s temporaries, which scans whose backwards run one
   // after another on one stream (a model's layers) may share; the scan then allocates only what
-  // forward() keeps for backward() (the chunk-entry states and decays, PsiV) and the chunk chains'
-  // tickets and flags (B·H·chunks + 1 ints).
+  // forward() keeps for backward() (the chunk-entry states and decays, PsiV; where the sweep runs,
+  // o before the gating, l, κ, γ and cos θ, sin θ) and the chunk chains' tickets and flags
+  // (B·H·chunks + 1 ints).
   // chains: see ScanChains; head_split: see ScanHeadSplit; sweep: see ScanSweep.
   explicit Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache = false,
                           bool tensor_cores = true, void* backward_workspace = nullptr,
@@ -194,7 +196,7 @@ class Mamba3ScanCuda {
   ScanChains chains() const { return chains_; }
   ScanHeadSplit head_split() const { return head_split_; }
   // Whether backward() runs the sweep (ScanSweep), as planned for this shape and device.
-  bool sweeps() const { return sweeps_; }
+  bool sweeps() const { return runs_sweep_; }
   size_t workspace_bytes() const { return workspace_bytes_; }
   size_t psiv_bytes() const { return psiv_bytes_; }
   std::vector<KernelAttributes> kernel_attributes() const;
@@ -205,8 +207,8 @@ class Mamba3ScanCuda {
   bool tensor_cores_;
   ScanChains chains_;
   ScanHeadSplit head_split_;
-  ScanSweep sweep_;
-  bool sweeps_ = false;
+  ScanSweep sweep_policy_;
+  bool runs_sweep_ = false;
   bool has_forward_ = false;
   int planned_chunk_ = 0;
   int device_ = 0;

@@ -1665,9 +1665,16 @@ void run_backward_tail(const BackwardLaunches& launches, const Dims& d, const De
 
 BackwardLaunches backward_launches(const Dims& d, bool tensor_cores, size_t shared_limit,
                                    ScanChains chains, int split_units, bool sweep) {
-  if (sweep && (split_units != 0 || !sweep_applies(d, tensor_cores, shared_limit))) {
+  if (sweep && !sweep_applies(d, tensor_cores, shared_limit)) {
     detail::refuse(ErrorKind::kInternal,
-                   "backward_launches: the sweep planned where it does not apply ({} split units)",
+                   "backward_launches: the sweep planned where it does not apply (state {}, "
+                   "headdim {}, rank {}, chunk {}, angles {}, tensor cores {}, {} bytes of shared "
+                   "memory a block)",
+                   d.state, d.headdim, d.rank, d.chunk, d.angles, tensor_cores, shared_limit);
+  }
+  if (sweep && split_units != 0) {
+    detail::refuse(ErrorKind::kInternal,
+                   "backward_launches: {} split units planned with the sweep, which has no units",
                    split_units);
   }
   const unsigned bh = static_cast<unsigned>(d.batch * d.heads);

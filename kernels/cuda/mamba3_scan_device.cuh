@@ -525,7 +525,7 @@ struct SweepFloats {
   size_t gate_in = 0, d_out = 0, scalars = 0, rotation = 0;
 };
 // Whether the sweep computes `d`'s backward: the fixed SISO shape with 16 rotation pairs, on the
-// tensor cores, where a block may have sweep_core's shared memory (Hopper: about 214 KB).
+// tensor cores, where a block may have sweep_core's shared memory (Hopper: about 211 KiB).
 bool sweep_applies(const Dims& d, bool tensor_cores, size_t shared_per_block);
 size_t sweep_core_shared_bytes();
 SweepFloats sweep_floats(const Dims& d);

@@ -50,7 +50,8 @@ constexpr int kC = 64, kN = 64, kP = 64, kA = 16;
 constexpr int kLd = 72;
 constexpr int kTile = kC * kLd;
 constexpr int kCoreWarps = 8, kCoreThreads = kCoreWarps * 32;
-constexpr int kAngleLd = kA + 1;     // fp32 row stride of the dθ parts
+constexpr int kQueryThreads = kCoreThreads / 2;  // warps 0-3, the query side
+constexpr int kAngleLd = kA + 1;                 // fp32 row stride of the dθ parts
 constexpr int kRotationLd = kA + 4;  // fp32 row stride of cos θ and sin θ: 16-byte copies
 constexpr int kEntryLd = kN + 4;     // fp32 row stride of E_c: the X fragments' reads 2-way, not 8
 
@@ -380,13 +381,14 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
     commit_copies();
   };
 
-  // Chunk c's per-token results from the parts its warps left in slot c % 2: dθ (the q and k
-  // terms added; the four query warps), and dl, the last token's with the chunk's exit terms and
-  // e^{l_last} <E_c, X>, its suffix sums within the chunk being dADT (warp 0; a fixed order).
+  // Chunk c's results from the parts its warps left in slot c % 2: dθ (the q and k terms added;
+  // the four query warps), mimo_x's partial (the key warps' column sums added), and dl, the last
+  // token's with the chunk's exit terms and e^{l_last} <E_c, X>, its suffix sums within the chunk
+  // being dADT (warp 0; a fixed order).
   const auto finish_chunk = [&](int c) {
     const int slot = c % 2;
     const int t0 = c * kC, len = min(kC, T - t0);
-    for (int item = threadIdx.x; item < len * kA; item += 128) {
+    for (int item = threadIdx.x; item < len * kA; item += kQueryThreads) {
       const int t = item / kA, n = item % kA;
       w.dtheta[(bh * T + t0 + t) * kA + n] =
           sm.d_theta[slot][0][t * kAngleLd + n] + sm.d_theta[slot][1][t * kAngleLd + n];
@@ -685,6 +687,7 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
   } else {
     // Each quad's lanes hold the same sums: lane 0 of each quad counts them once.
     d_skip = warp_sum(c4 == 0 ? d_skip : 0.f);
+    // dot_parts (<E, X>'s per-warp parts) is free after the last chunk: it takes dD's.
     if (lane == 0) sm.dot_parts[warp - 4] = d_skip;
   }
   __syncthreads();

@@ -279,6 +279,18 @@ struct Mamba3Scan {
                        .psiv_cache = true,
                        .sweep = ScanSweep::kAlways}}),
         "_SweepSharedAndCached");
+    // The sweep after the separate forward passes (chunk_output keeps o and the token scalars
+    // instead of chunk_forward), and with z and v read in a wider row: the sweep's own bits.
+    add(sized(64, 64, 1, 64, 2, 1000),
+        sweep_or_not({{.name = "tensor-core sweep no chains",
+                       .same_bits_as = 0,
+                       .chains = ScanChains::kNever,
+                       .sweep = ScanSweep::kAlways},
+                      {.name = "tensor-core sweep zv-in-a-wider-row",
+                       .same_bits_as = 0,
+                       .zv_in_a_wider_row = true,
+                       .sweep = ScanSweep::kAlways}}),
+        "_SweepSeparatePassesAndWiderRows");
     return out;
   }
 
