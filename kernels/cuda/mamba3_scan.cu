@@ -435,10 +435,10 @@ Mamba3ScanCuda::Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache, boo
   // split units of either variant (the larger), and with the sweep's parts wherever the
   // tensor-core variant would sweep; this scan uses what its own plan needs (no split units
   // where it sweeps).
-  runs_sweep_ = scan_detail::sweep_planned(d, tensor_cores, shared, sweep);
+  const bool runs_sweep = scan_detail::sweep_planned(d, tensor_cores, shared, sweep);
   const bool workspace_sweep = scan_detail::sweep_planned(d, true, shared, sweep);
   const int own_split = scan_detail::planned_split_units(d, tensor_cores, shared, head_split);
-  const int split_units = runs_sweep_ ? 0 : own_split;
+  const int split_units = runs_sweep ? 0 : own_split;
   const int workspace_split =
       std::max(own_split, scan_detail::planned_split_units(d, !tensor_cores, shared, head_split));
   const std::array<size_t, kParts> sizes = part_sizes(d, workspace_split, workspace_sweep);
@@ -464,7 +464,7 @@ Mamba3ScanCuda::Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache, boo
   buffers_->dims = d;
   buffers_->forward = scan_detail::forward_launches(d, tensor_cores, shared.per_sm, chains);
   buffers_->backward = scan_detail::backward_launches(d, tensor_cores, shared.per_block, chains,
-                                                      split_units, runs_sweep_);
+                                                      split_units, runs_sweep);
   unsigned char* cursor = static_cast<unsigned char*>(arena_);
   float* parts[kParts];
   for (int i = 0; i < kParts; ++i) {
@@ -501,7 +501,7 @@ Mamba3ScanCuda::Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache, boo
   w.partials = parts[16];
   w.split_qk = buffers_->backward.split.split_units > 0 ? parts[17] : nullptr;
   w.psiv = psiv_cache ? reinterpret_cast<bf16*>(cursor) : nullptr;
-  if (runs_sweep_) {
+  if (runs_sweep) {
     w.gate_in = reinterpret_cast<bf16*>(parts[4]);
     w.sweep_scalars = parts[5];
     w.sweep_rotation = parts[6];
@@ -520,6 +520,10 @@ Mamba3ScanCuda::Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache, boo
   // θ offsets stay zero when there are no angles: the kernels that read them then skip.
   MEGACPP_CUDA_CHECK(cudaMemset(arena_, 0, workspace_bytes_));
   if (!own_backward) MEGACPP_CUDA_CHECK(cudaMemset(backward_workspace, 0, backward_needed));
+}
+
+bool Mamba3ScanCuda::sweeps() const {
+  return buffers_->backward.sweep;
 }
 
 Mamba3ScanCuda::~Mamba3ScanCuda() {

@@ -196,7 +196,7 @@ class Mamba3ScanCuda {
   ScanChains chains() const { return chains_; }
   ScanHeadSplit head_split() const { return head_split_; }
   // Whether backward() runs the sweep (ScanSweep), as planned for this shape and device.
-  bool sweeps() const { return runs_sweep_; }
+  bool sweeps() const;
   size_t workspace_bytes() const { return workspace_bytes_; }
   size_t psiv_bytes() const { return psiv_bytes_; }
   std::vector<KernelAttributes> kernel_attributes() const;
@@ -208,7 +208,6 @@ class Mamba3ScanCuda {
   ScanChains chains_;
   ScanHeadSplit head_split_;
   ScanSweep sweep_policy_;
-  bool runs_sweep_ = false;
   bool has_forward_ = false;
   int planned_chunk_ = 0;
   int device_ = 0;

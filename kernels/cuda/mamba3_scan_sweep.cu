@@ -167,18 +167,15 @@ struct LaneAddress {
 };
 
 // acc[8][4] (16 rows × 64 columns, eight n-tiles) += A(16 rows from r0 of `a`, [m][k]) × Bᵀ where
-// `b` holds B as [n][k] (rows n): both non-transposed, k = 64; only the 16-column blocks first …
-// last (the causal mask's nonzero ones; the others are left as they are).
+// `b` holds B as [n][k] (rows n): both non-transposed, k = 64.
 __device__ __forceinline__ void rows_times_rows(float (&acc)[8][4], const bf16* a, int r0,
-                                                const bf16* b, const LaneAddress& at, int first,
-                                                int last) {
+                                                const bf16* b, const LaneAddress& at) {
 #pragma unroll
   for (int k0 = 0; k0 < 64; k0 += 16) {
     uint32_t af[4];
     ldmatrix_x4<false>(af, a + (r0 + at.a_row) * kLd + k0 + at.a_col);
 #pragma unroll
     for (int n0 = 0; n0 < 64; n0 += 16) {
-      if (n0 / 16 < first || n0 / 16 > last) continue;
       uint32_t bf[4];
       ldmatrix_x4<false>(bf, b + (n0 + at.bn_row) * kLd + k0 + at.bn_col);
       mma_bf16_16816(acc[n0 / 8], af, bf[0], bf[1]);
@@ -208,14 +205,11 @@ __device__ __forceinline__ void rows_times_cols(float (&acc)[8][4], const bf16* 
 }
 
 // acc[8][4] += F × B where F (16 × 64, k = the chunk's tokens) is in registers as C fragments
-// (f[8][4], rounded to bf16 here) and B is held as [k][n] (`b`): transposed by ldmatrix; only the
-// k blocks of 16 first … last (F is zero elsewhere).
+// (f[8][4], rounded to bf16 here) and B is held as [k][n] (`b`): transposed by ldmatrix.
 __device__ __forceinline__ void frags_times_cols(float (&acc)[8][4], const float (&f)[8][4],
-                                                 const bf16* b, const LaneAddress& at, int first,
-                                                 int last) {
+                                                 const bf16* b, const LaneAddress& at) {
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) {
-    if (kk < first || kk > last) continue;
     const uint32_t af[4] = {pack_bf16(f[2 * kk][0], f[2 * kk][1]),
                             pack_bf16(f[2 * kk][2], f[2 * kk][3]),
                             pack_bf16(f[2 * kk + 1][0], f[2 * kk + 1][1]),
@@ -242,8 +236,8 @@ __device__ __forceinline__ void score_tiles(float (&scores)[8][4], float (&d_sco
                                             const bf16* d, int r0, const LaneAddress& at) {
   zero(scores);
   zero(d_scores);
-  rows_times_rows(scores, a, r0, b, at, 0, 3);
-  rows_times_rows(d_scores, c, r0, d, at, 0, 3);
+  rows_times_rows(scores, a, r0, b, at);
+  rows_times_rows(d_scores, c, r0, d, at);
 }
 
 // The four lanes of a quad hold one row's columns: their sum, in every lane of the quad.
@@ -546,7 +540,7 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[j][e] *= scale[e / 2];
       }
-      frags_times_cols(acc, da, k, at, 0, 3);
+      frags_times_cols(acc, da, k, at);
       unrotate(acc, q, cos_theta, sin_theta, sm.d_theta[slot][0], r0, g, c4);
       store_rows(w.sweep_dq, acc, first_row, H, r0, g, c4);
       if (c4 == 0) {
@@ -616,13 +610,13 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[j][e] *= scale[e / 2];
       }
-      frags_times_cols(acc, dat, q, at, 0, 3);
+      frags_times_cols(acc, dat, q, at);
       unrotate(acc, k, cos_theta, sin_theta, sm.d_theta[slot][1], r0, g, c4);
       store_rows(w.sweep_dk, acc, first_row, H, r0, g, c4);
       // dL/dPsiV: X k̃'s part (X's rows p are B's rows n), the chunk's, and D's.
       zero(acc);
-      rows_times_rows(acc, k, r0, x_hi, at, 0, 3);
-      rows_times_rows(acc, k, r0, x_lo, at, 0, 3);
+      rows_times_rows(acc, k, r0, x_hi, at);
+      rows_times_rows(acc, k, r0, x_lo, at);
       float own[2] = {0.f, 0.f};
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
@@ -634,7 +628,7 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
           acc[j][e] = acc[j][e] * scale[e / 2] + skip * o;
         }
       }
-      frags_times_cols(acc, st, d_out, at, 0, 3);
+      frags_times_cols(acc, st, d_out, at);
       // dv = dL/dPsiV ⊙ mimo_x, and mimo_x's terms dL/dPsiV ⊙ v summed over the warp's 16 rows,
       // left for finish_chunk to add over the key warps.
       bf16* v_rows[2];
