@@ -58,6 +58,9 @@ def main():
                 key = (file_name, int(row[0]))
                 text.setdefault(key, row[1].strip())
                 for k, name in enumerate(names):
+                    # A kernel without shared memory has no shared-wavefront columns: zeros.
+                    if COLUMNS[name] not in header:
+                        continue
                     value = number(row[header.index(COLUMNS[name])])
                     lines[key][k] += value
                     totals[k] += value

@@ -253,14 +253,14 @@ std::vector<Launch> all_launches(const Dims& d, bool tensor_cores, const SharedM
     launches.insert(launches.end(), {f.chunk_state, f.state_pass, f.chunk_output});
   }
   if (b.sweep) {
-    launches.insert(launches.end(),
-                    {b.sweep_kernels.prep, b.sweep_kernels.core, b.sweep_kernels.finish});
+    launches.insert(launches.end(), {b.sweep_kernels.prep, b.sweep_kernels.core,
+                                     b.sweep_kernels.finish, b.reduce_params});
   } else {
     launches.push_back(b.chunk_dstate);
     if (!b.reverse_pass_fused) launches.push_back(b.state_pass_backward);
-    launches.push_back(b.chunk_backward);
+    launches.insert(launches.end(),
+                    {b.chunk_backward, b.dtheta_offsets, b.finish_tokens, b.reduce_params});
   }
-  launches.insert(launches.end(), {b.dtheta_offsets, b.finish_tokens, b.reduce_params});
   return launches;
 }
 
@@ -331,7 +331,7 @@ std::array<size_t, kParts> part_sizes(const Dims& d, int split_units, bool sweep
       B * H * chunks,           // decay
       chain_order_ints(d),      // order (ints)
       f.gate_in,                // gate_in (bf16)
-      f.scalars,                // sweep_scalars (the forward's l, κ, γ; the backward's dγ)
+      f.scalars,                // sweep_scalars (the forward's l, κ, γ)
       f.rotation,               // sweep_rotation (the forward's cos θ and sin θ)
       B * H * chunks * matrix,  // gstates (the sweep's dq and dk, bf16: the same size)
       qk,                       // dq_acc

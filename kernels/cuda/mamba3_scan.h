@@ -111,13 +111,12 @@ enum class ScanChains { kWherePaying, kAlways, kNever };
 // that both ways give the same bits, and the benchmark); kNever splits none.
 enum class ScanHeadSplit { kWherePaying, kAlways, kNever };
 // At the fixed SISO shape (state 64, headdim 64, rank 1, chunk 64) with 16 rotation pairs, on the
-// tensor cores, where a block may have about 211 KiB of shared memory (Hopper), the backward can
+// tensor cores, where a block may have about 217 KiB of shared memory (Hopper), the backward can
 // run as a sweep (kernels/cuda/mamba3_scan_sweep.cu): a block per (batch, head) walks its chunks
 // in reverse with dL/d(state) on chip, the official SISO kernels' structure, instead of
 // chunk_dstate, the reverse state pass and chunk_backward (a block per chunk). The forward then
 // also keeps for the backward its output before the gating (bf16, B·L·H·P), the per-token
-// scalars and the rotation's cos θ and sin θ (fp32, B·H·chunks·C·(4 + 2A), one of the four the
-// backward's dL/dγ). kWherePaying runs it
+// scalars and the rotation's cos θ and sin θ (fp32, B·H·chunks·C·(3 + 2A)). kWherePaying runs it
 // from kSweepLeastPairs (batch, head) pairs: a block each walks all its chunks, so with fewer the
 // SMs idle (on an H200 at seqlen 8192 and 16 heads: the backward 40% faster at 128 pairs, 7% at
 // 64, 72% slower at 32; bench/RESULTS.md session 33); kAlways wherever it applies; kNever nowhere.

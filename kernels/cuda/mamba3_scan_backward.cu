@@ -1513,10 +1513,10 @@ __global__ void dtheta_offsets_kernel(Dims d, Work w) {
   }
 }
 
-// Per token of one (batch, chunk): the angle gradients (suffix sums of dθ, summed over
-// heads in order), dt/trap/adt (with the κ_{t−1} terms), q/k of the split units (HeadSplit: their
-// heads' gradients summed in head order) and, when chunk_backward summed them in the workspace
-// (qk_in_workspace), q/k to bf16.
+// Per token of one (batch, chunk): dθ's suffix sums (from dtheta_offsets' sums over later
+// chunks), then finish_token_terms (the angles', adt's, dt's and trap's gradients), q/k of the
+// split units (HeadSplit: their heads' gradients summed in head order) and, when chunk_backward
+// summed them in the workspace (qk_in_workspace), q/k to bf16.
 __global__ void finish_tokens_kernel(Dims d, DevInputs in, Work w, DevGrads grads,
                                      bool qk_in_workspace, HeadSplit split) {
   const int c = blockIdx.x, b = blockIdx.y, A = d.angles, H = d.heads;
@@ -1548,36 +1548,7 @@ __global__ void finish_tokens_kernel(Dims d, DevInputs in, Work w, DevGrads grad
     }
   }
   __syncthreads();
-  for (int item = threadIdx.x; item < len * A; item += blockDim.x) {
-    const int i = d.by_angles.div(item), j = d.by_angles.mod(item), t = t0 + i;
-    const size_t token = static_cast<size_t>(b) * d.seqlen + t;
-    const float slope = tanhf(to_f(in.angles[token * A + j]));
-    float sum = 0.f;
-    for (int h = 0; h < H; ++h) {
-      const size_t bh = static_cast<size_t>(b) * H + h;
-      sum += w.dtheta[(bh * d.seqlen + t) * A + j] * to_f(in.dt[token * H + h]);
-    }
-    grads.angles[token * A + j] = __float2bfloat16(sum * (1.f - slope * slope) * kPi);
-  }
-  for (int item = threadIdx.x; item < len * H; item += blockDim.x) {
-    const int i = item / H, h = item % H, t = t0 + i;
-    const size_t token = static_cast<size_t>(b) * d.seqlen + t;
-    const size_t th = token * H + h;
-    const size_t bh = static_cast<size_t>(b) * H + h;
-    const float tau = sigmoidf(to_f(in.trap[th])), dt = to_f(in.dt[th]);
-    float d_dt = w.tok_ddt[th], d_tau = w.tok_dtau[th];
-    for (int j = 0; j < A; ++j) {
-      d_dt += w.dtheta[(bh * d.seqlen + t) * A + j] * tanhf(to_f(in.angles[token * A + j])) * kPi;
-    }
-    if (t > 0) {
-      const float prev = w.tok_dkappa[th - H];
-      d_dt += prev * (1.f - tau);
-      d_tau -= prev * dt;
-    }
-    grads.adt[th] = __float2bfloat16(w.tok_dadt[th]);
-    grads.dt[th] = __float2bfloat16(d_dt);
-    grads.trap[th] = __float2bfloat16(d_tau * tau * (1.f - tau));
-  }
+  finish_token_terms(d, in, w, grads, b, t0, len);
   // The split units' q and k gradients: each head's added in order to zero, as chunk_backward's
   // shared sums add them (the same bits).
   for (int g = 0; g < d.groups; ++g) {
@@ -1638,8 +1609,16 @@ __global__ void reduce_params_kernel(Dims d, Work w, DevGrads grads) {
   }
 }
 
-// The backward's common tail: dθ's suffix sums over chunks, the per-token gradients, the per-head
-// parameters' reductions. qk_in_workspace: q's and k's sums are in Work::dq_acc and dk_acc.
+void run_reduce_params(const BackwardLaunches& launches, const Dims& d, const Work& w,
+                       const DevGrads& grads, cudaStream_t stream) {
+  const Launch& l = launches.reduce_params;
+  reduce_params_kernel<<<l.grid, l.block, 0, stream>>>(d, w, grads);
+  MEGACPP_CUDA_CHECK_LAUNCH(l.name);
+}
+
+// The chunk_backward path's tail: dθ's suffix sums over chunks, the per-token gradients, the
+// per-head parameters' reductions. qk_in_workspace: q's and k's sums are in Work::dq_acc and
+// dk_acc.
 void run_backward_tail(const BackwardLaunches& launches, const Dims& d, const DevInputs& in,
                        const Work& w, const DevGrads& grads, bool qk_in_workspace,
                        cudaStream_t stream) {
@@ -1654,11 +1633,7 @@ void run_backward_tail(const BackwardLaunches& launches, const Dims& d, const De
                                                          launches.split);
     MEGACPP_CUDA_CHECK_LAUNCH(l.name);
   }
-  {
-    const Launch& l = launches.reduce_params;
-    reduce_params_kernel<<<l.grid, l.block, 0, stream>>>(d, w, grads);
-    MEGACPP_CUDA_CHECK_LAUNCH(l.name);
-  }
+  run_reduce_params(launches, d, w, grads, stream);
 }
 
 }  // namespace
@@ -1768,8 +1743,10 @@ void run_backward(const BackwardLaunches& launches, bool tensor_cores, bool psiv
                   const Dims& d, const DevInputs& in, const Work& w, const bf16* dy,
                   const DevGrads& grads, cudaStream_t stream) {
   if (launches.sweep) {
+    // The sweep leaves dθ's suffix sums and the per-token terms finished (sweep_finish does
+    // finish_tokens' part): only the per-head parameters remain.
     run_sweep(launches.sweep_kernels, d, in, w, dy, grads, stream);
-    run_backward_tail(launches, d, in, w, grads, false, stream);
+    run_reduce_params(launches, d, w, grads, stream);
     return;
   }
   {

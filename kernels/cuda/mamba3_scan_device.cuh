@@ -432,7 +432,7 @@ struct Work {
   // chunk's 64 tokens, chunks · C the padded token count of a (batch, head).
   bf16* gate_in;          // [B, L, H, P] o before the gating: forward() keeps it for backward()
   bf16* sweep_d_out;      // [B, L, H, P] dL/do, rounded once
-  float* sweep_scalars;   // [4][B, H, chunks · C] l, κ, γ (forward() keeps them), then dL/dγ
+  float* sweep_scalars;   // [3][B, H, chunks · C] l, κ, γ (forward() keeps them)
   float* sweep_rotation;  // [2][B, H, chunks · C, A] cos θ, then sin θ (forward() keeps them)
   bf16* sweep_dq;         // [B, chunks · C, H, N] each head's dL/dq, then its dL/dk: both in
   bf16* sweep_dk;         //   gstates' space
@@ -525,14 +525,12 @@ struct SweepFloats {
   size_t gate_in = 0, d_out = 0, scalars = 0, rotation = 0;
 };
 // Whether the sweep computes `d`'s backward: the fixed SISO shape with 16 rotation pairs, on the
-// tensor cores, where a block may have sweep_core's shared memory (Hopper: about 211 KiB).
+// tensor cores, where a block may have sweep_core's shared memory (Hopper: about 217 KiB).
 bool sweep_applies(const Dims& d, bool tensor_cores, size_t shared_per_block);
 size_t sweep_core_shared_bytes();
 SweepFloats sweep_floats(const Dims& d);
 SweepLaunches sweep_launches(const Dims& d);
-// Writes grads.z, grads.v, grads.q, grads.k, and the workspace's per-token terms, dθ and its chunk
-// totals and the per-head partials, for the common tail (dtheta_offsets, finish_tokens,
-// reduce_params).
+// Writes every gradient but the per-head parameters', whose partials it leaves for reduce_params.
 void run_sweep(const SweepLaunches& launches, const Dims& d, const DevInputs& in, const Work& w,
                const bf16* dy, const DevGrads& grads, cudaStream_t stream);
 
@@ -592,6 +590,49 @@ static __device__ ChunkPos chunk_pos(const D& d, int bh_or_bg, bool by_group, in
 template <class D>
 static __device__ __forceinline__ size_t token_head(const D& d, int b, int t, int h) {
   return (static_cast<size_t>(b) * d.seqlen + t) * d.heads + h;
+}
+
+// The per-token gradients of one (batch, chunk) from the backward's per-token terms, by the
+// block's threads: the angles' (Work::dtheta holding each head's suffix sums of dθ, summed here
+// over the heads in order), and adt's, dt's and trap's (the κ_{t−1} terms added to tok_ddt's and
+// tok_dtau's). finish_tokens' and sweep_finish's last step.
+static __device__ __forceinline__ void finish_token_terms(const Dims& d, const DevInputs& in,
+                                                          const Work& w, const DevGrads& grads,
+                                                          int b, int t0, int len) {
+  const int A = d.angles, H = d.heads;
+  for (int item = threadIdx.x; item < len * A; item += blockDim.x) {
+    const int i = d.by_angles.div(item), j = d.by_angles.mod(item), t = t0 + i;
+    const size_t token = static_cast<size_t>(b) * d.seqlen + t;
+    const float slope = tanhf(to_f(in.angles[token * A + j]));
+    float sum = 0.f;
+    // Unrolled so that the loads of several heads are in flight at once (a latency-bound loop).
+#pragma unroll 8
+    for (int h = 0; h < H; ++h) {
+      const size_t bh = static_cast<size_t>(b) * H + h;
+      sum += w.dtheta[(bh * d.seqlen + t) * A + j] * to_f(in.dt[token * H + h]);
+    }
+    grads.angles[token * A + j] = __float2bfloat16(sum * (1.f - slope * slope) * kPi);
+  }
+  for (int item = threadIdx.x; item < len * H; item += blockDim.x) {
+    const int i = item / H, h = item % H, t = t0 + i;
+    const size_t token = static_cast<size_t>(b) * d.seqlen + t;
+    const size_t th = token * H + h;
+    const size_t bh = static_cast<size_t>(b) * H + h;
+    const float tau = sigmoidf(to_f(in.trap[th])), dt = to_f(in.dt[th]);
+    float d_dt = w.tok_ddt[th], d_tau = w.tok_dtau[th];
+#pragma unroll 8
+    for (int j = 0; j < A; ++j) {
+      d_dt += w.dtheta[(bh * d.seqlen + t) * A + j] * tanhf(to_f(in.angles[token * A + j])) * kPi;
+    }
+    if (t > 0) {
+      const float prev = w.tok_dkappa[th - H];
+      d_dt += prev * (1.f - tau);
+      d_tau -= prev * dt;
+    }
+    grads.adt[th] = __float2bfloat16(w.tok_dadt[th]);
+    grads.dt[th] = __float2bfloat16(d_dt);
+    grads.trap[th] = __float2bfloat16(d_tau * tau * (1.f - tau));
+  }
 }
 
 // Where head h's row of headdim elements begins for token t of batch b in a per-token tensor

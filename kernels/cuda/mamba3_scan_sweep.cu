@@ -8,13 +8,13 @@
 //                 rotation's cos θ and sin θ, as its load_scalars made them);
 //   sweep_core    a block of 8 warps per (batch, head) walking the chunks in reverse with
 //                 dL/d(exit state) on chip (the official mamba3_siso_bwd_kernel_dqkv's structure,
-//                 bench/RESULTS.md sessions 32-33), which gives each head's un-rotated dq and dk,
-//                 dv = dL/dPsiV ⊙ mimo_x and mimo_x's partials, dADT, dκ, dγ, dθ and dD;
+//                 bench/RESULTS.md sessions 32-34), which gives each head's un-rotated dq and dk,
+//                 dv = dL/dPsiV ⊙ mimo_x, the per-head partials (the biases', mimo_x's, dD's),
+//                 dADT, dκ, the dt/trap terms of dκ and dγ, and dθ's suffix sums over the
+//                 sequence (the reverse walk carries them from chunk to chunk);
 //   sweep_finish  a block per (chunk, batch): q and k summed over each group's heads in head
-//                 order, the biases' partials, dθ's chunk totals and the dt/trap terms of dκ and
-//                 dγ;
-// then the common tail (dtheta_offsets, finish_tokens, reduce_params). No floating-point atomics:
-// the bits repeat.
+//                 order, then finish_token_terms (the angles', adt's, dt's, trap's gradients);
+// then reduce_params. No floating-point atomics: the bits repeat.
 //
 // The core's mathematics (kernels/cpu/mamba3_scan_chunked.h's notation at R = 1, one (batch, head),
 // chunk c): q̃_t = R(θ_t)(q_t + q_bias) and k̃_t likewise, rounded to bf16 once; l the chunk-local
@@ -38,8 +38,9 @@
 // Precision: chunk_backward_kernel's note holds here too. The rotated q and k are rounded once and
 // used by both sides; every product with the state (E, X, e^{l} dO) takes split hi + lo operands.
 // dO is rounded to bf16 once (as the official kernels do), and every product reads that one value,
-// so the angle gradient's cancelling terms still see the same numbers. Each head's dq and dk (not
-// dθ, which the core sums in fp32) are rounded to bf16 before the sums over heads and tokens.
+// so the angle gradient's cancelling terms still see the same numbers. Each head's dq and dk are
+// rounded to bf16 before the sums over heads (dθ and the biases' sums over tokens take the fp32
+// values).
 #include "kernels/cuda/mamba3_scan_device.cuh"
 
 namespace megacpp::cuda::scan_detail {
@@ -59,8 +60,8 @@ constexpr int kEntryLd = kN + 4;     // fp32 row stride of E_c: the X fragments'
 // dO (bf16 [C][kLd]), E_c (fp32 [P][kEntryLd]), cos θ, sin θ, l, κ and γ; then PsiV = v ⊙ mimo_x
 // and the split operands (E and X: rows p, columns n; e^{l} dO: rows t, columns p; hi and lo
 // each), the head's mimo_x, and the parts that a chunk's warps leave for the next chunk to finish
-// (two slots: dl's per token, the exit terms, <E, X>, dθ's q and k terms, and mimo_x's column sums
-// of each key warp).
+// (two slots: dl's per token, the exit terms, <E, X>, dγ and dκ, dθ's q and k terms, mimo_x's
+// column sums of each key warp, and the column sums of each warp's dq or dk).
 struct CoreSmem {
   bf16 q[2][kTile], k[2][kTile], v[2][kTile], d_out[2][kTile];
   float entry[2][kP * kEntryLd];
@@ -70,8 +71,10 @@ struct CoreSmem {
   bf16 e_hi[kTile], e_lo[kTile], x_hi[kTile], x_lo[kTile], ds_hi[kTile], ds_lo[kTile];
   float mimo_x[kP];
   float dl_query[2][kC], dl_key[2][kC], exit_terms[2][kC], dot_total[2];
+  float d_gamma[2][kC], d_kappa[2][kC];
   float d_theta[2][2][kC * kAngleLd];
   float mimo_x_parts[2][4][kP];
+  float bias_parts[2][2][4][kN];  // [slot][q, k][the side's warp][column]
   float dot_parts[4];
 };
 
@@ -247,6 +250,40 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x;
 }
 
+// One step of sum_rows: lanes kMask apart swap halves of their values.
+template <int kWidth>
+__device__ __forceinline__ void halve(float (&sums)[16], int lane) {
+  constexpr int kMask = 2 * kWidth;
+  const bool upper = (lane & kMask) != 0;
+#pragma unroll
+  for (int i = 0; i < kWidth; ++i) {
+    const float low = sums[i], high = sums[i + kWidth];
+    sums[i] = (upper ? high : low) + __shfl_xor_sync(0xffffffffu, upper ? low : high, kMask);
+  }
+}
+// The sums over a warp's 16 rows, from each thread's over its own two (sums[2j + k]: column
+// 8j + 2 c4 + k), by halving: each exchange keeps the half of the values its lane's bit selects
+// and adds the partner's copy of them, so after three steps lane (g, c4) holds the whole sums of
+// columns 8g + 2 c4 and + 1 in sums[0] and sums[1] (14 shuffles, not 48). The steps are template
+// instances: a loop over them stayed rolled in sweep_core, which put the array in local memory.
+__device__ __forceinline__ void sum_rows(float (&sums)[16], int lane) {
+  halve<8>(sums, lane);
+  halve<4>(sums, lane);
+  halve<2>(sums, lane);
+}
+
+// acc's 64 column sums over the warp's 16 rows, to `to`.
+__device__ __forceinline__ void store_column_sums(float* to, const float (&acc)[8][4], int lane) {
+  float sums[16];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    sums[2 * j] = acc[j][0] + acc[j][2];
+    sums[2 * j + 1] = acc[j][1] + acc[j][3];
+  }
+  sum_rows(sums, lane);
+  *reinterpret_cast<float2*>(to + 8 * (lane / 4) + 2 * (lane % 4)) = make_float2(sums[0], sums[1]);
+}
+
 // acc = A (16 rows from r0 of `a`, [t][p]) × a state held as [p][n] (hi + lo parts), and each
 // row's dot with `rows` (the same tokens' rotated q or k): dl's state term for the row before its
 // scale.
@@ -375,24 +412,73 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
     commit_copies();
   };
 
-  // Chunk c's results from the parts its warps left in slot c % 2: dθ (the q and k terms added;
-  // the four query warps), mimo_x's partial (the key warps' column sums added), and dl, the last
-  // token's with the chunk's exit terms and e^{l_last} <E_c, X>, its suffix sums within the chunk
-  // being dADT (warp 0; a fixed order).
+  // Chunk c's results from the parts its warps left in slot c % 2, by the four query warps:
+  //  - dθ's suffix sums over the sequence (the q and k terms added): query warp w has columns
+  //    4w … 4w + 3, lane (part, column 4w + lane % 4) a part of kAnglePart tokens, and the sums
+  //    over later parts come from a suffix scan across the lanes; later_angles carries the sum
+  //    over the chunks already finished (the later ones);
+  //  - the pair's partials: q's and k's biases (the warps' column sums added), mimo_x's (the key
+  //    warps'), and a zero for dD but in chunk 0's slot (the pair's whole dD goes there);
+  //  - dκ and the dt and trap terms of dγ and dκ (γ_t = τ_t DT_t, κ_t = τ_t DT_t + ...:
+  //    finish_token_terms adds κ_{t−1}'s and the angles');
+  //  - dl, the last token's with the chunk's exit terms and e^{l_last} <E_c, X>, its suffix sums
+  //    within the chunk being dADT (warp 0; a fixed order).
+  constexpr int kAngleParts = 32 / 4, kAnglePart = kC / kAngleParts;
+  static_assert(kA == 4 * (kQueryThreads / 32) && kAnglePart * kAngleParts == kC);
+  float later_angles = 0.f;
   const auto finish_chunk = [&](int c) {
     const int slot = c % 2;
     const int t0 = c * kC, len = min(kC, T - t0);
-    for (int item = threadIdx.x; item < len * kA; item += kQueryThreads) {
-      const int t = item / kA, n = item % kA;
-      w.dtheta[(bh * T + t0 + t) * kA + n] =
-          sm.d_theta[slot][0][t * kAngleLd + n] + sm.d_theta[slot][1][t * kAngleLd + n];
+    {
+      const int n = 4 * warp + lane % 4, part = lane / 4, first = part * kAnglePart;
+      float values[kAnglePart];
+      float part_total = 0.f;
+#pragma unroll
+      for (int u = kAnglePart - 1; u >= 0; --u) {
+        const int t = first + u;
+        values[u] = sm.d_theta[slot][0][t * kAngleLd + n] + sm.d_theta[slot][1][t * kAngleLd + n];
+        part_total += values[u];
+      }
+      float from_here = part_total;  // then the sum over parts part … kAngleParts − 1
+#pragma unroll
+      for (int offset = 4; offset < 32; offset <<= 1) {
+        const float y = __shfl_down_sync(0xffffffffu, from_here, offset);
+        if (lane + offset < 32) from_here += y;
+      }
+      const float after = __shfl_down_sync(0xffffffffu, from_here, 4);
+      const float chunk_total = __shfl_sync(0xffffffffu, from_here, lane % 4);
+      float suffix = later_angles + (part + 1 < kAngleParts ? after : 0.f);
+      later_angles += chunk_total;
+#pragma unroll
+      for (int u = kAnglePart - 1; u >= 0; --u) {
+        suffix += values[u];
+        if (first + u < len) w.dtheta[(bh * T + t0 + first + u) * kA + n] = suffix;
+      }
     }
-    if (threadIdx.x < kP) {
-      const float* parts = &sm.mimo_x_parts[slot][0][threadIdx.x];
+    {
       const size_t slots = static_cast<size_t>(d.batch) * chunks;
-      w.partials[(static_cast<size_t>(h) * slots + static_cast<size_t>(b) * chunks + c) *
-                     d.partial_width +
-                 2 * kN + threadIdx.x] = parts[0] + parts[kP] + parts[2 * kP] + parts[3 * kP];
+      float* partial =
+          w.partials +
+          (static_cast<size_t>(h) * slots + static_cast<size_t>(b) * chunks + c) * d.partial_width;
+      const int which = threadIdx.x / kN, n = threadIdx.x % kN;
+      const float* bias_parts = &sm.bias_parts[slot][which][0][n];
+      partial[which * kN + n] =
+          bias_parts[0] + bias_parts[kN] + bias_parts[2 * kN] + bias_parts[3 * kN];
+      if (threadIdx.x < kP) {
+        const float* parts = &sm.mimo_x_parts[slot][0][threadIdx.x];
+        partial[2 * kN + threadIdx.x] = parts[0] + parts[kP] + parts[2 * kP] + parts[3 * kP];
+      }
+      if (threadIdx.x == 0 && c > 0) partial[d.partial_width - 1] = 0.f;
+    }
+    if (threadIdx.x >= kQueryThreads - kC) {
+      const int i = threadIdx.x - (kQueryThreads - kC);
+      if (i < len) {
+        const size_t th = token_head(d, b, t0 + i, h);
+        const float d_kappa = sm.d_kappa[slot][i], both = sm.d_gamma[slot][i] + d_kappa;
+        w.tok_dkappa[th] = d_kappa;
+        w.tok_ddt[th] = both * sigmoidf(to_f(in.trap[th]));
+        w.tok_dtau[th] = both * to_f(in.dt[th]);
+      }
     }
     if (warp != 0) return;
     const float exit_total = warp_sum(sm.exit_terms[slot][lane] + sm.exit_terms[slot][lane + 32]);
@@ -543,12 +629,12 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
       frags_times_cols(acc, da, k, at);
       unrotate(acc, q, cos_theta, sin_theta, sm.d_theta[slot][0], r0, g, c4);
       store_rows(w.sweep_dq, acc, first_row, H, r0, g, c4);
+      store_column_sums(sm.bias_parts[slot][0][warp], acc, lane);
       if (c4 == 0) {
         sm.dl_query[slot][r0 + g] = dl_rows[0];
         sm.dl_query[slot][r0 + g + 8] = dl_rows[1];
-        float* d_gamma_out = w.sweep_scalars + 3 * pairs * Tp + bh * Tp + t0;
-        d_gamma_out[r0 + g] = d_gamma[0];
-        d_gamma_out[r0 + g + 8] = d_gamma[1];
+        sm.d_gamma[slot][r0 + g] = d_gamma[0];
+        sm.d_gamma[slot][r0 + g + 8] = d_gamma[1];
       }
       // X for chunk c − 1: e^{l_last} X + (e^{l} dO)ᵀ Q̃, the warp's 16 rows.
       float update[8][4];
@@ -602,7 +688,7 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
         if (c4 == 0) {
           sm.exit_terms[slot][s_row] = term;
           sm.dl_key[slot][s_row] = dl_rows[half];
-          if (t0 + s_row < T) w.tok_dkappa[token_head(d, b, t0 + s_row, h)] = d_kappa[half];
+          sm.d_kappa[slot][s_row] = d_kappa[half];
         }
       }
 #pragma unroll
@@ -613,6 +699,7 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
       frags_times_cols(acc, dat, q, at);
       unrotate(acc, k, cos_theta, sin_theta, sm.d_theta[slot][1], r0, g, c4);
       store_rows(w.sweep_dk, acc, first_row, H, r0, g, c4);
+      store_column_sums(sm.bias_parts[slot][1][warp - 4], acc, lane);
       // dL/dPsiV: X k̃'s part (X's rows p are B's rows n), the chunk's, and D's.
       zero(acc);
       rows_times_rows(acc, k, r0, x_hi, at);
@@ -656,20 +743,7 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
           }
         }
       }
-      // The sums over the rows (lanes g, bits 2-4 of the lane) by halving: each exchange keeps the
-      // half of the values its lane's bit selects and adds the partner's copy of them, so after
-      // three steps lane (g, c4) holds the whole sums of j = g (14 shuffles, not 48).
-#pragma unroll
-      for (int step = 0; step < 3; ++step) {
-        const int width = 8 >> step, mask = 16 >> step;
-        const bool upper = (lane & mask) != 0;
-#pragma unroll
-        for (int i = 0; i < width; ++i) {
-          const float send = upper ? column_sums[i] : column_sums[i + width];
-          const float keep = upper ? column_sums[i + width] : column_sums[i];
-          column_sums[i] = keep + __shfl_xor_sync(0xffffffffu, send, mask);
-        }
-      }
+      sum_rows(column_sums, lane);
       sm.mimo_x_parts[slot][warp - 4][8 * g + 2 * c4] = column_sums[0];
       sm.mimo_x_parts[slot][warp - 4][8 * g + 2 * c4 + 1] = column_sums[1];
       d_skip += quad_sum(own[0]) + quad_sum(own[1]);
@@ -686,7 +760,7 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    // dD's partial of the pair, in its chunk 0 slot (sweep_finish zeroes the other chunks').
+    // dD's partial of the pair, in its chunk 0 slot (finish_chunk zeroes the other chunks').
     const size_t slots = static_cast<size_t>(d.batch) * chunks;
     w.partials[(static_cast<size_t>(h) * slots + static_cast<size_t>(b) * chunks + 1) *
                    d.partial_width -
@@ -699,84 +773,53 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
 
 constexpr int kFinishThreads = 256;
 
+// A block per (chunk, batch): each group's q and k gradients, its heads' (sweep_core's, bf16)
+// added in head order from zero, eight columns (16 bytes) an item; then finish_token_terms.
 __global__ void __launch_bounds__(kFinishThreads)
     sweep_finish_kernel(Dims d, DevInputs in, Work w, DevGrads grads) {
-  // Each head's q and k gradients summed over the chunk's tokens (the biases' partials), per half
-  // of the chunk: [2 halves][q, k][H][N].
-  extern __shared__ float bias_sums[];
+  constexpr int W = 8, kRowParts = kN / W;
   const int c = blockIdx.x, b = blockIdx.y, H = d.heads, G = d.groups,
             per_group = d.heads_per_group;
   const int t0 = c * kC, len = min(kC, d.seqlen - t0);
-  const size_t Tp = padded_tokens(d), pairs = static_cast<size_t>(d.batch) * H;
-  const size_t slots = static_cast<size_t>(d.batch) * d.chunks;
-  const size_t slot = static_cast<size_t>(b) * d.chunks + c;
-  // One pass over the heads' gradients: a thread's column n of q's or k's, for half the chunk's
-  // tokens. Each group's heads added in head order, the first to zero; each head's into its
-  // column of bias_sums.
-  {
-    const int half = threadIdx.x / 128, which = threadIdx.x / 64 % 2, n = threadIdx.x % 64;
-    const bf16* from = (which == 0 ? w.sweep_dq : w.sweep_dk) + n;
-    bf16* to = (which == 0 ? grads.q : grads.k) + n;
-    float* mine = bias_sums + static_cast<size_t>(half * 2 + which) * H * kN + n;
-    for (int h = 0; h < H; ++h) mine[h * kN] = 0.f;
-    const int last = min(len, 32 * half + 32);
-    for (int i = 32 * half; i < last; ++i) {
-      const bf16* row = from + (static_cast<size_t>(b) * Tp + t0 + i) * H * 64;
-      for (int g = 0; g < G; ++g) {
-        float sum = 0.f;
-#pragma unroll 8
-        for (int hg = 0; hg < per_group; ++hg) {
-          const int h = g * per_group + hg;
-          const float x = to_f(row[h * 64]);
-          sum += x;
-          mine[h * kN] += x;
+  const size_t Tp = padded_tokens(d);
+  for (int item = threadIdx.x; item < 2 * len * kRowParts; item += kFinishThreads) {
+    const int which = item / (len * kRowParts), i = item / kRowParts % len,
+              n = item % kRowParts * W;
+    const bf16* heads = (which == 0 ? w.sweep_dq : w.sweep_dk) +
+                        (static_cast<size_t>(b) * Tp + t0 + i) * H * kN + n;
+    bf16* to = (which == 0 ? grads.q : grads.k) +
+               (static_cast<size_t>(b) * d.seqlen + t0 + i) * G * kN + n;
+    for (int g = 0; g < G; ++g) {
+      float sum[W] = {};
+      // kAhead heads' rows loaded before the first is added: the loop is latency-bound, and
+      // unrolled alone it kept about four loads in flight.
+      constexpr int kAhead = 8;
+      for (int first = 0; first < per_group; first += kAhead) {
+        Bf16Row<W> rows[kAhead];
+#pragma unroll
+        for (int u = 0; u < kAhead; ++u) {
+          if (first + u < per_group) {
+            rows[u] = load_row<W>(heads + static_cast<size_t>(g * per_group + first + u) * kN);
+          }
         }
-        to[((static_cast<size_t>(b) * d.seqlen + t0 + i) * G + g) * kN] = __float2bfloat16(sum);
+#pragma unroll
+        for (int u = 0; u < kAhead; ++u) {
+          if (first + u >= per_group) break;
+#pragma unroll
+          for (int e = 0; e < W; ++e) sum[e] += rows[u].at(e);
+        }
       }
+      store_row(to + static_cast<size_t>(g) * kN, round_row<W>(sum));
     }
   }
-  __syncthreads();
-  for (int item = threadIdx.x; item < 2 * H * kN; item += kFinishThreads) {
-    const int which = item / (H * kN), h = item / kN % H, n = item % kN;
-    const float total = bias_sums[static_cast<size_t>(which) * H * kN + h * kN + n] +
-                        bias_sums[static_cast<size_t>(2 + which) * H * kN + h * kN + n];
-    float* partial = w.partials + (static_cast<size_t>(h) * slots + slot) * d.partial_width;
-    partial[which * kN + n] = total;
-    // dD's partial is the pair's whole sum in its chunk 0 slot (sweep_core).
-    if (which == 0 && n == 0 && c > 0) partial[d.partial_width - 1] = 0.f;
-  }
-  // dθ's chunk totals, for dtheta_offsets.
-  for (int item = threadIdx.x; item < H * kA; item += kFinishThreads) {
-    const int h = item / kA, j = item % kA;
-    const size_t bh = static_cast<size_t>(b) * H + h;
-    float total = 0.f;
-    for (int i = 0; i < len; ++i) total += w.dtheta[(bh * d.seqlen + t0 + i) * kA + j];
-    w.dtheta_tot[(bh * d.chunks + c) * kA + j] = total;
-  }
-  // dt's and trap's terms of dγ and dκ (γ_t = τ_t DT_t, κ_t = τ_t DT_t + ...): finish_tokens adds
-  // the κ_{t−1} and angle terms.
-  for (int item = threadIdx.x; item < len * H; item += kFinishThreads) {
-    const int i = item / H, h = item % H;
-    const size_t th = token_head(d, b, t0 + i, h);
-    const size_t bh = static_cast<size_t>(b) * H + h;
-    const float d_gamma = w.sweep_scalars[3 * pairs * Tp + bh * Tp + t0 + i];
-    const float both = d_gamma + w.tok_dkappa[th];
-    w.tok_ddt[th] = both * sigmoidf(to_f(in.trap[th]));
-    w.tok_dtau[th] = both * to_f(in.dt[th]);
-  }
-}
-
-// sweep_finish's dynamic shared memory: the biases' partial sums, [2 halves][q, k][H][N].
-size_t finish_shared_bytes(const Dims& d) {
-  return 4 * static_cast<size_t>(d.heads) * kN * sizeof(float);
+  finish_token_terms(d, in, w, grads, b, t0, len);
 }
 
 }  // namespace
 
 bool sweep_applies(const Dims& d, bool tensor_cores, size_t shared_per_block) {
   return tensor_cores && d.state == kN && d.headdim == kP && d.rank == 1 && d.chunk == kC &&
-         d.angles == kA && shared_per_block >= sizeof(CoreSmem) &&
-         shared_per_block >= finish_shared_bytes(d);
+         d.angles == kA && shared_per_block >= sizeof(CoreSmem);
 }
 
 size_t sweep_core_shared_bytes() {
@@ -789,7 +832,7 @@ SweepFloats sweep_floats(const Dims& d) {
   SweepFloats f;
   f.gate_in = per_token / 2;
   f.d_out = per_token / 2;
-  f.scalars = 4 * pairs * Tp;
+  f.scalars = 3 * pairs * Tp;
   f.rotation = 2 * pairs * Tp * kA;
   return f;
 }
@@ -805,10 +848,11 @@ SweepLaunches sweep_launches(const Dims& d) {
   l.core = {"sweep_core", kernel_address(&sweep_core_kernel),
             dim3(static_cast<unsigned>(d.heads), static_cast<unsigned>(d.batch)),
             dim3(kCoreThreads), core};
-  SmemPlan finish{};
-  finish.total = finish_shared_bytes(d);
-  l.finish = {"sweep_finish", kernel_address(&sweep_finish_kernel),
-              dim3(chunks, static_cast<unsigned>(d.batch)), dim3(kFinishThreads), finish};
+  l.finish = {"sweep_finish",
+              kernel_address(&sweep_finish_kernel),
+              dim3(chunks, static_cast<unsigned>(d.batch)),
+              dim3(kFinishThreads),
+              {}};
   return l;
 }
 
