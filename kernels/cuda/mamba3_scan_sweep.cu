@@ -426,6 +426,19 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
   constexpr int kAngleParts = 32 / 4, kAnglePart = kC / kAngleParts;
   static_assert(kA == 4 * (kQueryThreads / 32) && kAnglePart * kAngleParts == kC);
   float later_angles = 0.f;
+  // The token threads' trap and dt for the chunk finish_chunk does next, loaded a chunk ahead:
+  // loaded where used, their latency held warps 2 and 3 at every chunk's start.
+  const bool token_thread = threadIdx.x >= kQueryThreads - kC && threadIdx.x < kQueryThreads;
+  bf16 token_trap = __float2bfloat16(0.f), token_dt = token_trap;
+  const auto prefetch_token_inputs = [&](int c) {
+    const int t = c * kC + static_cast<int>(threadIdx.x) - (kQueryThreads - kC);
+    if (t < T) {
+      const size_t th = token_head(d, b, t, h);
+      token_trap = in.trap[th];
+      token_dt = in.dt[th];
+    }
+  };
+  if (token_thread) prefetch_token_inputs(chunks - 1);
   const auto finish_chunk = [&](int c) {
     const int slot = c % 2;
     const int t0 = c * kC, len = min(kC, T - t0);
@@ -470,15 +483,16 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
       }
       if (threadIdx.x == 0 && c > 0) partial[d.partial_width - 1] = 0.f;
     }
-    if (threadIdx.x >= kQueryThreads - kC) {
+    if (token_thread) {
       const int i = threadIdx.x - (kQueryThreads - kC);
       if (i < len) {
         const size_t th = token_head(d, b, t0 + i, h);
         const float d_kappa = sm.d_kappa[slot][i], both = sm.d_gamma[slot][i] + d_kappa;
         w.tok_dkappa[th] = d_kappa;
-        w.tok_ddt[th] = both * sigmoidf(to_f(in.trap[th]));
-        w.tok_dtau[th] = both * to_f(in.dt[th]);
+        w.tok_ddt[th] = both * sigmoidf(to_f(token_trap));
+        w.tok_dtau[th] = both * to_f(token_dt);
       }
+      if (c > 0) prefetch_token_inputs(c - 1);
     }
     if (warp != 0) return;
     const float exit_total = warp_sum(sm.exit_terms[slot][lane] + sm.exit_terms[slot][lane + 32]);
