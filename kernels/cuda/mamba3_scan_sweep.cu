@@ -69,7 +69,7 @@ struct CoreSmem {
   float log_decay[2][kC], kappa[2][kC], gamma[2][kC];
   bf16 psiv[kTile];
   bf16 e_hi[kTile], e_lo[kTile], x_hi[kTile], x_lo[kTile], ds_hi[kTile], ds_lo[kTile];
-  float mimo_x[kP];
+  alignas(16) float mimo_x[kP];
   float dl_query[2][kC], dl_key[2][kC], exit_terms[2][kC], dot_total[2];
   float d_gamma[2][kC], d_kappa[2][kC];
   float d_theta[2][2][kC * kAngleLd];
@@ -77,6 +77,11 @@ struct CoreSmem {
   float bias_parts[2][2][4][kN];  // [slot][q, k][the side's warp][column]
   float dot_parts[4];
 };
+
+// A pair of bf16 packed as pack_bf16 packs them (common.cuh), as floats.
+__device__ __forceinline__ float2 unpack_bf16(uint32_t pair) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pair));
+}
 
 // The padded token count of a (batch, head): chunks · C (the sweep's own buffers hold whole
 // chunks).
@@ -360,9 +365,17 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
   const size_t bh = static_cast<size_t>(b) * H + h;
   const float skip = to_f(in.d[h]);
   float d_skip = 0.f;
-  // A thread rotates the pairs (n, n + N/2) of column n = lane in rows warp, warp + 8, ...
-  const float q_bias[2] = {to_f(in.q_bias[h * kN + lane]), to_f(in.q_bias[h * kN + lane + kN / 2])};
-  const float k_bias[2] = {to_f(in.k_bias[h * kN + lane]), to_f(in.k_bias[h * kN + lane + kN / 2])};
+  // The rotation's biases of the lane's columns: [n or n + N/2][n + 0 or 1], n = 2 (lane % 16).
+  float q_bias[2][2], k_bias[2][2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int n = 2 * (lane % 16) + e + half * (kN / 2);
+      q_bias[half][e] = to_f(in.q_bias[h * kN + n]);
+      k_bias[half][e] = to_f(in.k_bias[h * kN + n]);
+    }
+  }
   if (threadIdx.x < kP) sm.mimo_x[threadIdx.x] = to_f(in.mimo_x[h * kP + threadIdx.x]);
 
   // A thread's copies are the same rows of every chunk: row thread / 8 (and + 32) of each of q,
@@ -555,41 +568,58 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
       dot = warp_sum(dot);
       if (lane == 0) sm.dot_parts[warp] = dot;
     }
-    for (int t = warp; t < kC; t += kCoreWarps) {
-      const int n = lane;
-      const bool token = t0 + t < T;  // padded rows stay zero
-      const float q_first = to_f(q[t * kLd + n]) + (token ? q_bias[0] : 0.f);
-      const float q_second = to_f(q[t * kLd + n + kN / 2]) + (token ? q_bias[1] : 0.f);
-      const float k_first = to_f(k[t * kLd + n]) + (token ? k_bias[0] : 0.f);
-      const float k_second = to_f(k[t * kLd + n + kN / 2]) + (token ? k_bias[1] : 0.f);
-      float c_ = 1.f, s_ = 0.f;
+    // q and k rotated in place with their biases, rounded once (padded rows stay zero): lane
+    // (row = lane / 16, m = lane % 16) has columns n = 2m and 2m + 1 and their partners n + N/2
+    // of rows 2 warp + row, + 16, …
+    for (int t = 2 * warp + lane / 16; t < kC; t += 2 * kCoreWarps) {
+      const int n = 2 * (lane % 16);
+      const bool token = t0 + t < T;
+      float2 c_ = make_float2(1.f, 1.f), s_ = make_float2(0.f, 0.f);
       if (n < kA) {
-        c_ = cos_theta[t * kRotationLd + n];
-        s_ = sin_theta[t * kRotationLd + n];
+        c_ = *reinterpret_cast<const float2*>(cos_theta + t * kRotationLd + n);
+        s_ = *reinterpret_cast<const float2*>(sin_theta + t * kRotationLd + n);
       }
-      q[t * kLd + n] = __float2bfloat16(q_first * c_ - q_second * s_);
-      q[t * kLd + n + kN / 2] = __float2bfloat16(q_first * s_ + q_second * c_);
-      k[t * kLd + n] = __float2bfloat16(k_first * c_ - k_second * s_);
-      k[t * kLd + n + kN / 2] = __float2bfloat16(k_first * s_ + k_second * c_);
+      const float cs[2] = {c_.x, c_.y}, sn[2] = {s_.x, s_.y};
+#pragma unroll
+      for (int which = 0; which < 2; ++which) {
+        bf16* row = (which == 0 ? q : k) + t * kLd + n;
+        const float(&bias)[2][2] = which == 0 ? q_bias : k_bias;
+        const float2 first = unpack_bf16(*reinterpret_cast<const uint32_t*>(row));
+        const float2 second = unpack_bf16(*reinterpret_cast<const uint32_t*>(row + kN / 2));
+        const float a[2] = {first.x + (token ? bias[0][0] : 0.f),
+                            first.y + (token ? bias[0][1] : 0.f)};
+        const float b[2] = {second.x + (token ? bias[1][0] : 0.f),
+                            second.y + (token ? bias[1][1] : 0.f)};
+        *reinterpret_cast<uint32_t*>(row) =
+            pack_bf16(a[0] * cs[0] - b[0] * sn[0], a[1] * cs[1] - b[1] * sn[1]);
+        *reinterpret_cast<uint32_t*>(row + kN / 2) =
+            pack_bf16(a[0] * sn[0] + b[0] * cs[0], a[1] * sn[1] + b[1] * cs[1]);
+      }
     }
-    for (int item = threadIdx.x; item < kP * kN / 2; item += kCoreThreads) {
-      const int row = item / (kN / 2), col = item % (kN / 2) * 2;
-      const float2 e = *reinterpret_cast<const float2*>(entry + row * kEntryLd + col);
+    // Four columns an item: 16-byte reads of E, 8-byte ones of dO and v, 8-byte stores (half
+    // the instructions of pairs; this phase is latency-bound).
+    for (int item = threadIdx.x; item < kP * kN / 4; item += kCoreThreads) {
+      const int row = item / (kN / 4), col = item % (kN / 4) * 4;
+      const float4 e = *reinterpret_cast<const float4*>(entry + row * kEntryLd + col);
+      const uint2 o_raw = *reinterpret_cast<const uint2*>(d_out + row * kLd + col);
+      const uint2 v_raw = *reinterpret_cast<const uint2*>(v_in + row * kLd + col);
+      const float4 mimo_x = *reinterpret_cast<const float4*>(sm.mimo_x + col);
       const float scale = __expf(l[row]);
-      const float s0 = to_f(d_out[row * kLd + col]) * scale;
-      const float s1 = to_f(d_out[row * kLd + col + 1]) * scale;
-      uint32_t hi, lo;
-      split_bf16(e.x, e.y, hi, lo);
-      *reinterpret_cast<uint32_t*>(sm.e_hi + row * kLd + col) = hi;
-      *reinterpret_cast<uint32_t*>(sm.e_lo + row * kLd + col) = lo;
-      split_bf16(s0, s1, hi, lo);
-      *reinterpret_cast<uint32_t*>(sm.ds_hi + row * kLd + col) = hi;
-      *reinterpret_cast<uint32_t*>(sm.ds_lo + row * kLd + col) = lo;
+      const float2 o01 = unpack_bf16(o_raw.x), o23 = unpack_bf16(o_raw.y);
+      const float2 v01 = unpack_bf16(v_raw.x), v23 = unpack_bf16(v_raw.y);
+      uint2 hi, lo;
+      split_bf16(e.x, e.y, hi.x, lo.x);
+      split_bf16(e.z, e.w, hi.y, lo.y);
+      *reinterpret_cast<uint2*>(sm.e_hi + row * kLd + col) = hi;
+      *reinterpret_cast<uint2*>(sm.e_lo + row * kLd + col) = lo;
+      split_bf16(o01.x * scale, o01.y * scale, hi.x, lo.x);
+      split_bf16(o23.x * scale, o23.y * scale, hi.y, lo.y);
+      *reinterpret_cast<uint2*>(sm.ds_hi + row * kLd + col) = hi;
+      *reinterpret_cast<uint2*>(sm.ds_lo + row * kLd + col) = lo;
       // PsiV as the forward rounds it (PsivLoader): zeros for padded tokens, whose v is zero.
-      const float2 raw =
-          __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(v_in + row * kLd + col));
-      *reinterpret_cast<__nv_bfloat162*>(sm.psiv + row * kLd + col) =
-          __floats2bfloat162_rn(raw.x * sm.mimo_x[col], raw.y * sm.mimo_x[col + 1]);
+      *reinterpret_cast<uint2*>(sm.psiv + row * kLd + col) =
+          make_uint2(pack_bf16(v01.x * mimo_x.x, v01.y * mimo_x.y),
+                     pack_bf16(v23.x * mimo_x.z, v23.y * mimo_x.w));
     }
     // Barrier 2: the operands and the dot's parts are in.
     __syncthreads();
