@@ -299,12 +299,15 @@ __device__ __forceinline__ void state_product(float (&acc)[8][4], float (&dots)[
   rows_times_cols(acc, a, r0, hi, at);
   rows_times_cols(acc, a, r0, lo, at);
   dots[0] = dots[1] = 0.f;
+  // A thread's columns come in pairs (n, n + 1): one 4-byte read each (as in the loops below).
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int t = r0 + g + 8 * (e / 2), n = 8 * j + 2 * c4 + e % 2;
-      dots[e / 2] += acc[j][e] * to_f(rows[t * kLd + n]);
+    for (int half = 0; half < 2; ++half) {
+      const int t = r0 + g + 8 * half, n = 8 * j + 2 * c4;
+      const float2 row = unpack_bf16(*reinterpret_cast<const uint32_t*>(rows + t * kLd + n));
+      dots[half] += acc[j][2 * half] * row.x;
+      dots[half] += acc[j][2 * half + 1] * row.y;
     }
   }
 }
@@ -319,14 +322,24 @@ __device__ __forceinline__ void unrotate(float (&acc)[8][4], const bf16* rotated
 #pragma unroll
   for (int j = 0; j < kA / 8; ++j) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int t = r0 + g + 8 * (e / 2), n = 8 * j + 2 * c4 + e % 2;
-      const float d_first = acc[j][e], d_second = acc[j + 4][e];
-      const float first = to_f(rotated[t * kLd + n]), second = to_f(rotated[t * kLd + n + kN / 2]);
-      d_theta_part[t * kAngleLd + n] = d_second * first - d_first * second;
-      const float c = cos_theta[t * kRotationLd + n], s = sin_theta[t * kRotationLd + n];
-      acc[j][e] = d_first * c + d_second * s;
-      acc[j + 4][e] = d_second * c - d_first * s;
+    for (int half = 0; half < 2; ++half) {
+      const int t = r0 + g + 8 * half, n = 8 * j + 2 * c4;
+      const float2 firsts = unpack_bf16(*reinterpret_cast<const uint32_t*>(rotated + t * kLd + n));
+      const float2 seconds =
+          unpack_bf16(*reinterpret_cast<const uint32_t*>(rotated + t * kLd + n + kN / 2));
+      const float2 cs = *reinterpret_cast<const float2*>(cos_theta + t * kRotationLd + n);
+      const float2 sn = *reinterpret_cast<const float2*>(sin_theta + t * kRotationLd + n);
+#pragma unroll
+      for (int col = 0; col < 2; ++col) {
+        const int e = 2 * half + col;
+        const float d_first = acc[j][e], d_second = acc[j + 4][e];
+        const float first = col == 0 ? firsts.x : firsts.y;
+        const float second = col == 0 ? seconds.x : seconds.y;
+        d_theta_part[t * kAngleLd + n + col] = d_second * first - d_first * second;
+        const float c = col == 0 ? cs.x : cs.y, s = col == 0 ? sn.x : sn.y;
+        acc[j][e] = d_first * c + d_second * s;
+        acc[j + 4][e] = d_second * c - d_first * s;
+      }
     }
   }
 }
@@ -638,13 +651,16 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
       float dl_rows[2] = {0.f, 0.f}, d_gamma[2] = {0.f, 0.f};
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
+        const float2 l_pair = *reinterpret_cast<const float2*>(l + 8 * j + 2 * c4);
+        const float2 kappa_pair = *reinterpret_cast<const float2*>(kappa + 8 * j + 2 * c4);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int t = r0 + g + 8 * (e / 2), u = 8 * j + 2 * c4 + e % 2;
           const float product = da[j][e] * s[j][e];
           float weight = 0.f;
           if (u < t) {
-            weight = __expf(l[t] - l[u]) * kappa[u];
+            weight = __expf(l[t] - (e % 2 == 0 ? l_pair.x : l_pair.y)) *
+                     (e % 2 == 0 ? kappa_pair.x : kappa_pair.y);
             dl_rows[e / 2] += product * weight;
           } else if (u == t) {
             weight = gamma[t];
@@ -698,13 +714,14 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
       float dl_rows[2] = {0.f, 0.f}, d_kappa[2] = {0.f, 0.f};
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
+        const float2 l_pair = *reinterpret_cast<const float2*>(l + 8 * j + 2 * c4);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int s_row = r0 + g + 8 * (e / 2), u = 8 * j + 2 * c4 + e % 2;
           const float product = dat[j][e] * st[j][e];
           float weight = 0.f;
           if (u > s_row) {
-            const float decay = __expf(l[u] - l[s_row]);
+            const float decay = __expf((e % 2 == 0 ? l_pair.x : l_pair.y) - l[s_row]);
             d_kappa[e / 2] += product * decay;
             weight = decay * kappa[s_row];
             dl_rows[e / 2] -= product * weight;
@@ -752,11 +769,14 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int s_row = r0 + g + 8 * (e / 2), p = 8 * j + 2 * c4 + e % 2;
-          const float o = to_f(d_out[s_row * kLd + p]);
-          own[e / 2] += o * to_f(v[s_row * kLd + p]);
-          acc[j][e] = acc[j][e] * scale[e / 2] + skip * o;
+        for (int half = 0; half < 2; ++half) {
+          const int s_row = r0 + g + 8 * half, p = 8 * j + 2 * c4;
+          const float2 o = unpack_bf16(*reinterpret_cast<const uint32_t*>(d_out + s_row * kLd + p));
+          const float2 psiv = unpack_bf16(*reinterpret_cast<const uint32_t*>(v + s_row * kLd + p));
+          own[half] += o.x * psiv.x;
+          own[half] += o.y * psiv.y;
+          acc[j][2 * half] = acc[j][2 * half] * scale[half] + skip * o.x;
+          acc[j][2 * half + 1] = acc[j][2 * half + 1] * scale[half] + skip * o.y;
         }
       }
       frags_times_cols(acc, st, d_out, at);
@@ -772,7 +792,7 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const int p = 8 * j + 2 * c4;
-        const float2 mimo_x = make_float2(sm.mimo_x[p], sm.mimo_x[p + 1]);
+        const float2 mimo_x = *reinterpret_cast<const float2*>(sm.mimo_x + p);
         column_sums[2 * j] = column_sums[2 * j + 1] = 0.f;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
