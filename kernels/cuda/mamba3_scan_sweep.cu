@@ -657,15 +657,13 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
         for (int e = 0; e < 4; ++e) {
           const int t = r0 + g + 8 * (e / 2), u = 8 * j + 2 * c4 + e % 2;
           const float product = da[j][e] * s[j][e];
-          float weight = 0.f;
-          if (u < t) {
-            weight = __expf(l[t] - (e % 2 == 0 ? l_pair.x : l_pair.y)) *
-                     (e % 2 == 0 ? kappa_pair.x : kappa_pair.y);
-            dl_rows[e / 2] += product * weight;
-          } else if (u == t) {
-            weight = gamma[t];
-            d_gamma[e / 2] += product;
-          }
+          // Without branches (the lanes of a warp differ in u < t): every element's exponential,
+          // then selects. e^{l_t − l_u} may overflow where u > t, and is then not selected.
+          const float earlier = __expf(l[t] - (e % 2 == 0 ? l_pair.x : l_pair.y)) *
+                                (e % 2 == 0 ? kappa_pair.x : kappa_pair.y);
+          const float weight = u < t ? earlier : u == t ? gamma[t] : 0.f;
+          dl_rows[e / 2] = u < t ? __fmaf_rn(product, weight, dl_rows[e / 2]) : dl_rows[e / 2];
+          d_gamma[e / 2] = u == t ? d_gamma[e / 2] + product : d_gamma[e / 2];
           da[j][e] *= weight;
         }
       }
@@ -719,15 +717,12 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
         for (int e = 0; e < 4; ++e) {
           const int s_row = r0 + g + 8 * (e / 2), u = 8 * j + 2 * c4 + e % 2;
           const float product = dat[j][e] * st[j][e];
-          float weight = 0.f;
-          if (u > s_row) {
-            const float decay = __expf((e % 2 == 0 ? l_pair.x : l_pair.y) - l[s_row]);
-            d_kappa[e / 2] += product * decay;
-            weight = decay * kappa[s_row];
-            dl_rows[e / 2] -= product * weight;
-          } else if (u == s_row) {
-            weight = gamma[s_row];
-          }
+          // Without branches, as the query side's (e^{l_u − l_s} may overflow where u < s).
+          const bool later = u > s_row;
+          const float decay = __expf((e % 2 == 0 ? l_pair.x : l_pair.y) - l[s_row]);
+          const float weight = later ? decay * kappa[s_row] : u == s_row ? gamma[s_row] : 0.f;
+          d_kappa[e / 2] = later ? __fmaf_rn(product, decay, d_kappa[e / 2]) : d_kappa[e / 2];
+          dl_rows[e / 2] = later ? __fmaf_rn(-product, weight, dl_rows[e / 2]) : dl_rows[e / 2];
           st[j][e] *= weight;
           dat[j][e] *= weight;
         }
