@@ -590,7 +590,11 @@ void Mamba3ScanCuda::backward(const ScanDeviceInputs& in, const uint16_t* dy,
   }
   if (dy == nullptr) refuse(ErrorKind::kInvalidArgument, "Mamba3ScanCuda::backward: dy is null");
   require_aligned_rows("Mamba3ScanCuda::backward", in,
-                       {{"dy", dy}, {"the gradient v", grads.v}, {"the gradient z", grads.z}});
+                       {{"dy", dy},
+                        {"the gradient q", grads.q},
+                        {"the gradient k", grads.k},
+                        {"the gradient v", grads.v},
+                        {"the gradient z", grads.z}});
   MEGACPP_CUDA_CHECK(cudaSetDevice(device_));
   const Dims& d = buffers_->dims;
   scan_detail::DevInputs din = scan_detail::dev_inputs(in, d);

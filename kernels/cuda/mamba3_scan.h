@@ -32,7 +32,7 @@
 namespace megacpp::cuda {
 
 // Device pointers, bf16 (uint16_t bit patterns), shapes and layouts of ops::ScanInputs. q, k, v,
-// z, y, dy and the gradients of v and z must be 16-byte aligned (forward and backward refuse
+// z, y, dy and the gradients of q, k, v and z must be 16-byte aligned (forward and backward refuse
 // others, naming the tensor); per-head parameters at other alignments are copied to an aligned
 // stage in the scan's workspace first.
 struct ScanDeviceInputs {
@@ -111,10 +111,11 @@ enum class ScanChains { kWherePaying, kAlways, kNever };
 // that both ways give the same bits, and the benchmark); kNever splits none.
 enum class ScanHeadSplit { kWherePaying, kAlways, kNever };
 // At the fixed SISO shape (state 64, headdim 64, rank 1, chunk 64) with 16 rotation pairs, on the
-// tensor cores, where a block may have about 217 KiB of shared memory (Hopper), the backward can
+// tensor cores, where a block may have about 216 KiB of shared memory (Hopper), the backward can
 // run as a sweep (kernels/cuda/mamba3_scan_sweep.cu): a block per (batch, head) walks its chunks
 // in reverse with dL/d(state) on chip, the official SISO kernels' structure, instead of
-// chunk_dstate, the reverse state pass and chunk_backward (a block per chunk). The forward then
+// chunk_dstate, the reverse state pass and chunk_backward (a block per chunk), and finishes dθ's
+// sums and the per-token terms itself (no dtheta_offsets or finish_tokens). The forward then
 // also keeps for the backward its output before the gating (bf16, B·L·H·P), the per-token
 // scalars and the rotation's cos θ and sin θ (fp32, B·H·chunks·C·(3 + 2A)). kWherePaying runs it
 // from kSweepLeastPairs (batch, head) pairs: a block each walks all its chunks, so with fewer the

@@ -414,11 +414,13 @@ struct Work {
                    //   chunk_dstate: dL/d(exit state) only)
   float* dq_acc;   // [B, L, R, G, N] summed over the group's heads, unless chunk_backward's
   float* dk_acc;   //   plan keeps the sums in shared memory (then unused, still allocated)
-  float* dtheta;   // [B, H, L, A] dL/dθ_t, then its suffix sum over t
-  float* dtheta_tot;  // [B, H, chunks, A] per chunk, then the sum over later chunks
-  float* tok_dadt;    // [B, L, H]
-  float* tok_ddt;     // [B, L, H] d_dt without the κ_{t−1} and angle terms
-  float* tok_dtau;    // [B, L, H] d_τ without the κ_{t−1} term
+  float* dtheta;   // [B, H, L, A] dL/dθ_t, then its suffix sum over t (the sweep writes the sums)
+  float*
+      dtheta_tot;   // [B, H, chunks, A] per chunk, then the sum over later chunks (chunk_backward's
+                    //   path only)
+  float* tok_dadt;  // [B, L, H]
+  float* tok_ddt;   // [B, L, H] d_dt without the κ_{t−1} and angle terms
+  float* tok_dtau;  // [B, L, H] d_τ without the κ_{t−1} term
   float* tok_dkappa;  // [B, L, H]
   float* partials;    // [H, B * chunks, partial_width]
   float* split_qk;    // [split units, heads per group, 2, C·R·N]: the q then k gradients of each
@@ -516,7 +518,8 @@ inline size_t split_qk_floats(const Dims& d, int split_units) {
 }
 
 // mamba3_scan_sweep.cu: the SISO backward as a sweep over each (batch, head)'s chunks (ScanSweep),
-// which replaces chunk_dstate, the reverse state pass and chunk_backward where it runs.
+// which replaces chunk_dstate, the reverse state pass, chunk_backward, dtheta_offsets and
+// finish_tokens where it runs.
 struct SweepLaunches {
   Launch prep, core, finish;
 };
@@ -525,7 +528,7 @@ struct SweepFloats {
   size_t gate_in = 0, d_out = 0, scalars = 0, rotation = 0;
 };
 // Whether the sweep computes `d`'s backward: the fixed SISO shape with 16 rotation pairs, on the
-// tensor cores, where a block may have sweep_core's shared memory (Hopper: about 217 KiB).
+// tensor cores, where a block may have sweep_core's shared memory (Hopper: about 216 KiB).
 bool sweep_applies(const Dims& d, bool tensor_cores, size_t shared_per_block);
 size_t sweep_core_shared_bytes();
 SweepFloats sweep_floats(const Dims& d);
@@ -537,7 +540,8 @@ void run_sweep(const SweepLaunches& launches, const Dims& d, const DevInputs& in
 struct BackwardLaunches {
   Launch chunk_dstate, state_pass_backward, chunk_backward, dtheta_offsets, finish_tokens,
       reduce_params;
-  // The sweep runs instead of chunk_dstate, state_pass_backward and chunk_backward.
+  // The sweep runs instead of chunk_dstate, state_pass_backward, chunk_backward, dtheta_offsets
+  // and finish_tokens (reduce_params follows it).
   bool sweep = false;
   SweepLaunches sweep_kernels;
   // At the fixed shapes chunk_dstate also does the reverse state pass (state_pass_backward is then
@@ -593,9 +597,9 @@ static __device__ __forceinline__ size_t token_head(const D& d, int b, int t, in
 }
 
 // The per-token gradients of one (batch, chunk) from the backward's per-token terms, by the
-// block's threads: the angles' (Work::dtheta holding each head's suffix sums of dθ, summed here
-// over the heads in order), and adt's, dt's and trap's (the κ_{t−1} terms added to tok_ddt's and
-// tok_dtau's). finish_tokens' and sweep_finish's last step.
+// block's threads: the angles' (Work::dtheta holding each head's suffix sums of dθ, weighted by
+// the head's dt and summed here over the heads in order), and adt's, dt's and trap's (the κ_{t−1}
+// terms added to tok_ddt's and tok_dtau's). finish_tokens' and sweep_finish's last step.
 static __device__ __forceinline__ void finish_token_terms(const Dims& d, const DevInputs& in,
                                                           const Work& w, const DevGrads& grads,
                                                           int b, int t0, int len) {

@@ -1,7 +1,7 @@
 // The SISO backward as a sweep (ScanSweep, mamba3_scan.h): at the fixed SISO shape (N = P = 64,
 // R = 1, chunk 64, A = 16 rotation pairs) on the tensor cores, where a block may have the core's
-// shared memory (Hopper), three kernels replace chunk_dstate, the reverse state pass and
-// chunk_backward:
+// shared memory (Hopper), three kernels replace chunk_dstate, the reverse state pass,
+// chunk_backward, dtheta_offsets and finish_tokens:
 //   sweep_prep    a block per (chunk, batch, head): dO = dy ⊙ silu(z ⊙ mimo_z) ⊙ mimo_o (bf16),
 //                 dz, mimo_z's and mimo_o's partials, from the pre-gate output the forward kept
 //                 (Work::gate_in; the forward also kept the per-token scalars l, κ, γ and the
@@ -74,7 +74,7 @@ struct CoreSmem {
   float d_gamma[2][kC], d_kappa[2][kC];
   float d_theta[2][2][kC * kAngleLd];
   float mimo_x_parts[2][4][kP];
-  float bias_parts[2][2][4][kN];  // [slot][q, k][the side's warp][column]
+  alignas(16) float bias_parts[2][2][4][kN];  // [slot][q, k][the side's warp][column]
   float dot_parts[4];
 };
 
@@ -548,7 +548,9 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
     const size_t first_row = (static_cast<size_t>(b) * Tp + static_cast<size_t>(c) * kC) * H + h;
     const int t0 = c * kC;
     wait_copies<0>();
-    // Barrier 1: the stage is in; every read of chunk c + 1's operands and parts is done.
+    // Barrier 1: the stage is in; chunk c + 1's operands are no longer read (the next copies
+    // take their stage); chunk c + 1's parts are complete and chunk c + 2's read (slot c % 2 is
+    // free for chunk c's).
     __syncthreads();
     if (c > 0) load_chunk(c - 1, (c - 1) % 2);
     bf16 *q = sm.q[stage], *k = sm.k[stage];
@@ -599,14 +601,14 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
         const float(&bias)[2][2] = which == 0 ? q_bias : k_bias;
         const float2 first = unpack_bf16(*reinterpret_cast<const uint32_t*>(row));
         const float2 second = unpack_bf16(*reinterpret_cast<const uint32_t*>(row + kN / 2));
-        const float a[2] = {first.x + (token ? bias[0][0] : 0.f),
-                            first.y + (token ? bias[0][1] : 0.f)};
-        const float b[2] = {second.x + (token ? bias[1][0] : 0.f),
-                            second.y + (token ? bias[1][1] : 0.f)};
+        const float lead[2] = {first.x + (token ? bias[0][0] : 0.f),
+                               first.y + (token ? bias[0][1] : 0.f)};
+        const float partner[2] = {second.x + (token ? bias[1][0] : 0.f),
+                                  second.y + (token ? bias[1][1] : 0.f)};
         *reinterpret_cast<uint32_t*>(row) =
-            pack_bf16(a[0] * cs[0] - b[0] * sn[0], a[1] * cs[1] - b[1] * sn[1]);
+            pack_bf16(lead[0] * cs[0] - partner[0] * sn[0], lead[1] * cs[1] - partner[1] * sn[1]);
         *reinterpret_cast<uint32_t*>(row + kN / 2) =
-            pack_bf16(a[0] * sn[0] + b[0] * cs[0], a[1] * sn[1] + b[1] * cs[1]);
+            pack_bf16(lead[0] * sn[0] + partner[0] * cs[0], lead[1] * sn[1] + partner[1] * cs[1]);
       }
     }
     // Four columns an item: 16-byte reads of E, 8-byte ones of dO and v, 8-byte stores (half

@@ -785,6 +785,18 @@ TEST(Mamba3ScanCudaShapes, RefusesMisalignedBackwardRows) {
   oracle::expect_error([&] { scan.backward(in, at(15), grads); },
                        megacpp::ErrorKind::kInvalidArgument, "the gradient z at",
                        "the gradient of z 2 bytes past a slot");
+  grads.z -= 1;
+  // The sweep writes q's and k's gradients 16 bytes at a time (sweep_finish): every path refuses
+  // them misaligned.
+  grads.k += 4;
+  oracle::expect_error([&] { scan.backward(in, at(15), grads); },
+                       megacpp::ErrorKind::kInvalidArgument, "the gradient k at",
+                       "the gradient of k 8 bytes past a slot");
+  grads.k -= 4;
+  grads.q += 1;
+  oracle::expect_error([&] { scan.backward(in, at(15), grads); },
+                       megacpp::ErrorKind::kInvalidArgument, "the gradient q at",
+                       "the gradient of q 2 bytes past a slot");
 }
 
 // The forward is one kernel (chunk_forward, two blocks an SM) on the tensor cores at the fixed
