@@ -174,6 +174,21 @@ struct LaneAddress {
   }
 };
 
+// acc[8][4] += the A fragments af (16 rows, k0 … k0 + 15) × B's rows k0 … k0 + 15, all 64
+// columns: B held as [n][k] (rows n), or with kTransposedB as [k][n] (transposed by ldmatrix).
+template <bool kTransposedB>
+__device__ __forceinline__ void times_b_rows(float (&acc)[8][4], const uint32_t (&af)[4],
+                                             const bf16* b, int k0, const LaneAddress& at) {
+#pragma unroll
+  for (int n0 = 0; n0 < 64; n0 += 16) {
+    uint32_t bf[4];
+    ldmatrix_x4<kTransposedB>(bf, kTransposedB ? b + (k0 + at.bt_row) * kLd + n0 + at.bt_col
+                                               : b + (n0 + at.bn_row) * kLd + k0 + at.bn_col);
+    mma_bf16_16816(acc[n0 / 8], af, bf[0], bf[1]);
+    mma_bf16_16816(acc[n0 / 8 + 1], af, bf[2], bf[3]);
+  }
+}
+
 // acc[8][4] (16 rows × 64 columns, eight n-tiles) += A(16 rows from r0 of `a`, [m][k]) × Bᵀ where
 // `b` holds B as [n][k] (rows n): both non-transposed, k = 64.
 __device__ __forceinline__ void rows_times_rows(float (&acc)[8][4], const bf16* a, int r0,
@@ -182,13 +197,7 @@ __device__ __forceinline__ void rows_times_rows(float (&acc)[8][4], const bf16* 
   for (int k0 = 0; k0 < 64; k0 += 16) {
     uint32_t af[4];
     ldmatrix_x4<false>(af, a + (r0 + at.a_row) * kLd + k0 + at.a_col);
-#pragma unroll
-    for (int n0 = 0; n0 < 64; n0 += 16) {
-      uint32_t bf[4];
-      ldmatrix_x4<false>(bf, b + (n0 + at.bn_row) * kLd + k0 + at.bn_col);
-      mma_bf16_16816(acc[n0 / 8], af, bf[0], bf[1]);
-      mma_bf16_16816(acc[n0 / 8 + 1], af, bf[2], bf[3]);
-    }
+    times_b_rows<false>(acc, af, b, k0, at);
   }
 }
 
@@ -202,13 +211,7 @@ __device__ __forceinline__ void rows_times_cols(float (&acc)[8][4], const bf16* 
     uint32_t af[4];
     ldmatrix_x4<kTransposedA>(af, kTransposedA ? a + (k0 + at.at_row) * kLd + r0 + at.at_col
                                                : a + (r0 + at.a_row) * kLd + k0 + at.a_col);
-#pragma unroll
-    for (int n0 = 0; n0 < 64; n0 += 16) {
-      uint32_t bf[4];
-      ldmatrix_x4<true>(bf, b + (k0 + at.bt_row) * kLd + n0 + at.bt_col);
-      mma_bf16_16816(acc[n0 / 8], af, bf[0], bf[1]);
-      mma_bf16_16816(acc[n0 / 8 + 1], af, bf[2], bf[3]);
-    }
+    times_b_rows<true>(acc, af, b, k0, at);
   }
 }
 
@@ -222,13 +225,7 @@ __device__ __forceinline__ void frags_times_cols(float (&acc)[8][4], const float
                             pack_bf16(f[2 * kk][2], f[2 * kk][3]),
                             pack_bf16(f[2 * kk + 1][0], f[2 * kk + 1][1]),
                             pack_bf16(f[2 * kk + 1][2], f[2 * kk + 1][3])};
-#pragma unroll
-    for (int n0 = 0; n0 < 64; n0 += 16) {
-      uint32_t bf[4];
-      ldmatrix_x4<true>(bf, b + (16 * kk + at.bt_row) * kLd + n0 + at.bt_col);
-      mma_bf16_16816(acc[n0 / 8], af, bf[0], bf[1]);
-      mma_bf16_16816(acc[n0 / 8 + 1], af, bf[2], bf[3]);
-    }
+    times_b_rows<true>(acc, af, b, 16 * kk, at);
   }
 }
 
@@ -356,6 +353,29 @@ __device__ __forceinline__ void store_rows(bf16* to, const float (&acc)[8][4], s
           __floats2bfloat162_rn(acc[j][2 * half], acc[j][2 * half + 1]);
     }
   }
+}
+
+// One side's gradient w.r.t. its rotated rows r0 … r0 + 15 finished: acc (the state's part) scaled
+// by each row's scale, the chunk's part (the weighted tile f, rows × the other side's rows) times
+// `other` added, then un-rotated (dθ's terms into d_theta_part), stored as this head's bf16
+// gradient (store_rows) and its column sums left in bias_part for the bias.
+__device__ __forceinline__ void finish_rotated_gradient(float (&acc)[8][4], const float (&scale)[2],
+                                                        const float (&f)[8][4], const bf16* other,
+                                                        const bf16* rotated, const float* cos_theta,
+                                                        const float* sin_theta, float* d_theta_part,
+                                                        bf16* to, size_t first_row, int heads,
+                                                        float* bias_part, int r0, int lane,
+                                                        const LaneAddress& at) {
+  const int g = lane / 4, c4 = lane % 4;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[j][e] *= scale[e / 2];
+  }
+  frags_times_cols(acc, f, other, at);
+  unrotate(acc, rotated, cos_theta, sin_theta, d_theta_part, r0, g, c4);
+  store_rows(to, acc, first_row, heads, r0, g, c4);
+  store_column_sums(bias_part, acc, lane);
 }
 
 // Warps 0-3 are the query side (rows of 16 tokens: dq and dγ, and X's 16 rows each), warps 4-7
@@ -681,15 +701,8 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
         dl_rows[half] = quad_sum(dl_rows[half] + scale[half] * inter[half]);
         d_gamma[half] = quad_sum(d_gamma[half]);
       }
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[j][e] *= scale[e / 2];
-      }
-      frags_times_cols(acc, da, k, at);
-      unrotate(acc, q, cos_theta, sin_theta, sm.d_theta[slot][0], r0, g, c4);
-      store_rows(w.sweep_dq, acc, first_row, H, r0, g, c4);
-      store_column_sums(sm.bias_parts[slot][0][warp], acc, lane);
+      finish_rotated_gradient(acc, scale, da, k, q, cos_theta, sin_theta, sm.d_theta[slot][0],
+                              w.sweep_dq, first_row, H, sm.bias_parts[slot][0][warp], r0, lane, at);
       if (c4 == 0) {
         sm.dl_query[slot][r0 + g] = dl_rows[0];
         sm.dl_query[slot][r0 + g + 8] = dl_rows[1];
@@ -749,15 +762,9 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
           sm.d_kappa[slot][s_row] = d_kappa[half];
         }
       }
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[j][e] *= scale[e / 2];
-      }
-      frags_times_cols(acc, dat, q, at);
-      unrotate(acc, k, cos_theta, sin_theta, sm.d_theta[slot][1], r0, g, c4);
-      store_rows(w.sweep_dk, acc, first_row, H, r0, g, c4);
-      store_column_sums(sm.bias_parts[slot][1][warp - 4], acc, lane);
+      finish_rotated_gradient(acc, scale, dat, q, k, cos_theta, sin_theta, sm.d_theta[slot][1],
+                              w.sweep_dk, first_row, H, sm.bias_parts[slot][1][warp - 4], r0, lane,
+                              at);
       // dL/dPsiV: X k̃'s part (X's rows p are B's rows n), the chunk's, and D's.
       zero(acc);
       rows_times_rows(acc, k, r0, x_hi, at);
