@@ -246,7 +246,7 @@ std::vector<Launch> all_launches(const Dims& d, bool tensor_cores, const SharedM
   const BackwardLaunches b = backward_launches(
       d, tensor_cores, shared.per_block, chains,
       sweeps ? 0 : planned_split_units(d, tensor_cores, shared, head_split), sweeps);
-  std::vector<Launch> launches = {f.angle_prefix};
+  std::vector<Launch> launches = {f.angle_sums, f.angle_prefix};
   if (f.fused) {
     launches.push_back(f.chunk_forward);
   } else {

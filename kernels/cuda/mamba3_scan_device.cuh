@@ -484,7 +484,7 @@ struct Launch {
 
 // mamba3_scan_forward.cu: the forward's kernels, in launch order.
 struct ForwardLaunches {
-  Launch angle_prefix, chunk_state, state_pass, chunk_output;
+  Launch angle_sums, angle_prefix, chunk_state, state_pass, chunk_output;
   // At the fixed shapes on the tensor cores, where two of its blocks fit an SM: chunk_forward
   // does what chunk_state, state_pass and chunk_output do, in one launch (the three are then not
   // launched).
@@ -599,7 +599,8 @@ static __device__ __forceinline__ size_t token_head(const D& d, int b, int t, in
 // The per-token gradients of one (batch, chunk) from the backward's per-token terms, by the
 // block's threads: the angles' (Work::dtheta holding each head's suffix sums of dθ, weighted by
 // the head's dt and summed here over the heads in order), and adt's, dt's and trap's (the κ_{t−1}
-// terms added to tok_ddt's and tok_dtau's). finish_tokens' and sweep_finish's last step.
+// terms added to tok_ddt's and tok_dtau's). finish_tokens' last step (sweep_finish has its own,
+// sweep_token_terms).
 static __device__ __forceinline__ void finish_token_terms(const Dims& d, const DevInputs& in,
                                                           const Work& w, const DevGrads& grads,
                                                           int b, int t0, int len) {

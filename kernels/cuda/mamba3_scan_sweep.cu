@@ -13,7 +13,7 @@
 //                 dADT, dκ, the dt/trap terms of dκ and dγ, and dθ's suffix sums over the
 //                 sequence (the reverse walk carries them from chunk to chunk);
 //   sweep_finish  a block per (chunk, batch): q and k summed over each group's heads in head
-//                 order, then finish_token_terms (the angles', adt's, dt's, trap's gradients);
+//                 order, then sweep_token_terms (the angles', adt's, dt's, trap's gradients);
 // then reduce_params. No floating-point atomics: the bits repeat.
 //
 // The core's mathematics (kernels/cpu/mamba3_scan_chunked.h's notation at R = 1, one (batch, head),
@@ -466,7 +466,7 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
   //  - the pair's partials: q's and k's biases (the warps' column sums added), mimo_x's (the key
   //    warps'), and a zero for dD but in chunk 0's slot (the pair's whole dD goes there);
   //  - dκ and the dt and trap terms of dγ and dκ (γ_t = τ_t DT_t, κ_t = τ_t DT_t + ...:
-  //    finish_token_terms adds κ_{t−1}'s and the angles');
+  //    sweep_token_terms adds κ_{t−1}'s and the angles');
   //  - dl, the last token's with the chunk's exit terms and e^{l_last} <E_c, X>, its suffix sums
   //    within the chunk being dADT (warp 0; a fixed order).
   constexpr int kAngleParts = 32 / 4, kAnglePart = kC / kAngleParts;
@@ -840,9 +840,77 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
 // sweep_finish
 
 constexpr int kFinishThreads = 256;
+// sweep_token_terms' tiles: the (token, head) items of kTermRows dθ rows at a time, so at most
+// kTermRows heads (sweep_applies).
+constexpr int kTermRows = 256;
+constexpr int kTermRowLd = kA + 4;  // fp32: a quarter-warp's 16-byte row stores on distinct banks
+
+// finish_token_terms' gradients (the angles', adt's, dt's, trap's) at the sweep's A = kA, with the
+// same expressions in the same order (the same bits), by tiles of whole tokens: each (token, head)
+// item loads its dθ row 16 bytes at a time with its per-token terms (one load's latency a tile),
+// makes dt's and trap's gradients and leaves the row and dt in shared memory, where the angles'
+// sums over heads read them. finish_token_terms' loops load a value at a time and each reads the
+// rows again: they were about half of this kernel's stall samples (ncu, session 34).
+static __device__ __forceinline__ void sweep_token_terms(const Dims& d, const DevInputs& in,
+                                                         const Work& w, const DevGrads& grads,
+                                                         int b, int t0, int len) {
+  __shared__ float slopes[kC * kA];  // tanh of the chunk's angles, [token][pair]
+  __shared__ __align__(16) float theta_rows[kTermRows * kTermRowLd];
+  __shared__ float head_dt[kTermRows];
+  const int H = d.heads;
+  const size_t first_token = static_cast<size_t>(b) * d.seqlen + t0;
+  for_each_batched<kLoadBatch>(
+      len * kA, [&](int e) { return in.angles[first_token * kA + e]; },
+      [&](int e, bf16 angle) { slopes[e] = tanhf(to_f(angle)); });
+  __syncthreads();
+  const int tile_tokens = kTermRows / H;
+  for (int first = 0; first < len; first += tile_tokens) {
+    const int count = min(tile_tokens, len - first);
+    for (int item = threadIdx.x; item < count * H; item += kFinishThreads) {
+      const int i = first + item / H, h = item % H, t = t0 + i;
+      const size_t th = (first_token + i) * H + h;
+      const size_t bh = static_cast<size_t>(b) * H + h;
+      const float4* row = reinterpret_cast<const float4*>(w.dtheta + (bh * d.seqlen + t) * kA);
+      float4 parts[kA / 4];
+#pragma unroll
+      for (int q = 0; q < kA / 4; ++q) parts[q] = row[q];
+      const float tau = sigmoidf(to_f(in.trap[th])), dt = to_f(in.dt[th]);
+      float d_dt = w.tok_ddt[th], d_tau = w.tok_dtau[th];
+      const float d_adt = w.tok_dadt[th];
+      const float prev = t > 0 ? w.tok_dkappa[th - H] : 0.f;
+      const float* theta = reinterpret_cast<const float*>(parts);
+#pragma unroll
+      for (int j = 0; j < kA; ++j) d_dt += theta[j] * slopes[i * kA + j] * kPi;
+      if (t > 0) {
+        d_dt += prev * (1.f - tau);
+        d_tau -= prev * dt;
+      }
+      grads.adt[th] = __float2bfloat16(d_adt);
+      grads.dt[th] = __float2bfloat16(d_dt);
+      grads.trap[th] = __float2bfloat16(d_tau * tau * (1.f - tau));
+#pragma unroll
+      for (int q = 0; q < kA / 4; ++q) {
+        *reinterpret_cast<float4*>(theta_rows + item * kTermRowLd + 4 * q) = parts[q];
+      }
+      head_dt[item] = dt;
+    }
+    __syncthreads();
+    for (int item = threadIdx.x; item < count * kA; item += kFinishThreads) {
+      const int tile_i = item / kA, j = item % kA, i = first + tile_i;
+      float sum = 0.f;
+      for (int h = 0; h < H; ++h) {
+        sum += theta_rows[(tile_i * H + h) * kTermRowLd + j] * head_dt[tile_i * H + h];
+      }
+      const float slope = slopes[i * kA + j];
+      grads.angles[(first_token + i) * kA + j] =
+          __float2bfloat16(sum * (1.f - slope * slope) * kPi);
+    }
+    __syncthreads();
+  }
+}
 
 // A block per (chunk, batch): each group's q and k gradients, its heads' (sweep_core's, bf16)
-// added in head order from zero, eight columns (16 bytes) an item; then finish_token_terms.
+// added in head order from zero, eight columns (16 bytes) an item; then sweep_token_terms.
 __global__ void __launch_bounds__(kFinishThreads)
     sweep_finish_kernel(Dims d, DevInputs in, Work w, DevGrads grads) {
   constexpr int W = 8, kRowParts = kN / W;
@@ -880,14 +948,14 @@ __global__ void __launch_bounds__(kFinishThreads)
       store_row(to + static_cast<size_t>(g) * kN, round_row<W>(sum));
     }
   }
-  finish_token_terms(d, in, w, grads, b, t0, len);
+  sweep_token_terms(d, in, w, grads, b, t0, len);
 }
 
 }  // namespace
 
 bool sweep_applies(const Dims& d, bool tensor_cores, size_t shared_per_block) {
   return tensor_cores && d.state == kN && d.headdim == kP && d.rank == 1 && d.chunk == kC &&
-         d.angles == kA && shared_per_block >= sizeof(CoreSmem);
+         d.angles == kA && d.heads <= kTermRows && shared_per_block >= sizeof(CoreSmem);
 }
 
 size_t sweep_core_shared_bytes() {

@@ -821,9 +821,9 @@ TEST(Mamba3ScanCudaShapes, ReportsEveryKernelItLaunches) {
     }
     return out;
   };
-  const std::vector<std::string> three = {"angle_prefix", "chunk_state", "state_pass",
+  const std::vector<std::string> three = {"angle_sums", "angle_prefix", "chunk_state", "state_pass",
                                           "chunk_output"};
-  const std::vector<std::string> chained = {"angle_prefix", "chunk_forward"};
+  const std::vector<std::string> chained = {"angle_sums", "angle_prefix", "chunk_forward"};
   const auto with = [](std::vector<std::string> first, const std::vector<std::string>& then) {
     first.insert(first.end(), then.begin(), then.end());
     return first;
@@ -873,6 +873,12 @@ TEST(Mamba3ScanCudaShapes, ReportsEveryKernelItLaunches) {
       }
     }
   }
+  // sweep_token_terms holds a token's heads in one tile of 256: with more, no sweep.
+  ScanShape wide = grid_shape(64, 64, 1, 64);
+  wide.heads = 272;
+  const std::vector<std::string> wide_names = names(wide, true);
+  EXPECT_EQ(std::count(wide_names.begin(), wide_names.end(), "sweep_core"), 0);
+  EXPECT_EQ(std::count(wide_names.begin(), wide_names.end(), "chunk_backward"), 1);
   ScanShape many = grid_shape(64, 64, 4, 16);
   many.batch = 8;
   EXPECT_EQ(names(many, false), with(three, chained_backward));
