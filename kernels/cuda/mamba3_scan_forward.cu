@@ -290,12 +290,17 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
   keep_sweep_scalars(d, w, pos, sc, cosv, sinv);
   load_rotated_qk(d, in, pos, cosv, sinv, q_rot, k_rot, ld_qk);
   load_psiv(d, in, pos, w.psiv, false, write_psiv, psiv, ld_pv);
-  fill_weights(d, sc, weights);
+  // At R = 1 each score takes its own weight, made in the product's epilogue (the same expression
+  // as fill_weights', so the same bits); at R > 1 a token pair's weight serves R² scores, so the
+  // table is made once.
+  constexpr bool kWeightsInline = D::rank == 1;
+  if constexpr (!kWeightsInline) fill_weights(d, sc, weights);
   __syncthreads();
   bf16_gemm<true, false, false>(
       M, M, N, q_rot, ld_qk, k_rot, ld_qk, [&](int i, int j, float value) {
-        weighted[i * ld_sw + j] =
-            __float2bfloat16(value * weights[d.by_rank.div(i) * ld_w + d.by_rank.div(j)]);
+        const float weight = kWeightsInline ? token_weight(d, sc, i, j)
+                                            : weights[d.by_rank.div(i) * ld_w + d.by_rank.div(j)];
+        weighted[i * ld_sw + j] = __float2bfloat16(value * weight);
       });
   // The exit-scaled PsiV as hi + lo pairs beside PsiV (no barrier: the scores' product reads
   // neither). kColumnsPerItem elements of a row a thread: 16-byte shared rows of bf16 at the fixed
