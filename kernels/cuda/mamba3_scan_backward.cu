@@ -155,13 +155,8 @@ struct DOutLoader {
 template <bool kTensor, bool kReversePass, class D>
 __global__ void chunk_dstate_kernel(D d, SmemPlan plan, DevInputs in, Work w, const bf16* dy) {
   extern __shared__ __align__(16) unsigned char smem[];
-  int pair_index = blockIdx.y, chunk_index = blockIdx.x;
-  if constexpr (kReversePass) {
-    const ChainSlot slot = take_ticket(w.order, d.batch * d.heads, d.chunks, true);
-    pair_index = slot.pair;
-    chunk_index = slot.chunk;
-  }
-  const ChunkPos pos = chunk_pos(d, pair_index, false, chunk_index);
+  const ChunkPos pos = kReversePass ? take_chain_chunk(d, w.order, true)
+                                    : chunk_pos(d, blockIdx.y, false, blockIdx.x);
   float* sc = reinterpret_cast<float*>(smem + plan.token_scalars);
   float* cosv = reinterpret_cast<float*>(smem + plan.rotation_cos);
   float* sinv = reinterpret_cast<float*>(smem + plan.rotation_sin);

@@ -170,10 +170,22 @@ static __device__ void keep_sweep_scalars(const D& d, const Work& w, const Chunk
   const size_t first = (static_cast<size_t>(pos.b) * d.heads + pos.h) * padded + pos.t0;
   float* cos_out = w.sweep_rotation + first * A;
   float* sin_out = cos_out + pairs * padded * A;
-  for (int idx = threadIdx.x; idx < C * A; idx += blockDim.x) {
-    const int i = d.by_angles.div(idx), j = d.by_angles.mod(idx);
-    cos_out[idx] = cosv[i * ld_a + j];
-    sin_out[idx] = sinv[i * ld_a + j];
+  if (A % 4 == 0) {
+    // Four pairs an item, one 16-byte store each (the rows in memory are A floats, 16-byte
+    // aligned; in shared memory ld_a, unaligned).
+    for (int idx = 4 * threadIdx.x; idx < C * A; idx += 4 * blockDim.x) {
+      const int i = d.by_angles.div(idx), j = d.by_angles.mod(idx), at = i * ld_a + j;
+      reinterpret_cast<float4*>(cos_out)[idx / 4] =
+          make_float4(cosv[at], cosv[at + 1], cosv[at + 2], cosv[at + 3]);
+      reinterpret_cast<float4*>(sin_out)[idx / 4] =
+          make_float4(sinv[at], sinv[at + 1], sinv[at + 2], sinv[at + 3]);
+    }
+  } else {
+    for (int idx = threadIdx.x; idx < C * A; idx += blockDim.x) {
+      const int i = d.by_angles.div(idx), j = d.by_angles.mod(idx);
+      cos_out[idx] = cosv[i * ld_a + j];
+      sin_out[idx] = sinv[i * ld_a + j];
+    }
   }
   for (int idx = threadIdx.x; idx < 3 * C; idx += blockDim.x) {
     const int which = idx / C, i = idx % C;
@@ -265,8 +277,7 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
   // in the helpers inlined have constant strides and trip counts (MIMO forward −1.5%).
   __builtin_assume(blockDim.x == kOutputThreads);
   extern __shared__ __align__(16) unsigned char smem[];
-  const ChainSlot slot = take_ticket(w.order, d.batch * d.heads, d.chunks, false);
-  const ChunkPos pos = chunk_pos(d, slot.pair, false, slot.chunk);
+  const ChunkPos pos = take_chain_chunk(d, w.order, false);
   float* sc = reinterpret_cast<float*>(smem + plan.token_scalars);
   float* cosv = reinterpret_cast<float*>(smem + plan.rotation_cos);
   float* sinv = reinterpret_cast<float*>(smem + plan.rotation_sin);
