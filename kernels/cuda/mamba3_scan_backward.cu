@@ -1576,8 +1576,8 @@ __global__ void finish_tokens_kernel(Dims d, DevInputs in, Work w, DevGrads grad
 // Per-head parameter gradients: the (batch, chunk) partials summed in a fixed order: each of
 // kReduceRows rows of threads adds every kReduceRows-th slot, kAhead loads in flight, then the
 // rows' sums in row order. (Eight rows a load at a time ran at 16% of warps active in 19.5 µs at
-// M3-ref; this runs at 62% in 18.4 µs, ncu: the loads were not what bounds it. A slot's partials
-// lie partial_width floats apart, so a column block reads 128 bytes of each 1.3 KB row.)
+// M3-ref SISO; this runs at 62% in 18.4 µs, ncu: the loads were not what bounds it. A slot's
+// partials lie partial_width floats apart, so a column block reads 128 bytes of each 1.3 KB row.)
 constexpr int kReduceRows = 32;
 __global__ void __launch_bounds__(32 * kReduceRows)
     reduce_params_kernel(Dims d, Work w, DevGrads grads) {

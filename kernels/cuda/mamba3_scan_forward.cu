@@ -12,8 +12,8 @@ namespace {
 // tanh(angle)·DT·π over the chunk's tokens for every (head, pair), from tables in shared memory of
 // the tokens' tanh (each made once: every head takes it) and dt (loaded together, not by each
 // thread in turn). Made per (batch, head) in one kernel with the prefix, the tanh were 16 times as
-// many at M3-ref and the kernel took 43 µs; with the tanh table alone, 28 µs of dt loads (ncu).
-// angle_prefix: a block per (batch, head) turns its chunks' sums into exclusive prefixes.
+// many at M3-ref SISO and the kernel took 43 µs; with the tanh table alone, 28 µs of dt loads
+// (ncu). angle_prefix: a block per (batch, head) turns its chunks' sums into exclusive prefixes.
 constexpr int kSlopeFloats = 2048;  // A ≤ kThreads: a table holds 8 tokens or more
 constexpr int kDtTable = 4096;      // heads · tokens; with more heads, dt is read from memory
 __global__ void __launch_bounds__(kThreads) angle_sums_kernel(Dims d, DevInputs in, Work w) {
@@ -25,7 +25,7 @@ __global__ void __launch_bounds__(kThreads) angle_sums_kernel(Dims d, DevInputs 
   const int tokens_per_table = dt_fits ? min(kSlopeFloats / A, kDtTable / H) : kSlopeFloats / A;
   const size_t first_token = static_cast<size_t>(b) * d.seqlen + t0;
   // A thread's (head, pair) item; where there are more than threads, the tables are made again
-  // for each round of items (not at M3-ref: H · A = 256 = kThreads, one table of 64 tokens).
+  // for each round of items (not at M3-ref SISO: H · A = 256 = kThreads, one table of 64 tokens).
   for (int first = 0; first < H * A; first += blockDim.x) {
     const int item = first + static_cast<int>(threadIdx.x);
     const bool owner = item < H * A;
@@ -267,9 +267,9 @@ __global__ void __launch_bounds__(kOutputThreads)
 // pass is not a kernel of its own (the two cost 2.5 ms of the 5.9 ms MIMO forward at M3-ref; the
 // state pass ran at 85% of DRAM bandwidth).
 //
-// Blocks take their chunk from a ticket (take_ticket: why every wait ends). The recurrence is the
-// state pass's (E_0 = 0, scale_add, chunks in order), and o's two terms are rounded and added as
-// chunk_output rounds and adds them; y sums a token's ranks in another order (over lanes).
+// Blocks take their chunk from a ticket (take_chain_chunk: why every wait ends). The recurrence is
+// the state pass's (E_0 = 0, scale_add, chunks in order), and o's two terms are rounded and added
+// as chunk_output rounds and adds them; y sums a token's ranks in another order (over lanes).
 template <class D>
 __global__ void __launch_bounds__(kOutputThreads, 2)
     chunk_forward_kernel(D d, SmemPlan plan, DevInputs in, Work w, bool write_psiv, bf16* y) {

@@ -269,6 +269,11 @@ struct Mamba3Scan {
     s = sized(64, 64, 1, 64, 2, 1000);
     s.groups = 2;
     add(s, sweep_or_not(), "_Sweep");
+    // 24 heads: sweep_token_terms' tiles of 256 (token, head) items hold 10 tokens, so a chunk
+    // ends on a partial tile.
+    s = sized(64, 64, 1, 64, 1, 1000);
+    s.heads = 24;
+    add(s, sweep_or_not(), "_Sweep");
     add(sized(64, 64, 1, 64, 2, 1000),
         sweep_or_not({{.name = "tensor-core sweep shared-backward",
                        .same_bits_as = 0,
@@ -873,21 +878,28 @@ TEST(Mamba3ScanCudaShapes, ReportsEveryKernelItLaunches) {
       }
     }
   }
-  // sweep_token_terms holds a token's heads in one tile of 256: with more, no sweep.
-  ScanShape wide = grid_shape(64, 64, 1, 64);
-  wide.heads = 272;
-  const std::vector<std::string> wide_names = names(wide, true);
-  EXPECT_EQ(std::count(wide_names.begin(), wide_names.end(), "sweep_core"), 0);
-  EXPECT_EQ(std::count(wide_names.begin(), wide_names.end(), "chunk_backward"), 1);
+  // sweep_token_terms holds a token's heads in one tile of 256: at 256 heads the sweep runs
+  // (where it fits), at 272 chunk_backward does.
+  if (sweep_fits) {
+    ScanShape wide = grid_shape(64, 64, 1, 64);
+    for (const int heads : {256, 272}) {
+      wide.heads = heads;
+      const std::vector<std::string> got = names(wide, true);
+      EXPECT_EQ(std::count(got.begin(), got.end(), "sweep_core"), heads <= 256 ? 1 : 0) << heads;
+      EXPECT_EQ(std::count(got.begin(), got.end(), "chunk_backward"), heads <= 256 ? 0 : 1)
+          << heads;
+    }
+  }
   ScanShape many = grid_shape(64, 64, 4, 16);
   many.batch = 8;
   EXPECT_EQ(names(many, false), with(three, chained_backward));
   EXPECT_EQ(names(grid_shape(32, 64, 4, 16), true), with(three, separate_backward));
 }
 
-// The sweep runs at the fixed SISO shape with 16 rotation pairs on the tensor cores of a GPU that
-// has its shared memory, from kSweepLeastPairs pairs where paying; nowhere else, and never when
-// forced off. Its parts are among the workspace's where the tensor-core variant would sweep.
+// The sweep runs at the fixed SISO shape with 16 rotation pairs and at most 256 heads on the
+// tensor cores of a GPU that has its shared memory, from kSweepLeastPairs pairs where paying;
+// nowhere else (ReportsEveryKernelItLaunches checks the head limit), and never when forced off. Its
+// parts are among the workspace's where the tensor-core variant would sweep.
 TEST(Mamba3ScanCudaShapes, SweepsTheSisoBackwardWhereItApplies) {
   MEGACPP_REQUIRE_GPU();
   using megacpp::cuda::ScanChains;
