@@ -596,6 +596,26 @@ static __device__ __forceinline__ size_t token_head(const D& d, int b, int t, in
   return (static_cast<size_t>(b) * d.seqlen + t) * d.heads + h;
 }
 
+// The end of finish_token_terms' and sweep_token_terms' work, one formula for both. A (token,
+// head)'s adt, dt and trap gradients from its terms (d_dt with the angles' terms added) and, where
+// t > 0 (has_prev), κ_{t−1}'s gradient `prev`.
+static __device__ __forceinline__ void store_token_head_terms(const DevGrads& grads, size_t th,
+                                                              float tau, float dt, float d_adt,
+                                                              float d_dt, float d_tau,
+                                                              bool has_prev, float prev) {
+  if (has_prev) {
+    d_dt += prev * (1.f - tau);
+    d_tau -= prev * dt;
+  }
+  grads.adt[th] = __float2bfloat16(d_adt);
+  grads.dt[th] = __float2bfloat16(d_dt);
+  grads.trap[th] = __float2bfloat16(d_tau * tau * (1.f - tau));
+}
+// An angle's gradient from the heads' dt-weighted sum of its dθ and its tanh (`slope`).
+static __device__ __forceinline__ bf16 angle_gradient(float sum, float slope) {
+  return __float2bfloat16(sum * (1.f - slope * slope) * kPi);
+}
+
 // The per-token gradients of one (batch, chunk) from the backward's per-token terms, by the
 // block's threads: the angles' (Work::dtheta holding each head's suffix sums of dθ, weighted by
 // the head's dt and summed here over the heads in order), and adt's, dt's and trap's (the κ_{t−1}
@@ -616,7 +636,7 @@ static __device__ __forceinline__ void finish_token_terms(const Dims& d, const D
       const size_t bh = static_cast<size_t>(b) * H + h;
       sum += w.dtheta[(bh * d.seqlen + t) * A + j] * to_f(in.dt[token * H + h]);
     }
-    grads.angles[token * A + j] = __float2bfloat16(sum * (1.f - slope * slope) * kPi);
+    grads.angles[token * A + j] = angle_gradient(sum, slope);
   }
   for (int item = threadIdx.x; item < len * H; item += blockDim.x) {
     const int i = item / H, h = item % H, t = t0 + i;
@@ -624,19 +644,13 @@ static __device__ __forceinline__ void finish_token_terms(const Dims& d, const D
     const size_t th = token * H + h;
     const size_t bh = static_cast<size_t>(b) * H + h;
     const float tau = sigmoidf(to_f(in.trap[th])), dt = to_f(in.dt[th]);
-    float d_dt = w.tok_ddt[th], d_tau = w.tok_dtau[th];
+    float d_dt = w.tok_ddt[th];
 #pragma unroll 8
     for (int j = 0; j < A; ++j) {
       d_dt += w.dtheta[(bh * d.seqlen + t) * A + j] * tanhf(to_f(in.angles[token * A + j])) * kPi;
     }
-    if (t > 0) {
-      const float prev = w.tok_dkappa[th - H];
-      d_dt += prev * (1.f - tau);
-      d_tau -= prev * dt;
-    }
-    grads.adt[th] = __float2bfloat16(w.tok_dadt[th]);
-    grads.dt[th] = __float2bfloat16(d_dt);
-    grads.trap[th] = __float2bfloat16(d_tau * tau * (1.f - tau));
+    store_token_head_terms(grads, th, tau, dt, w.tok_dadt[th], d_dt, w.tok_dtau[th], t > 0,
+                           t > 0 ? w.tok_dkappa[th - H] : 0.f);
   }
 }
 

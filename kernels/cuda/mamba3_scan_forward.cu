@@ -170,22 +170,15 @@ static __device__ void keep_sweep_scalars(const D& d, const Work& w, const Chunk
   const size_t first = (static_cast<size_t>(pos.b) * d.heads + pos.h) * padded + pos.t0;
   float* cos_out = w.sweep_rotation + first * A;
   float* sin_out = cos_out + pairs * padded * A;
-  if (A % 4 == 0) {
-    // Four pairs an item, one 16-byte store each (the rows in memory are A floats, 16-byte
-    // aligned; in shared memory ld_a, unaligned).
-    for (int idx = 4 * threadIdx.x; idx < C * A; idx += 4 * blockDim.x) {
-      const int i = d.by_angles.div(idx), j = d.by_angles.mod(idx), at = i * ld_a + j;
-      reinterpret_cast<float4*>(cos_out)[idx / 4] =
-          make_float4(cosv[at], cosv[at + 1], cosv[at + 2], cosv[at + 3]);
-      reinterpret_cast<float4*>(sin_out)[idx / 4] =
-          make_float4(sinv[at], sinv[at + 1], sinv[at + 2], sinv[at + 3]);
-    }
-  } else {
-    for (int idx = threadIdx.x; idx < C * A; idx += blockDim.x) {
-      const int i = d.by_angles.div(idx), j = d.by_angles.mod(idx);
-      cos_out[idx] = cosv[i * ld_a + j];
-      sin_out[idx] = sinv[i * ld_a + j];
-    }
+  // Four pairs an item, one 16-byte store each: the sweep runs only at 16 pairs (sweep_applies),
+  // so a row in memory is a multiple of 16 bytes, 16-byte aligned (in shared memory its stride is
+  // ld_a, unaligned).
+  for (int idx = 4 * threadIdx.x; idx < C * A; idx += 4 * blockDim.x) {
+    const int i = d.by_angles.div(idx), j = d.by_angles.mod(idx), at = i * ld_a + j;
+    reinterpret_cast<float4*>(cos_out)[idx / 4] =
+        make_float4(cosv[at], cosv[at + 1], cosv[at + 2], cosv[at + 3]);
+    reinterpret_cast<float4*>(sin_out)[idx / 4] =
+        make_float4(sinv[at], sinv[at + 1], sinv[at + 2], sinv[at + 3]);
   }
   for (int idx = threadIdx.x; idx < 3 * C; idx += blockDim.x) {
     const int which = idx / C, i = idx % C;

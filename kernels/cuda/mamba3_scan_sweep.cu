@@ -875,19 +875,13 @@ static __device__ __forceinline__ void sweep_token_terms(const Dims& d, const De
 #pragma unroll
       for (int q = 0; q < kA / 4; ++q) parts[q] = row[q];
       const float tau = sigmoidf(to_f(in.trap[th])), dt = to_f(in.dt[th]);
-      float d_dt = w.tok_ddt[th], d_tau = w.tok_dtau[th];
-      const float d_adt = w.tok_dadt[th];
+      float d_dt = w.tok_ddt[th];
+      const float d_tau = w.tok_dtau[th], d_adt = w.tok_dadt[th];
       const float prev = t > 0 ? w.tok_dkappa[th - H] : 0.f;
       const float* theta = reinterpret_cast<const float*>(parts);
 #pragma unroll
       for (int j = 0; j < kA; ++j) d_dt += theta[j] * slopes[i * kA + j] * kPi;
-      if (t > 0) {
-        d_dt += prev * (1.f - tau);
-        d_tau -= prev * dt;
-      }
-      grads.adt[th] = __float2bfloat16(d_adt);
-      grads.dt[th] = __float2bfloat16(d_dt);
-      grads.trap[th] = __float2bfloat16(d_tau * tau * (1.f - tau));
+      store_token_head_terms(grads, th, tau, dt, d_adt, d_dt, d_tau, t > 0, prev);
 #pragma unroll
       for (int q = 0; q < kA / 4; ++q) {
         *reinterpret_cast<float4*>(theta_rows + item * kTermRowLd + 4 * q) = parts[q];
@@ -901,9 +895,7 @@ static __device__ __forceinline__ void sweep_token_terms(const Dims& d, const De
       for (int h = 0; h < H; ++h) {
         sum += theta_rows[(tile_i * H + h) * kTermRowLd + j] * head_dt[tile_i * H + h];
       }
-      const float slope = slopes[i * kA + j];
-      grads.angles[(first_token + i) * kA + j] =
-          __float2bfloat16(sum * (1.f - slope * slope) * kPi);
+      grads.angles[(first_token + i) * kA + j] = angle_gradient(sum, slopes[i * kA + j]);
     }
     __syncthreads();
   }
