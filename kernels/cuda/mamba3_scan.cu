@@ -508,7 +508,7 @@ Mamba3ScanCuda::Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache, boo
     w.sweep_d_out = reinterpret_cast<bf16*>(parts[18]);
     // Each head's dq and dk, bf16, in gstates' space (B·H·chunks·P·N floats at P = N = C).
     w.sweep_dq = reinterpret_cast<bf16*>(w.gstates);
-    w.sweep_dk = w.sweep_dq + static_cast<size_t>(d.batch) * d.heads * d.chunks * d.chunk * d.state;
+    w.sweep_dk = w.sweep_dq + static_cast<size_t>(d.batch) * d.heads * d.chunks * d.rows * d.state;
   }
   // The parameter stage: the arena's last bytes, each tensor's slot a multiple of 256 bytes.
   unsigned char* stage = static_cast<unsigned char*>(arena_) + own + psiv_bytes_;

@@ -19,8 +19,8 @@
 //             gradients in parallel (one block per (batch, group, chunk) looping over the
 //             group's heads, so q and k gradients are summed over heads in a fixed order),
 //             then the cross-chunk suffix sums (angles) and fixed-order reductions of the
-//             per-head parameter gradients; or, at the fixed SISO shape on Hopper, a sweep
-//             (ScanSweep below) in place of the first three. No floating-point atomics:
+//             per-head parameter gradients; or, at the fixed SISO and MIMO shapes on Hopper, a
+//             sweep (ScanSweep below) in place of the first three. No floating-point atomics:
 //             results are bitwise reproducible.
 #include <cstddef>
 #include <cstdint>
@@ -110,17 +110,19 @@ enum class ScanChains { kWherePaying, kAlways, kNever };
 // shape, whose sums are in the workspace); kAlways splits every unit where it can (for the test
 // that both ways give the same bits, and the benchmark); kNever splits none.
 enum class ScanHeadSplit { kWherePaying, kAlways, kNever };
-// At the fixed SISO shape (state 64, headdim 64, rank 1, chunk 64) with 16 rotation pairs and at
-// most 256 heads, on the tensor cores, where a block may have about 216 KiB of shared memory
-// (Hopper), the backward can run as a sweep (kernels/cuda/mamba3_scan_sweep.cu): a block per
+// At the fixed SISO and MIMO shapes (state 64, headdim 64, rank 1 and chunk 64 or rank 4 and chunk
+// 16: 64 rows (token, rank) a chunk) with 16 rotation pairs and at most 256 heads, on the tensor
+// cores, where a block may have about 218 KiB of shared memory (Hopper), the backward can run as a
+// sweep (kernels/cuda/mamba3_scan_sweep.cu): a block per
 // (batch, head) walks its chunks in reverse with dL/d(state) on chip, the official SISO kernels'
 // structure, instead of chunk_dstate, the reverse state pass and chunk_backward (a block per
 // chunk), and finishes dθ's sums and the per-token terms itself (no dtheta_offsets or
 // finish_tokens). The forward then also keeps for the backward its output before the gating (bf16,
-// B·L·H·P), the per-token scalars and the rotation's cos θ and sin θ (fp32, B·H·chunks·C·(3 + 2A)).
-// kWherePaying runs it from kSweepLeastPairs (batch, head) pairs: a block each walks all its
-// chunks, so with fewer the SMs idle (on an H200 at seqlen 8192 and 16 heads: the backward 40%
-// faster at 128 pairs, 7% at 64, 72% slower at 32; bench/RESULTS.md session 33); kAlways wherever
+// B·L·H·R·P), the per-token scalars and the rotation's cos θ and sin θ (fp32,
+// B·H·chunks·C·(3 + 2A)). kWherePaying runs it from kSweepLeastPairs (batch, head) pairs: a block
+// each walks all its chunks, so with fewer the SMs idle (on an H200 at seqlen 8192 and 16 heads,
+// SISO: the backward 40% faster at 128 pairs, 7% at 64, 72% slower at 32; bench/RESULTS.md
+// session 33; MIMO: session 36); kAlways wherever
 // it applies; kNever nowhere. Other shapes and devices have no sweep. The two ways round
 // differently (the sweep's dO is bf16), so each is held to the oracle, not to the other's bits.
 enum class ScanSweep { kWherePaying, kAlways, kNever };

@@ -431,12 +431,13 @@ struct Work {
                       //   block waits for is in `states` (`gstates`); zeroed before each launch
   bf16* psiv;         // [B, L, H, R, P] or null
   // The sweep backward's (mamba3_scan_sweep.cu), null where it does not run. C below is the
-  // chunk's 64 tokens, chunks · C the padded token count of a (batch, head).
-  bf16* gate_in;          // [B, L, H, P] o before the gating: forward() keeps it for backward()
-  bf16* sweep_d_out;      // [B, L, H, P] dL/do, rounded once
+  // chunk's tokens (64 at R = 1, 16 at R = 4), chunks · C the padded token count of a (batch,
+  // head), and a chunk's rows (token, rank) are C · R = 64.
+  bf16* gate_in;          // [B, L, H, R, P] o before the gating: forward() keeps it for backward()
+  bf16* sweep_d_out;      // [B, L, H, R, P] dL/do, rounded once
   float* sweep_scalars;   // [3][B, H, chunks · C] l, κ, γ (forward() keeps them)
   float* sweep_rotation;  // [2][B, H, chunks · C, A] cos θ, then sin θ (forward() keeps them)
-  bf16* sweep_dq;         // [B, chunks · C, H, N] each head's dL/dq, then its dL/dk: both in
+  bf16* sweep_dq;         // [B, chunks · C · R, H, N] each head's dL/dq, then its dL/dk: both in
   bf16* sweep_dk;         //   gstates' space
 };
 
@@ -517,7 +518,7 @@ inline size_t split_qk_floats(const Dims& d, int split_units) {
   return static_cast<size_t>(split_units) * d.heads_per_group * 2 * d.rows * d.state;
 }
 
-// mamba3_scan_sweep.cu: the SISO backward as a sweep over each (batch, head)'s chunks (ScanSweep),
+// mamba3_scan_sweep.cu: the backward as a sweep over each (batch, head)'s chunks (ScanSweep),
 // which replaces chunk_dstate, the reverse state pass, chunk_backward, dtheta_offsets and
 // finish_tokens where it runs.
 struct SweepLaunches {
@@ -527,8 +528,9 @@ struct SweepLaunches {
 struct SweepFloats {
   size_t gate_in = 0, d_out = 0, scalars = 0, rotation = 0;
 };
-// Whether the sweep computes `d`'s backward: the fixed SISO shape with 16 rotation pairs, on the
-// tensor cores, where a block may have sweep_core's shared memory (Hopper: about 216 KiB).
+// Whether the sweep computes `d`'s backward: the fixed SISO or MIMO shape (64 rows a chunk) with 16
+// rotation pairs, on the tensor cores, where a block may have sweep_core's shared memory (the
+// larger of its two instances; Hopper: about 218 KiB).
 bool sweep_applies(const Dims& d, bool tensor_cores, size_t shared_per_block);
 size_t sweep_core_shared_bytes();
 SweepFloats sweep_floats(const Dims& d);

@@ -1,9 +1,12 @@
-// The SISO backward as a sweep (ScanSweep, mamba3_scan.h): at the fixed SISO shape (N = P = 64,
-// R = 1, chunk 64, A = 16 rotation pairs) on the tensor cores, where a block may have the core's
-// shared memory (Hopper), three kernels replace chunk_dstate, the reverse state pass,
-// chunk_backward, dtheta_offsets and finish_tokens:
-//   sweep_prep    a block per (chunk, batch, head): dO = dy ⊙ silu(z ⊙ mimo_z) ⊙ mimo_o (bf16),
-//                 dz, mimo_z's and mimo_o's partials, from the pre-gate output the forward kept
+// The backward as a sweep (ScanSweep, mamba3_scan.h): at the fixed SISO and MIMO shapes (N = P =
+// 64, A = 16 rotation pairs; R = 1 and chunk 64, or R = 4 and chunk 16: either way a chunk is 64
+// rows (token, rank)) on the tensor cores, where a block may have the core's shared memory
+// (Hopper), three kernels replace chunk_dstate, the reverse state pass, chunk_backward,
+// dtheta_offsets and finish_tokens. Each is a template on R; the tiles are the chunk's 64 rows at
+// either rank, and what is per token (l, κ, γ, θ, dt, trap, z, dy, x) is indexed by row / R:
+//   sweep_prep    a block per (chunk, batch, head): dO = dy ⊙ silu(z ⊙ mimo_z) ⊙ mimo_o (bf16)
+//                 per row, dz (summed over a token's ranks), mimo_z's and mimo_o's partials, from
+//                 the pre-gate output the forward kept
 //                 (Work::gate_in; the forward also kept the per-token scalars l, κ, γ and the
 //                 rotation's cos θ and sin θ, as its load_scalars made them);
 //   sweep_core    a block of 8 warps per (batch, head) walking the chunks in reverse with
@@ -17,7 +20,10 @@
 // then reduce_params. No floating-point atomics: the bits repeat.
 //
 // The core's mathematics (kernels/cpu/mamba3_scan_chunked.h's notation at R = 1, one (batch, head),
-// chunk c): q̃_t = R(θ_t)(q_t + q_bias) and k̃_t likewise, rounded to bf16 once; l the chunk-local
+// chunk c; at R = 4 read t and s as rows (token, rank), with l, κ, γ and θ the row's token's, the
+// causal mask and the diagonal (γ) by token (a token's rows see each other's at its γ), and the
+// per-token gradients (dl, dκ, dγ, dθ, dv) summed over the token's rows):
+// q̃_t = R(θ_t)(q_t + q_bias) and k̃_t likewise, rounded to bf16 once; l the chunk-local
 // cumulative ADT; weights W_ts = e^{l_t − l_s} κ_s (s < t), γ_t (s = t); E_c the chunk's entry
 // state (fp32, as the forward stores it); X = dL/d(exit state of c); last = C − 1:
 //   o_t     = Σ_{s≤t} (q̃_t·k̃_s) W_ts v_s + e^{l_t} E_c q̃_t + D v_t      (v = PsiV)
@@ -41,11 +47,14 @@
 // so the angle gradient's cancelling terms still see the same numbers. Each head's dq and dk are
 // rounded to bf16 before the sums over heads (dθ and the biases' sums over tokens take the fp32
 // values).
+#include <algorithm>
+
 #include "kernels/cuda/mamba3_scan_device.cuh"
 
 namespace megacpp::cuda::scan_detail {
 namespace {
 
+// kC: a chunk's rows (token, rank), C · R: 64 tokens at R = 1 (SISO), 16 at R = 4 (MIMO).
 constexpr int kC = 64, kN = 64, kP = 64, kA = 16;
 // bf16 row stride of every [64][64] operand: ldmatrix rows on distinct banks.
 constexpr int kLd = 72;
@@ -62,19 +71,21 @@ constexpr int kEntryLd = kN + 4;     // fp32 row stride of E_c: the X fragments'
 // each), the head's mimo_x, and the parts that a chunk's warps leave for the next chunk to finish
 // (two slots: dl's per token, the exit terms, <E, X>, dγ and dκ, dθ's q and k terms, mimo_x's
 // column sums of each key warp, and the column sums of each warp's dq or dk).
+template <int R>
 struct CoreSmem {
+  static constexpr int kTokens = kC / R;
   bf16 q[2][kTile], k[2][kTile], v[2][kTile], d_out[2][kTile];
   float entry[2][kP * kEntryLd];
-  float cos_theta[2][kC * kRotationLd], sin_theta[2][kC * kRotationLd];
-  float log_decay[2][kC], kappa[2][kC], gamma[2][kC];
+  float cos_theta[2][kTokens * kRotationLd], sin_theta[2][kTokens * kRotationLd];
+  float log_decay[2][kTokens], kappa[2][kTokens], gamma[2][kTokens];
   bf16 psiv[kTile];
   bf16 e_hi[kTile], e_lo[kTile], x_hi[kTile], x_lo[kTile], ds_hi[kTile], ds_lo[kTile];
-  alignas(16) float mimo_x[kP];
-  float dl_query[2][kC], dl_key[2][kC], exit_terms[2][kC], dot_total[2];
-  float d_gamma[2][kC], d_kappa[2][kC];
+  alignas(16) float mimo_x[R * kP];
+  float dl_query[2][kTokens], dl_key[2][kTokens], exit_terms[2][kC], dot_total[2];
+  float d_gamma[2][kTokens], d_kappa[2][kTokens];
   float d_theta[2][2][kC * kAngleLd];
-  float mimo_x_parts[2][4][kP];
-  alignas(16) float bias_parts[2][2][4][kN];  // [slot][q, k][the side's warp][column]
+  float mimo_x_parts[2][4][R * kP];
+  alignas(16) float bias_parts[2][2][4][R * kN];  // [slot][q, k][the side's warp][rank, column]
   float dot_parts[4];
 };
 
@@ -83,9 +94,13 @@ __device__ __forceinline__ float2 unpack_bf16(uint32_t pair) {
   return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pair));
 }
 
-// The padded token count of a (batch, head): chunks · C (the sweep's own buffers hold whole
-// chunks).
+// The padded token count of a (batch, head): chunks · C (the forward's kept scalars and rotation
+// hold whole chunks).
 __host__ __device__ inline size_t padded_tokens(const Dims& d) {
+  return static_cast<size_t>(d.chunks) * d.chunk;
+}
+// Its padded row count, chunks · C · R (the sweep's dq and dk hold whole chunks of rows).
+__host__ __device__ inline size_t padded_rows(const Dims& d) {
   return static_cast<size_t>(d.chunks) * kC;
 }
 
@@ -94,29 +109,32 @@ __host__ __device__ inline size_t padded_tokens(const Dims& d) {
 
 constexpr int kPrepThreads = 256;
 
+template <int R>
 __global__ void __launch_bounds__(kPrepThreads, 4)
     sweep_prep_kernel(Dims d, DevInputs in, Work w, const bf16* dy, DevGrads grads) {
+  constexpr int kTokens = kC / R;
   const int c = blockIdx.x, bh = blockIdx.y, b = bh / d.heads, h = bh % d.heads;
-  const int t0 = c * kC, len = min(kC, d.seqlen - t0);
+  const int t0 = c * kTokens, len = min(kTokens, d.seqlen - t0);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 
-  // The gating's backward: a thread's eight columns p … p + 7 (16-byte rows) of tokens row and
-  // row + 32; mimo_z's and mimo_o's terms summed over a warp's four rows of each column (lanes
-  // 8 apart), then over the warps in order.
-  __shared__ float sums[2][kPrepThreads / 32][kP];
+  // The gating's backward: a thread's eight columns p … p + 7 (16-byte rows) of the chunk's rows
+  // (token, rank) row and row + 32, one rank; dz's terms summed over a token's ranks (lanes 8
+  // apart); mimo_z's and mimo_o's terms summed over a warp's rows of one rank of each column
+  // (lanes 8 R apart), then over the warps in order.
+  __shared__ float sums[2][kPrepThreads / 32][R * kP];
   constexpr int W = 8;
-  const int p = W * (lane % W), row = threadIdx.x / W;
-  const size_t wr = static_cast<size_t>(h) * kP + p;
+  const int p = W * (lane % W), row = threadIdx.x / W, rank = row % R;
+  const size_t wr = (static_cast<size_t>(h) * R + rank) * kP + p;
   const Bf16Row<W> mimo_z = load_row<W>(in.mimo_z + wr), mimo_o = load_row<W>(in.mimo_o + wr);
   float sum_z[W] = {}, sum_o[W] = {};
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const int i = row + 32 * half;
+    const int i = (row + 32 * half) / R;  // the token (a warp's rows are whole tokens)
     if (i >= len) break;
     const size_t th = token_head(d, b, t0 + i, h);
     const Bf16Row<W> dy_row = load_row<W>(dy + th * kP + p);
     const Bf16Row<W> z_row = load_row<W>(in.z + zv_row(d, in, b, t0 + i, h) + p);
-    const Bf16Row<W> o_row = load_row<W>(w.gate_in + th * kP + p);
+    const Bf16Row<W> o_row = load_row<W>(w.gate_in + (th * R + rank) * kP + p);
     float d_out[W], dz[W];
 #pragma unroll
     for (int e = 0; e < W; ++e) {
@@ -129,36 +147,61 @@ __global__ void __launch_bounds__(kPrepThreads, 4)
       dz[e] = d_gate * mz;
       sum_z[e] += d_gate * z;
     }
-    store_row(w.sweep_d_out + th * kP + p, round_row<W>(d_out));
-    store_row(grads.z + th * kP + p, round_row<W>(dz));
+    store_row(w.sweep_d_out + (th * R + rank) * kP + p, round_row<W>(d_out));
+#pragma unroll
+    for (int e = 0; e < W; ++e) {
+#pragma unroll
+      for (int offset = W; offset < W * R; offset <<= 1) {
+        dz[e] += __shfl_xor_sync(0xffffffffu, dz[e], offset);
+      }
+    }
+    if (R == 1 || rank == 0) store_row(grads.z + th * kP + p, round_row<W>(dz));
   }
 #pragma unroll
   for (int e = 0; e < W; ++e) {
     float z = sum_z[e], o = sum_o[e];
-    z += __shfl_xor_sync(0xffffffffu, z, 8);
-    z += __shfl_xor_sync(0xffffffffu, z, 16);
-    o += __shfl_xor_sync(0xffffffffu, o, 8);
-    o += __shfl_xor_sync(0xffffffffu, o, 16);
-    if (lane < W) {
-      sums[0][warp][p + e] = z;
-      sums[1][warp][p + e] = o;
+#pragma unroll
+    for (int offset = W * R; offset < 32; offset <<= 1) {
+      z += __shfl_xor_sync(0xffffffffu, z, offset);
+      o += __shfl_xor_sync(0xffffffffu, o, offset);
+    }
+    if (lane < W * R) {
+      sums[0][warp][rank * kP + p + e] = z;
+      sums[1][warp][rank * kP + p + e] = o;
     }
   }
   __syncthreads();
-  if (threadIdx.x < 2 * kP) {
-    const int which = threadIdx.x / kP, column = threadIdx.x % kP;
+  const size_t slot = static_cast<size_t>(b) * d.chunks + c;
+  const size_t slots = static_cast<size_t>(d.batch) * d.chunks;
+  // mimo_z's terms after the biases' and mimo_x's, then mimo_o's (reduce_params' layout).
+  float* partial = w.partials + (static_cast<size_t>(h) * slots + slot) * d.partial_width;
+  for (int item = threadIdx.x; item < 2 * R * kP; item += kPrepThreads) {
+    const int which = item / (R * kP), column = item % (R * kP);
     float total = 0.f;
     for (int x = 0; x < kPrepThreads / 32; ++x) total += sums[which][x][column];
-    const size_t slot = static_cast<size_t>(b) * d.chunks + c;
-    const size_t slots = static_cast<size_t>(d.batch) * d.chunks;
-    // mimo_z's terms after the biases' and mimo_x's, then mimo_o's (reduce_params' layout).
-    float* partial = w.partials + (static_cast<size_t>(h) * slots + slot) * d.partial_width;
-    partial[2 * kN + (1 + which) * kP + column] = total;
+    partial[2 * R * kN + (1 + which) * R * kP + column] = total;
   }
 }
 
 // ---------------------------------------------------------------------------------
 // sweep_core
+
+// The per-token values (l or κ) of the columns u and u + 1 (u even): at R = 1 two tokens, one
+// 8-byte read; at R > 1 (even) one token.
+struct TokenPair {
+  float x, y;
+};
+template <int R>
+__device__ __forceinline__ TokenPair token_pair(const float* values, int u) {
+  if constexpr (R == 1) {
+    const float2 pair = *reinterpret_cast<const float2*>(values + u);
+    return {pair.x, pair.y};
+  } else {
+    static_assert(R % 2 == 0);
+    const float value = values[u / R];
+    return {value, value};
+  }
+}
 
 // lane's ldmatrix row address within a 16×16 operand block, as accumulate_tile (common.cuh) takes
 // it: A [m][k] non-transposed, B as [n][k] non-transposed, B as [k][n] transposed, A as [k][m]
@@ -274,7 +317,36 @@ __device__ __forceinline__ void sum_rows(float (&sums)[16], int lane) {
   halve<2>(sums, lane);
 }
 
-// acc's 64 column sums over the warp's 16 rows, to `to`.
+// Column sums over a warp's 16 rows, by rank, from each thread's over its own two (sums[2j + k]:
+// column 8j + 2 c4 + k), to `to` ([R][64]). At R = 1 by halving (sum_rows); at R > 1 a thread's
+// two rows (g and g + 8) are of rank g % R, and the warp's other rows of that rank are in the
+// lanes 4 R, 8 R, … apart (g + R, …).
+template <int R>
+__device__ __forceinline__ void store_rank_column_sums(float* to, float (&sums)[16], int lane) {
+  if constexpr (R == 1) {
+    sum_rows(sums, lane);
+    *reinterpret_cast<float2*>(to + 8 * (lane / 4) + 2 * (lane % 4)) =
+        make_float2(sums[0], sums[1]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+#pragma unroll
+      for (int offset = 4 * R; offset < 32; offset <<= 1) {
+        sums[i] += __shfl_xor_sync(0xffffffffu, sums[i], offset);
+      }
+    }
+    if (lane < 4 * R) {
+      float* row = to + (lane / 4) * 64 + 2 * (lane % 4);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        *reinterpret_cast<float2*>(row + 8 * j) = make_float2(sums[2 * j], sums[2 * j + 1]);
+      }
+    }
+  }
+}
+
+// acc's 64 column sums over the warp's 16 rows, by rank, to `to` ([R][64]).
+template <int R>
 __device__ __forceinline__ void store_column_sums(float* to, const float (&acc)[8][4], int lane) {
   float sums[16];
 #pragma unroll
@@ -282,8 +354,15 @@ __device__ __forceinline__ void store_column_sums(float* to, const float (&acc)[
     sums[2 * j] = acc[j][0] + acc[j][2];
     sums[2 * j + 1] = acc[j][1] + acc[j][3];
   }
-  sum_rows(sums, lane);
-  *reinterpret_cast<float2*>(to + 8 * (lane / 4) + 2 * (lane % 4)) = make_float2(sums[0], sums[1]);
+  store_rank_column_sums<R>(to, sums, lane);
+}
+
+// The sum of a value over a token's R rows (lanes 4, 8, … apart: g's low bits), in every lane.
+template <int R>
+__device__ __forceinline__ float rank_sum(float x) {
+#pragma unroll
+  for (int offset = 4; offset < 4 * R; offset <<= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
 }
 
 // acc = A (16 rows from r0 of `a`, [t][p]) × a state held as [p][n] (hi + lo parts), and each
@@ -313,6 +392,7 @@ __device__ __forceinline__ void state_product(float (&acc)[8][4], float (&dots)[
 // columns) un-rotated in place: w.r.t. q or k as they came in. `rotated` holds the rotated rows
 // as rounded (the values every product used). A thread's columns n and n + N/2 are its tiles j and
 // j + 4, so each pair is in one thread.
+template <int R>
 __device__ __forceinline__ void unrotate(float (&acc)[8][4], const bf16* rotated,
                                          const float* cos_theta, const float* sin_theta,
                                          float* d_theta_part, int r0, int g, int c4) {
@@ -324,8 +404,8 @@ __device__ __forceinline__ void unrotate(float (&acc)[8][4], const bf16* rotated
       const float2 firsts = unpack_bf16(*reinterpret_cast<const uint32_t*>(rotated + t * kLd + n));
       const float2 seconds =
           unpack_bf16(*reinterpret_cast<const uint32_t*>(rotated + t * kLd + n + kN / 2));
-      const float2 cs = *reinterpret_cast<const float2*>(cos_theta + t * kRotationLd + n);
-      const float2 sn = *reinterpret_cast<const float2*>(sin_theta + t * kRotationLd + n);
+      const float2 cs = *reinterpret_cast<const float2*>(cos_theta + t / R * kRotationLd + n);
+      const float2 sn = *reinterpret_cast<const float2*>(sin_theta + t / R * kRotationLd + n);
 #pragma unroll
       for (int col = 0; col < 2; ++col) {
         const int e = 2 * half + col;
@@ -359,6 +439,7 @@ __device__ __forceinline__ void store_rows(bf16* to, const float (&acc)[8][4], s
 // by each row's scale, the chunk's part (the weighted tile f, rows × the other side's rows) times
 // `other` added, then un-rotated (dθ's terms into d_theta_part), stored as this head's bf16
 // gradient (store_rows) and its column sums left in bias_part for the bias.
+template <int R>
 __device__ __forceinline__ void finish_rotated_gradient(float (&acc)[8][4], const float (&scale)[2],
                                                         const float (&f)[8][4], const bf16* other,
                                                         const bf16* rotated, const float* cos_theta,
@@ -373,23 +454,26 @@ __device__ __forceinline__ void finish_rotated_gradient(float (&acc)[8][4], cons
     for (int e = 0; e < 4; ++e) acc[j][e] *= scale[e / 2];
   }
   frags_times_cols(acc, f, other, at);
-  unrotate(acc, rotated, cos_theta, sin_theta, d_theta_part, r0, g, c4);
+  unrotate<R>(acc, rotated, cos_theta, sin_theta, d_theta_part, r0, g, c4);
   store_rows(to, acc, first_row, heads, r0, g, c4);
-  store_column_sums(bias_part, acc, lane);
+  store_column_sums<R>(bias_part, acc, lane);
 }
 
 // Warps 0-3 are the query side (rows of 16 tokens: dq and dγ, and X's 16 rows each), warps 4-7
 // the key side (dk, dv, dκ): a scheduler (warp % 4) holds query block i, whose causal work grows
 // with i, and key block i, whose work shrinks with it. Every score block is computed (the causal
 // mask's zero blocks too: skipping them measured no gain, bench/RESULTS.md session 32).
+template <int R>
 __global__ void __launch_bounds__(kCoreThreads, 1)
     sweep_core_kernel(Dims d, DevInputs in, Work w, DevGrads grads) {
+  constexpr int kTokens = kC / R;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  CoreSmem& sm = *reinterpret_cast<CoreSmem*>(smem_raw);
+  CoreSmem<R>& sm = *reinterpret_cast<CoreSmem<R>*>(smem_raw);
   const int h = blockIdx.x, b = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c4 = lane % 4;
   const int H = d.heads, T = d.seqlen, chunks = d.chunks;
-  const size_t Tp = padded_tokens(d), pairs = static_cast<size_t>(d.batch) * H;
+  const size_t Tp = static_cast<size_t>(chunks) * kTokens, rows = padded_rows(d);
+  const size_t pairs = static_cast<size_t>(d.batch) * H;
   const LaneAddress at(lane);
   const bool query_side = warp < 4;
   const int r0 = 16 * (warp % 4);
@@ -398,41 +482,50 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
   const size_t bh = static_cast<size_t>(b) * H + h;
   const float skip = to_f(in.d[h]);
   float d_skip = 0.f;
-  // The rotation's biases of the lane's columns: [n or n + N/2][n + 0 or 1], n = 2 (lane % 16).
+  // The rotation's biases of the lane's columns: [n or n + N/2][n + 0 or 1], n = 2 (lane % 16),
+  // of the rank of the rows the lane rotates (rows 2 warp + lane / 16 + 16 i: one rank).
   float q_bias[2][2], k_bias[2][2];
+  {
+    const int bias_row = (h * R + (2 * warp + lane / 16) % R) * kN;
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
+    for (int half = 0; half < 2; ++half) {
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int n = 2 * (lane % 16) + e + half * (kN / 2);
-      q_bias[half][e] = to_f(in.q_bias[h * kN + n]);
-      k_bias[half][e] = to_f(in.k_bias[h * kN + n]);
+      for (int e = 0; e < 2; ++e) {
+        const int n = 2 * (lane % 16) + e + half * (kN / 2);
+        q_bias[half][e] = to_f(in.q_bias[bias_row + n]);
+        k_bias[half][e] = to_f(in.k_bias[bias_row + n]);
+      }
     }
   }
-  if (threadIdx.x < kP) sm.mimo_x[threadIdx.x] = to_f(in.mimo_x[h * kP + threadIdx.x]);
+  for (int i = threadIdx.x; i < R * kP; i += kCoreThreads) {
+    sm.mimo_x[i] = to_f(in.mimo_x[h * R * kP + i]);
+  }
 
-  // A thread's copies are the same rows of every chunk: row thread / 8 (and + 32) of each of q,
-  // k, v, dO, its 16-byte part thread % 8 (zeros past the sequence); E's quads thread, + 256, ...;
-  // cos θ's and sin θ's quad thread; l, κ, γ by 48 threads.
-  const int copy_row = threadIdx.x / 8, copy_part = threadIdx.x % 8;
-  const int qk_row_stride = d.groups * kN;
-  const bf16* q_source = in.q + (h / d.heads_per_group) * kN + copy_part * 8;
-  const bf16* k_source = in.k + (h / d.heads_per_group) * kN + copy_part * 8;
+  // A thread's copies are the same rows (token, rank) of every chunk: row thread / 8 (and + 32)
+  // of each of q, k, v (the token's, at every rank), dO, its 16-byte part thread % 8 (zeros past
+  // the sequence); E's quads thread, + 256, ...; cos θ's and sin θ's quad thread (of kTokens · 4);
+  // l, κ, γ by 3 kTokens / 4 threads.
+  const int copy_row = threadIdx.x / 8, copy_part = threadIdx.x % 8, copy_rank = copy_row % R;
+  const int qk_row_stride = R * d.groups * kN;
+  const int qk_rank = copy_rank * d.groups * kN;
+  const bf16* q_source = in.q + qk_rank + (h / d.heads_per_group) * kN + copy_part * 8;
+  const bf16* k_source = in.k + qk_rank + (h / d.heads_per_group) * kN + copy_part * 8;
   const bf16* v_source = in.v + static_cast<size_t>(h) * kP + copy_part * 8;
-  const bf16* o_source = w.sweep_d_out + static_cast<size_t>(h) * kP + copy_part * 8;
+  const bf16* o_source =
+      w.sweep_d_out + (static_cast<size_t>(h) * R + copy_rank) * kP + copy_part * 8;
   const float* cos_source = w.sweep_rotation + bh * Tp * kA;
   const float* sin_source = cos_source + pairs * Tp * kA;
   const auto load_chunk = [&](int c, int stage) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int row = copy_row + 32 * half, t = c * kC + row;
+      const int row = copy_row + 32 * half, t = c * kTokens + row / R;
       const bool valid = t < T;
       const size_t token = static_cast<size_t>(b) * T + (valid ? t : 0);
       const int to = row * kLd + copy_part * 8;
       copy_16_async(sm.q[stage] + to, q_source + token * qk_row_stride, valid);
       copy_16_async(sm.k[stage] + to, k_source + token * qk_row_stride, valid);
       copy_16_async(sm.v[stage] + to, v_source + token * in.zv_stride, valid);
-      copy_16_async(sm.d_out[stage] + to, o_source + token * H * kP, valid);
+      copy_16_async(sm.d_out[stage] + to, o_source + token * H * R * kP, valid);
     }
     const float* entry = w.states + (bh * chunks + c) * kP * kN;
 #pragma unroll
@@ -441,19 +534,20 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
                 col = quad % (kN / 4) * 4;
       copy_16_async(sm.entry[stage] + row * kEntryLd + col, entry + quad * 4, true);
     }
-    {
+    if (kTokens * (kA / 4) >= kCoreThreads || threadIdx.x < kTokens * (kA / 4)) {
       const int row = threadIdx.x / (kA / 4), col = threadIdx.x % (kA / 4) * 4;
-      const size_t from = (static_cast<size_t>(c) * kC + row) * kA + col;
+      const size_t from = (static_cast<size_t>(c) * kTokens + row) * kA + col;
       copy_16_async(sm.cos_theta[stage] + row * kRotationLd + col, cos_source + from, true);
       copy_16_async(sm.sin_theta[stage] + row * kRotationLd + col, sin_source + from, true);
     }
-    if (threadIdx.x < 48) {
-      const int which = threadIdx.x / 16, part = threadIdx.x % 16;
+    constexpr int kScalarQuads = kTokens / 4;
+    if (threadIdx.x < 3 * kScalarQuads) {
+      const int which = threadIdx.x / kScalarQuads, part = threadIdx.x % kScalarQuads;
       float* target = which == 0   ? sm.log_decay[stage]
                       : which == 1 ? sm.kappa[stage]
                                    : sm.gamma[stage];
       copy_16_async(target + part * 4,
-                    w.sweep_scalars + which * pairs * Tp + bh * Tp + c * kC + part * 4, true);
+                    w.sweep_scalars + which * pairs * Tp + bh * Tp + c * kTokens + part * 4, true);
     }
     commit_copies();
   };
@@ -471,13 +565,14 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
   //    within the chunk being dADT (warp 0; a fixed order).
   constexpr int kAngleParts = 32 / 4, kAnglePart = kC / kAngleParts;
   static_assert(kA == 4 * (kQueryThreads / 32) && kAnglePart * kAngleParts == kC);
+  static_assert(kAnglePart % R == 0 && kTokens <= 2 * 32 && (kTokens == 64 || kTokens <= 32));
   float later_angles = 0.f;
   // The token threads' trap and dt for the chunk finish_chunk does next, loaded a chunk ahead:
   // loaded where used, their latency held warps 2 and 3 at every chunk's start.
-  const bool token_thread = threadIdx.x >= kQueryThreads - kC && threadIdx.x < kQueryThreads;
+  const bool token_thread = threadIdx.x >= kQueryThreads - kTokens && threadIdx.x < kQueryThreads;
   bf16 token_trap = __float2bfloat16(0.f), token_dt = token_trap;
   const auto prefetch_token_inputs = [&](int c) {
-    const int t = c * kC + static_cast<int>(threadIdx.x) - (kQueryThreads - kC);
+    const int t = c * kTokens + static_cast<int>(threadIdx.x) - (kQueryThreads - kTokens);
     if (t < T) {
       const size_t th = token_head(d, b, t, h);
       token_trap = in.trap[th];
@@ -487,8 +582,9 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
   if (token_thread) prefetch_token_inputs(chunks - 1);
   const auto finish_chunk = [&](int c) {
     const int slot = c % 2;
-    const int t0 = c * kC, len = min(kC, T - t0);
+    const int t0 = c * kTokens, len = min(kTokens, T - t0);
     {
+      // Over rows; a token's suffix sum is its first row's (rows of one token are adjacent).
       const int n = 4 * warp + lane % 4, part = lane / 4, first = part * kAnglePart;
       float values[kAnglePart];
       float part_total = 0.f;
@@ -511,7 +607,8 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
 #pragma unroll
       for (int u = kAnglePart - 1; u >= 0; --u) {
         suffix += values[u];
-        if (first + u < len) w.dtheta[(bh * T + t0 + first + u) * kA + n] = suffix;
+        const int i = (first + u) / R;
+        if ((first + u) % R == 0 && i < len) w.dtheta[(bh * T + t0 + i) * kA + n] = suffix;
       }
     }
     {
@@ -519,18 +616,25 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
       float* partial =
           w.partials +
           (static_cast<size_t>(h) * slots + static_cast<size_t>(b) * chunks + c) * d.partial_width;
-      const int which = threadIdx.x / kN, n = threadIdx.x % kN;
-      const float* bias_parts = &sm.bias_parts[slot][which][0][n];
-      partial[which * kN + n] =
-          bias_parts[0] + bias_parts[kN] + bias_parts[2 * kN] + bias_parts[3 * kN];
-      if (threadIdx.x < kP) {
-        const float* parts = &sm.mimo_x_parts[slot][0][threadIdx.x];
-        partial[2 * kN + threadIdx.x] = parts[0] + parts[kP] + parts[2 * kP] + parts[3 * kP];
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        const int item = threadIdx.x + i * kQueryThreads;
+        const int which = item / (R * kN), n = item % (R * kN);  // n: (rank, column)
+        const float* bias_parts = &sm.bias_parts[slot][which][0][n];
+        constexpr int kWarpParts = R * kN;
+        partial[which * R * kN + n] = bias_parts[0] + bias_parts[kWarpParts] +
+                                      bias_parts[2 * kWarpParts] + bias_parts[3 * kWarpParts];
+      }
+      for (int item = threadIdx.x; item < R * kP; item += kQueryThreads) {
+        const float* parts = &sm.mimo_x_parts[slot][0][item];
+        constexpr int kWarpParts = R * kP;
+        partial[2 * R * kN + item] =
+            parts[0] + parts[kWarpParts] + parts[2 * kWarpParts] + parts[3 * kWarpParts];
       }
       if (threadIdx.x == 0 && c > 0) partial[d.partial_width - 1] = 0.f;
     }
     if (token_thread) {
-      const int i = threadIdx.x - (kQueryThreads - kC);
+      const int i = threadIdx.x - (kQueryThreads - kTokens);
       if (i < len) {
         const size_t th = token_head(d, b, t0 + i, h);
         const float d_kappa = sm.d_kappa[slot][i], both = sm.d_gamma[slot][i] + d_kappa;
@@ -542,31 +646,36 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
     }
     if (warp != 0) return;
     const float exit_total = warp_sum(sm.exit_terms[slot][lane] + sm.exit_terms[slot][lane + 32]);
-    const float first = sm.dl_query[slot][lane] + sm.dl_key[slot][lane];
-    float second = sm.dl_query[slot][lane + 32] + sm.dl_key[slot][lane + 32];
-    if (lane == 31) second += exit_total + sm.dot_total[slot];
-    float later = second;
+    const auto suffix_sum = [&](float value) {
 #pragma unroll
-    for (int offset = 1; offset < 32; offset <<= 1) {
-      const float y = __shfl_down_sync(0xffffffffu, later, offset);
-      if (lane + offset < 32) later += y;
+      for (int offset = 1; offset < 32; offset <<= 1) {
+        const float y = __shfl_down_sync(0xffffffffu, value, offset);
+        if (lane + offset < 32) value += y;
+      }
+      return value;
+    };
+    if constexpr (kTokens == 64) {
+      const float first = sm.dl_query[slot][lane] + sm.dl_key[slot][lane];
+      float second = sm.dl_query[slot][lane + 32] + sm.dl_key[slot][lane + 32];
+      if (lane == 31) second += exit_total + sm.dot_total[slot];
+      const float later = suffix_sum(second);
+      const float second_total = __shfl_sync(0xffffffffu, later, 0);
+      const float earlier = suffix_sum(first);
+      if (lane < len) w.tok_dadt[token_head(d, b, t0 + lane, h)] = earlier + second_total;
+      if (lane + 32 < len) w.tok_dadt[token_head(d, b, t0 + lane + 32, h)] = later;
+    } else {
+      float value = lane < kTokens ? sm.dl_query[slot][lane] + sm.dl_key[slot][lane] : 0.f;
+      if (lane == kTokens - 1) value += exit_total + sm.dot_total[slot];
+      const float suffix = suffix_sum(value);
+      if (lane < len) w.tok_dadt[token_head(d, b, t0 + lane, h)] = suffix;
     }
-    const float second_total = __shfl_sync(0xffffffffu, later, 0);
-    float earlier = first;
-#pragma unroll
-    for (int offset = 1; offset < 32; offset <<= 1) {
-      const float y = __shfl_down_sync(0xffffffffu, earlier, offset);
-      if (lane + offset < 32) earlier += y;
-    }
-    if (lane < len) w.tok_dadt[token_head(d, b, t0 + lane, h)] = earlier + second_total;
-    if (lane + 32 < len) w.tok_dadt[token_head(d, b, t0 + lane + 32, h)] = later;
   };
 
   load_chunk(chunks - 1, (chunks - 1) % 2);
   for (int c = chunks - 1; c >= 0; --c) {
     const int stage = c % 2, slot = c % 2;
-    const size_t first_row = (static_cast<size_t>(b) * Tp + static_cast<size_t>(c) * kC) * H + h;
-    const int t0 = c * kC;
+    const size_t first_row = (static_cast<size_t>(b) * rows + static_cast<size_t>(c) * kC) * H + h;
+    const int t0 = c * kTokens;
     wait_copies<0>();
     // Barrier 1: the stage is in; chunk c + 1's operands are no longer read (the next copies
     // take their stage); chunk c + 1's parts are complete and chunk c + 2's read (slot c % 2 is
@@ -577,7 +686,7 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
     const bf16 *v = sm.psiv, *v_in = sm.v[stage], *d_out = sm.d_out[stage];
     const float *l = sm.log_decay[stage], *kappa = sm.kappa[stage], *gamma = sm.gamma[stage];
     const float* entry = sm.entry[stage];
-    const float l_last = l[kC - 1];
+    const float l_last = l[kTokens - 1];
     const float *cos_theta = sm.cos_theta[stage], *sin_theta = sm.sin_theta[stage];
     const bf16 *x_hi = sm.x_hi, *x_lo = sm.x_lo;
 
@@ -605,14 +714,14 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
     }
     // q and k rotated in place with their biases, rounded once (padded rows stay zero): lane
     // (row = lane / 16, m = lane % 16) has columns n = 2m and 2m + 1 and their partners n + N/2
-    // of rows 2 warp + row, + 16, …
+    // of rows 2 warp + row, + 16, … (token row / R)
     for (int t = 2 * warp + lane / 16; t < kC; t += 2 * kCoreWarps) {
       const int n = 2 * (lane % 16);
-      const bool token = t0 + t < T;
+      const bool token = t0 + t / R < T;
       float2 c_ = make_float2(1.f, 1.f), s_ = make_float2(0.f, 0.f);
       if (n < kA) {
-        c_ = *reinterpret_cast<const float2*>(cos_theta + t * kRotationLd + n);
-        s_ = *reinterpret_cast<const float2*>(sin_theta + t * kRotationLd + n);
+        c_ = *reinterpret_cast<const float2*>(cos_theta + t / R * kRotationLd + n);
+        s_ = *reinterpret_cast<const float2*>(sin_theta + t / R * kRotationLd + n);
       }
       const float cs[2] = {c_.x, c_.y}, sn[2] = {s_.x, s_.y};
 #pragma unroll
@@ -638,8 +747,8 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
       const float4 e = *reinterpret_cast<const float4*>(entry + row * kEntryLd + col);
       const uint2 o_raw = *reinterpret_cast<const uint2*>(d_out + row * kLd + col);
       const uint2 v_raw = *reinterpret_cast<const uint2*>(v_in + row * kLd + col);
-      const float4 mimo_x = *reinterpret_cast<const float4*>(sm.mimo_x + col);
-      const float scale = __expf(l[row]);
+      const float4 mimo_x = *reinterpret_cast<const float4*>(sm.mimo_x + row % R * kP + col);
+      const float scale = __expf(l[row / R]);
       const float2 o01 = unpack_bf16(o_raw.x), o23 = unpack_bf16(o_raw.y);
       const float2 v01 = unpack_bf16(v_raw.x), v23 = unpack_bf16(v_raw.y);
       uint2 hi, lo;
@@ -673,11 +782,12 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
       float dl_rows[2] = {0.f, 0.f}, d_gamma[2] = {0.f, 0.f};
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        const float2 l_pair = *reinterpret_cast<const float2*>(l + 8 * j + 2 * c4);
-        const float2 kappa_pair = *reinterpret_cast<const float2*>(kappa + 8 * j + 2 * c4);
+        const TokenPair l_pair = token_pair<R>(l, 8 * j + 2 * c4);
+        const TokenPair kappa_pair = token_pair<R>(kappa, 8 * j + 2 * c4);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int t = r0 + g + 8 * (e / 2), u = 8 * j + 2 * c4 + e % 2;
+          // Tokens: the weights are the tokens' (a token's R rows have one).
+          const int t = (r0 + g + 8 * (e / 2)) / R, u = (8 * j + 2 * c4 + e % 2) / R;
           const float product = da[j][e] * s[j][e];
           // Without branches (the lanes of a warp differ in u < t): every element's exponential,
           // then selects. e^{l_t − l_u} may overflow where u > t, and is then not selected.
@@ -696,18 +806,19 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
       float scale[2];
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int t = r0 + g + 8 * half;
+        const int t = (r0 + g + 8 * half) / R;
         scale[half] = __expf(l[t]);
-        dl_rows[half] = quad_sum(dl_rows[half] + scale[half] * inter[half]);
-        d_gamma[half] = quad_sum(d_gamma[half]);
+        dl_rows[half] = rank_sum<R>(quad_sum(dl_rows[half] + scale[half] * inter[half]));
+        d_gamma[half] = rank_sum<R>(quad_sum(d_gamma[half]));
       }
-      finish_rotated_gradient(acc, scale, da, k, q, cos_theta, sin_theta, sm.d_theta[slot][0],
-                              w.sweep_dq, first_row, H, sm.bias_parts[slot][0][warp], r0, lane, at);
-      if (c4 == 0) {
-        sm.dl_query[slot][r0 + g] = dl_rows[0];
-        sm.dl_query[slot][r0 + g + 8] = dl_rows[1];
-        sm.d_gamma[slot][r0 + g] = d_gamma[0];
-        sm.d_gamma[slot][r0 + g + 8] = d_gamma[1];
+      finish_rotated_gradient<R>(acc, scale, da, k, q, cos_theta, sin_theta, sm.d_theta[slot][0],
+                                 w.sweep_dq, first_row, H, sm.bias_parts[slot][0][warp], r0, lane,
+                                 at);
+      if (c4 == 0 && g % R == 0) {
+        sm.dl_query[slot][(r0 + g) / R] = dl_rows[0];
+        sm.dl_query[slot][(r0 + g + 8) / R] = dl_rows[1];
+        sm.d_gamma[slot][(r0 + g) / R] = d_gamma[0];
+        sm.d_gamma[slot][(r0 + g + 8) / R] = d_gamma[1];
       }
       // X for chunk c − 1: e^{l_last} X + (e^{l} dO)ᵀ Q̃, the warp's 16 rows.
       float update[8][4];
@@ -727,10 +838,11 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
       float dl_rows[2] = {0.f, 0.f}, d_kappa[2] = {0.f, 0.f};
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        const float2 l_pair = *reinterpret_cast<const float2*>(l + 8 * j + 2 * c4);
+        const TokenPair l_pair = token_pair<R>(l, 8 * j + 2 * c4);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int s_row = r0 + g + 8 * (e / 2), u = 8 * j + 2 * c4 + e % 2;
+          // Tokens, as the query side's.
+          const int s_row = (r0 + g + 8 * (e / 2)) / R, u = (8 * j + 2 * c4 + e % 2) / R;
           const float product = dat[j][e] * st[j][e];
           // Without branches, as the query side's (e^{l_u − l_s} may overflow where u < s).
           const bool later = u > s_row;
@@ -749,22 +861,22 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
       float scale[2];
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int s_row = r0 + g + 8 * half;
-        const float exit_decay = __expf(l_last - l[s_row]);
-        scale[half] = exit_decay * kappa[s_row];
+        const int s_row = r0 + g + 8 * half, s_token = s_row / R;
+        const float exit_decay = __expf(l_last - l[s_token]);
+        scale[half] = exit_decay * kappa[s_token];
         const float raw = quad_sum(exit_term[half]);
         const float term = scale[half] * raw;
-        dl_rows[half] = quad_sum(dl_rows[half]) - term;
-        d_kappa[half] = quad_sum(d_kappa[half]) + exit_decay * raw;
-        if (c4 == 0) {
-          sm.exit_terms[slot][s_row] = term;
-          sm.dl_key[slot][s_row] = dl_rows[half];
-          sm.d_kappa[slot][s_row] = d_kappa[half];
+        dl_rows[half] = rank_sum<R>(quad_sum(dl_rows[half]) - term);
+        d_kappa[half] = rank_sum<R>(quad_sum(d_kappa[half]) + exit_decay * raw);
+        if (c4 == 0) sm.exit_terms[slot][s_row] = term;
+        if (c4 == 0 && g % R == 0) {
+          sm.dl_key[slot][s_token] = dl_rows[half];
+          sm.d_kappa[slot][s_token] = d_kappa[half];
         }
       }
-      finish_rotated_gradient(acc, scale, dat, q, k, cos_theta, sin_theta, sm.d_theta[slot][1],
-                              w.sweep_dk, first_row, H, sm.bias_parts[slot][1][warp - 4], r0, lane,
-                              at);
+      finish_rotated_gradient<R>(acc, scale, dat, q, k, cos_theta, sin_theta, sm.d_theta[slot][1],
+                                 w.sweep_dk, first_row, H, sm.bias_parts[slot][1][warp - 4], r0,
+                                 lane, at);
       // dL/dPsiV: X k̃'s part (X's rows p are B's rows n), the chunk's, and D's.
       zero(acc);
       rows_times_rows(acc, k, r0, x_hi, at);
@@ -784,19 +896,22 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
         }
       }
       frags_times_cols(acc, st, d_out, at);
-      // dv = dL/dPsiV ⊙ mimo_x, and mimo_x's terms dL/dPsiV ⊙ v summed over the warp's 16 rows,
-      // left for finish_chunk to add over the key warps.
+      // dv = Σ over the token's ranks of dL/dPsiV ⊙ mimo_x (the lanes of g % R = 0 store it), and
+      // mimo_x's terms dL/dPsiV ⊙ v summed over the warp's 16 rows by rank, left for
+      // finish_chunk to add over the key warps. A thread's two rows are of rank g % R.
       bf16* v_rows[2];
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int t = t0 + r0 + g + 8 * half;
-        v_rows[half] = t < T ? grads.v + token_head(d, b, t, h) * kP + 2 * c4 : nullptr;
+        const int t = t0 + (r0 + g + 8 * half) / R;
+        v_rows[half] =
+            t < T && g % R == 0 ? grads.v + token_head(d, b, t, h) * kP + 2 * c4 : nullptr;
       }
+      const float* rank_mimo_x = sm.mimo_x + g % R * kP;
       float column_sums[16];  // [j][column of the pair]: columns 8j + 2 c4 (+ 1)
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const int p = 8 * j + 2 * c4;
-        const float2 mimo_x = *reinterpret_cast<const float2*>(sm.mimo_x + p);
+        const float2 mimo_x = *reinterpret_cast<const float2*>(rank_mimo_x + p);
         column_sums[2 * j] = column_sums[2 * j + 1] = 0.f;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
@@ -805,15 +920,15 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
               __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(v_in + s_row * kLd + p));
           column_sums[2 * j] += acc[j][2 * half] * raw.x;
           column_sums[2 * j + 1] += acc[j][2 * half + 1] * raw.y;
+          const float dv0 = rank_sum<R>(acc[j][2 * half] * mimo_x.x);
+          const float dv1 = rank_sum<R>(acc[j][2 * half + 1] * mimo_x.y);
           if (v_rows[half] != nullptr) {
             *reinterpret_cast<__nv_bfloat162*>(v_rows[half] + 8 * j) =
-                __floats2bfloat162_rn(acc[j][2 * half] * mimo_x.x, acc[j][2 * half + 1] * mimo_x.y);
+                __floats2bfloat162_rn(dv0, dv1);
           }
         }
       }
-      sum_rows(column_sums, lane);
-      sm.mimo_x_parts[slot][warp - 4][8 * g + 2 * c4] = column_sums[0];
-      sm.mimo_x_parts[slot][warp - 4][8 * g + 2 * c4 + 1] = column_sums[1];
+      store_rank_column_sums<R>(sm.mimo_x_parts[slot][warp - 4], column_sums, lane);
       d_skip += quad_sum(own[0]) + quad_sum(own[1]);
     }
   }
@@ -901,22 +1016,24 @@ static __device__ __forceinline__ void sweep_token_terms(const Dims& d, const De
   }
 }
 
-// A block per (chunk, batch): each group's q and k gradients, its heads' (sweep_core's, bf16)
-// added in head order from zero, eight columns (16 bytes) an item; then sweep_token_terms.
+// A block per (chunk, batch): each group's q and k gradients of the chunk's rows (token, rank),
+// its heads' (sweep_core's, bf16) added in head order from zero, eight columns (16 bytes) an
+// item; then sweep_token_terms.
+template <int R>
 __global__ void __launch_bounds__(kFinishThreads)
     sweep_finish_kernel(Dims d, DevInputs in, Work w, DevGrads grads) {
-  constexpr int W = 8, kRowParts = kN / W;
+  constexpr int W = 8, kRowParts = kN / W, kTokens = kC / R;
   const int c = blockIdx.x, b = blockIdx.y, H = d.heads, G = d.groups,
             per_group = d.heads_per_group;
-  const int t0 = c * kC, len = min(kC, d.seqlen - t0);
-  const size_t Tp = padded_tokens(d);
-  for (int item = threadIdx.x; item < 2 * len * kRowParts; item += kFinishThreads) {
-    const int which = item / (len * kRowParts), i = item / kRowParts % len,
+  const int t0 = c * kTokens, len = min(kTokens, d.seqlen - t0), len_rows = len * R;
+  const size_t rows = padded_rows(d);
+  for (int item = threadIdx.x; item < 2 * len_rows * kRowParts; item += kFinishThreads) {
+    const int which = item / (len_rows * kRowParts), i = item / kRowParts % len_rows,
               n = item % kRowParts * W;
     const bf16* heads = (which == 0 ? w.sweep_dq : w.sweep_dk) +
-                        (static_cast<size_t>(b) * Tp + t0 + i) * H * kN + n;
+                        (static_cast<size_t>(b) * rows + c * kC + i) * H * kN + n;
     bf16* to = (which == 0 ? grads.q : grads.k) +
-               (static_cast<size_t>(b) * d.seqlen + t0 + i) * G * kN + n;
+               ((static_cast<size_t>(b) * d.seqlen + t0) * R + i) * G * kN + n;
     for (int g = 0; g < G; ++g) {
       float sum[W] = {};
       // kAhead heads' rows loaded before the first is added: the loop is latency-bound, and
@@ -946,60 +1063,84 @@ __global__ void __launch_bounds__(kFinishThreads)
 }  // namespace
 
 bool sweep_applies(const Dims& d, bool tensor_cores, size_t shared_per_block) {
-  return tensor_cores && d.state == kN && d.headdim == kP && d.rank == 1 && d.chunk == kC &&
-         d.angles == kA && d.heads <= kTermRows && shared_per_block >= sizeof(CoreSmem);
+  return tensor_cores && d.state == kN && d.headdim == kP && (d.rank == 1 || d.rank == 4) &&
+         d.chunk * d.rank == kC && d.angles == kA && d.heads <= kTermRows &&
+         shared_per_block >= sweep_core_shared_bytes();
 }
 
 size_t sweep_core_shared_bytes() {
-  return sizeof(CoreSmem);
+  return std::max(sizeof(CoreSmem<1>), sizeof(CoreSmem<4>));
 }
 
 SweepFloats sweep_floats(const Dims& d) {
   const size_t pairs = static_cast<size_t>(d.batch) * d.heads, Tp = padded_tokens(d);
-  const size_t per_token = static_cast<size_t>(d.batch) * d.seqlen * d.heads * kP;
+  const size_t per_row = static_cast<size_t>(d.batch) * d.seqlen * d.heads * d.rank * kP;
   SweepFloats f;
-  f.gate_in = per_token / 2;
-  f.d_out = per_token / 2;
+  f.gate_in = per_row / 2;
+  f.d_out = per_row / 2;
   f.scalars = 3 * pairs * Tp;
   f.rotation = 2 * pairs * Tp * kA;
   return f;
 }
 
-SweepLaunches sweep_launches(const Dims& d) {
+namespace {
+
+template <int R>
+SweepLaunches sweep_launches_at(const Dims& d) {
   const unsigned bh = static_cast<unsigned>(d.batch * d.heads);
   const unsigned chunks = static_cast<unsigned>(d.chunks);
   SweepLaunches l;
-  l.prep = {
-      "sweep_prep", kernel_address(&sweep_prep_kernel), dim3(chunks, bh), dim3(kPrepThreads), {}};
+  l.prep = {"sweep_prep",
+            kernel_address(&sweep_prep_kernel<R>),
+            dim3(chunks, bh),
+            dim3(kPrepThreads),
+            {}};
   SmemPlan core{};
-  core.total = sizeof(CoreSmem);
-  l.core = {"sweep_core", kernel_address(&sweep_core_kernel),
+  core.total = sizeof(CoreSmem<R>);
+  l.core = {"sweep_core", kernel_address(&sweep_core_kernel<R>),
             dim3(static_cast<unsigned>(d.heads), static_cast<unsigned>(d.batch)),
             dim3(kCoreThreads), core};
   l.finish = {"sweep_finish",
-              kernel_address(&sweep_finish_kernel),
+              kernel_address(&sweep_finish_kernel<R>),
               dim3(chunks, static_cast<unsigned>(d.batch)),
               dim3(kFinishThreads),
               {}};
   return l;
 }
 
-void run_sweep(const SweepLaunches& launches, const Dims& d, const DevInputs& in, const Work& w,
-               const bf16* dy, const DevGrads& grads, cudaStream_t stream) {
+template <int R>
+void run_sweep_at(const SweepLaunches& launches, const Dims& d, const DevInputs& in, const Work& w,
+                  const bf16* dy, const DevGrads& grads, cudaStream_t stream) {
   {
     const Launch& l = launches.prep;
-    sweep_prep_kernel<<<l.grid, l.block, 0, stream>>>(d, in, w, dy, grads);
+    sweep_prep_kernel<R><<<l.grid, l.block, 0, stream>>>(d, in, w, dy, grads);
     MEGACPP_CUDA_CHECK_LAUNCH(l.name);
   }
   {
     const Launch& l = launches.core;
-    sweep_core_kernel<<<l.grid, l.block, l.smem.total, stream>>>(d, in, w, grads);
+    sweep_core_kernel<R><<<l.grid, l.block, l.smem.total, stream>>>(d, in, w, grads);
     MEGACPP_CUDA_CHECK_LAUNCH(l.name);
   }
   {
     const Launch& l = launches.finish;
-    sweep_finish_kernel<<<l.grid, l.block, l.smem.total, stream>>>(d, in, w, grads);
+    sweep_finish_kernel<R><<<l.grid, l.block, l.smem.total, stream>>>(d, in, w, grads);
     MEGACPP_CUDA_CHECK_LAUNCH(l.name);
+  }
+}
+
+}  // namespace
+
+// sweep_applies admits R = 1 and R = 4 only.
+SweepLaunches sweep_launches(const Dims& d) {
+  return d.rank == 1 ? sweep_launches_at<1>(d) : sweep_launches_at<4>(d);
+}
+
+void run_sweep(const SweepLaunches& launches, const Dims& d, const DevInputs& in, const Work& w,
+               const bf16* dy, const DevGrads& grads, cudaStream_t stream) {
+  if (d.rank == 1) {
+    run_sweep_at<1>(launches, d, in, w, dy, grads, stream);
+  } else {
+    run_sweep_at<4>(launches, d, in, w, dy, grads, stream);
   }
 }
 

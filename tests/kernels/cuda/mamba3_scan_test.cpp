@@ -250,11 +250,14 @@ struct Mamba3Scan {
           .psiv_cache = true,
           .zv_in_a_wider_row = true}},
         "_ZvInAWiderRowPsivCache");
-    // The SISO backward's two ways at the fixed SISO shape (the sweep where a Hopper GPU has its
+    // The backward's two ways at the fixed SISO and MIMO shapes (R = 1 and chunk 64, R = 4 and
+    // chunk 16: 64 rows (token, rank) a chunk either way; the sweep where a Hopper GPU has its
     // shared memory, else chunk_backward both times), each held to the oracle: ragged, a single
     // short chunk, 128 pairs over many chunks, two groups (q and k summed over each group's 8
-    // heads), and the sweep over a shared backward workspace and with the PsiV cache (their bits
-    // the sweep's own).
+    // heads), 24 heads (sweep_token_terms' tiles of 256 (token, head) items hold 10 tokens, so a
+    // chunk ends on a partial tile), and the sweep's other ways in, which give its bits: a shared
+    // backward workspace, the PsiV cache, the separate forward passes (chunk_output keeps o and
+    // the token scalars instead of chunk_forward), z and v in a wider row.
     using megacpp::cuda::ScanSweep;
     const auto sweep_or_not = [](std::vector<Variant> more = {}) {
       std::vector<Variant> variants = {
@@ -263,39 +266,35 @@ struct Mamba3Scan {
       variants.insert(variants.end(), more.begin(), more.end());
       return variants;
     };
-    add(sized(64, 64, 1, 64, 2, 1000), sweep_or_not(), "_Sweep");
-    add(sized(64, 64, 1, 64, 8, 50), sweep_or_not(), "_Sweep");
-    add(sized(64, 64, 1, 64, 8, 1000), sweep_or_not(), "_Sweep");
-    s = sized(64, 64, 1, 64, 2, 1000);
-    s.groups = 2;
-    add(s, sweep_or_not(), "_Sweep");
-    // 24 heads: sweep_token_terms' tiles of 256 (token, head) items hold 10 tokens, so a chunk
-    // ends on a partial tile.
-    s = sized(64, 64, 1, 64, 1, 1000);
-    s.heads = 24;
-    add(s, sweep_or_not(), "_Sweep");
-    add(sized(64, 64, 1, 64, 2, 1000),
-        sweep_or_not({{.name = "tensor-core sweep shared-backward",
-                       .same_bits_as = 0,
-                       .shared_backward = true,
-                       .sweep = ScanSweep::kAlways},
-                      {.name = "tensor-core sweep psiv-cache",
-                       .same_bits_as = 0,
-                       .psiv_cache = true,
-                       .sweep = ScanSweep::kAlways}}),
-        "_SweepSharedAndCached");
-    // The sweep after the separate forward passes (chunk_output keeps o and the token scalars
-    // instead of chunk_forward), and with z and v read in a wider row: the sweep's own bits.
-    add(sized(64, 64, 1, 64, 2, 1000),
-        sweep_or_not({{.name = "tensor-core sweep no chains",
-                       .same_bits_as = 0,
-                       .chains = ScanChains::kNever,
-                       .sweep = ScanSweep::kAlways},
-                      {.name = "tensor-core sweep zv-in-a-wider-row",
-                       .same_bits_as = 0,
-                       .zv_in_a_wider_row = true,
-                       .sweep = ScanSweep::kAlways}}),
-        "_SweepSeparatePassesAndWiderRows");
+    for (const auto& [rank, chunk] : {std::array{1, 64}, std::array{4, 16}}) {
+      add(sized(64, 64, rank, chunk, 2, 1000), sweep_or_not(), "_Sweep");
+      add(sized(64, 64, rank, chunk, 8, 50), sweep_or_not(), "_Sweep");
+      add(sized(64, 64, rank, chunk, 8, 1000), sweep_or_not(), "_Sweep");
+      s = sized(64, 64, rank, chunk, 2, 1000);
+      s.groups = 2;
+      add(s, sweep_or_not(), "_Sweep");
+      s = sized(64, 64, rank, chunk, 1, 1000);
+      s.heads = 24;
+      add(s, sweep_or_not(), "_Sweep");
+      add(sized(64, 64, rank, chunk, 2, 1001),
+          sweep_or_not({{.name = "tensor-core sweep shared-backward",
+                         .same_bits_as = 0,
+                         .shared_backward = true,
+                         .sweep = ScanSweep::kAlways},
+                        {.name = "tensor-core sweep psiv-cache",
+                         .same_bits_as = 0,
+                         .psiv_cache = true,
+                         .sweep = ScanSweep::kAlways},
+                        {.name = "tensor-core sweep no chains",
+                         .same_bits_as = 0,
+                         .chains = ScanChains::kNever,
+                         .sweep = ScanSweep::kAlways},
+                        {.name = "tensor-core sweep zv-in-a-wider-row",
+                         .same_bits_as = 0,
+                         .zv_in_a_wider_row = true,
+                         .sweep = ScanSweep::kAlways}}),
+          "_SweepWaysIn");
+    }
     return out;
   }
 
@@ -808,8 +807,9 @@ TEST(Mamba3ScanCudaShapes, RefusesMisalignedBackwardRows) {
 // shapes of a Hopper GPU where the (batch, head) pairs are many enough for its chunk chain to pay
 // (48 at MIMO, 32 at SISO), else three (chunk_state, state_pass, chunk_output), as on the CUDA
 // cores and at other shapes. At the fixed shapes chunk_dstate also does the reverse state pass
-// from 96 pairs; otherwise state_pass_backward follows it. At the fixed SISO shape on the tensor
-// cores of a GPU with the sweep's shared memory, the sweep's three kernels replace those.
+// from 96 pairs; otherwise state_pass_backward follows it. At both fixed shapes on the tensor
+// cores of a GPU with the sweep's shared memory, from kSweepLeastPairs pairs, the sweep's three
+// kernels replace those.
 TEST(Mamba3ScanCudaShapes, ReportsEveryKernelItLaunches) {
   MEGACPP_REQUIRE_GPU();
   const auto names = [](const ScanShape& shape, bool tensor_cores) {
@@ -865,7 +865,7 @@ TEST(Mamba3ScanCudaShapes, ReportsEveryKernelItLaunches) {
         EXPECT_EQ(fused, forward_chain) << "rank " << rank << ", " << pairs << " pairs";
       }
       const bool backward_chain = pairs >= 96;
-      const bool sweeps = rank == 1 && sweep_fits && pairs >= megacpp::cuda::kSweepLeastPairs;
+      const bool sweeps = sweep_fits && pairs >= megacpp::cuda::kSweepLeastPairs;
       EXPECT_EQ(got, with(fused ? chained : three, sweeps           ? sweep_backward
                                                    : backward_chain ? chained_backward
                                                                     : separate_backward))
@@ -896,11 +896,11 @@ TEST(Mamba3ScanCudaShapes, ReportsEveryKernelItLaunches) {
   EXPECT_EQ(names(grid_shape(32, 64, 4, 16), true), with(three, separate_backward));
 }
 
-// The sweep runs at the fixed SISO shape with 16 rotation pairs and at most 256 heads on the
-// tensor cores of a GPU that has its shared memory, from kSweepLeastPairs pairs where paying;
-// nowhere else (ReportsEveryKernelItLaunches checks the head limit), and never when forced off. Its
-// parts are among the workspace's where the tensor-core variant would sweep.
-TEST(Mamba3ScanCudaShapes, SweepsTheSisoBackwardWhereItApplies) {
+// The sweep runs at the fixed SISO and MIMO shapes (64 rows a chunk) with 16 rotation pairs and at
+// most 256 heads on the tensor cores of a GPU that has its shared memory, from kSweepLeastPairs
+// pairs where paying; nowhere else (ReportsEveryKernelItLaunches checks the head limit), and never
+// when forced off. Its parts are among the workspace's where the tensor-core variant would sweep.
+TEST(Mamba3ScanCudaShapes, SweepsTheBackwardWhereItApplies) {
   MEGACPP_REQUIRE_GPU();
   using megacpp::cuda::ScanChains;
   using megacpp::cuda::ScanHeadSplit;
@@ -921,7 +921,13 @@ TEST(Mamba3ScanCudaShapes, SweepsTheSisoBackwardWhereItApplies) {
   other.angles = 8;
   EXPECT_FALSE(sweeps(other, true, ScanSweep::kAlways));
   EXPECT_FALSE(sweeps(grid_shape(128, 64, 1, 64), true, ScanSweep::kAlways));
-  EXPECT_FALSE(sweeps(grid_shape(64, 64, 4, 16), true, ScanSweep::kAlways));
+  const ScanShape mimo = grid_shape(64, 64, 4, 16);
+  EXPECT_EQ(sweeps(mimo, true, ScanSweep::kAlways), fits);
+  EXPECT_FALSE(sweeps(mimo, true, ScanSweep::kNever));
+  EXPECT_FALSE(sweeps(mimo, false, ScanSweep::kAlways));
+  // 64 rows a chunk but rank 2, and rank 4 at chunk 8 (32 rows): other shapes.
+  EXPECT_FALSE(sweeps(grid_shape(64, 64, 2, 32), true, ScanSweep::kAlways));
+  EXPECT_FALSE(sweeps(grid_shape(64, 64, 4, 8), true, ScanSweep::kAlways));
   const size_t with_sweep =
       Mamba3ScanCuda::backward_workspace_bytes(siso, ScanHeadSplit::kNever, ScanSweep::kAlways);
   const size_t without =
@@ -954,12 +960,15 @@ TEST(Mamba3ScanCudaShapes, SplitsTheUnitsLeftAfterTheLastWholeWave) {
   EXPECT_EQ(units_worth_splitting(4096, 16, 0), 0);
   MEGACPP_REQUIRE_GPU();
   using megacpp::cuda::ScanHeadSplit;
+  using megacpp::cuda::ScanSweep;
+  // chunk_backward's units: at M3-ref MIMO on Hopper the sweep would run instead (forced off).
   ScanShape s = grid_shape(64, 64, 4, 16);
   s.batch = 8;
   s.seqlen = 8192;
   const long units = static_cast<long>(s.batch) * (s.seqlen / s.chunk);
   const auto backward = [&](ScanHeadSplit head_split, bool tensor_cores = true) {
-    for (const auto& a : megacpp::cuda::kernel_attributes(s, tensor_cores, {}, head_split)) {
+    for (const auto& a :
+         megacpp::cuda::kernel_attributes(s, tensor_cores, {}, head_split, ScanSweep::kNever)) {
       if (a.name == "chunk_backward") return a;
     }
     ADD_FAILURE() << "no chunk_backward";
@@ -981,9 +990,10 @@ TEST(Mamba3ScanCudaShapes, SplitsTheUnitsLeftAfterTheLastWholeWave) {
     most = std::max(most, split);
   }
   // The split units' q and k gradients are among backward()'s temporaries (either variant's).
-  EXPECT_EQ(Mamba3ScanCuda::backward_workspace_bytes(s, ScanHeadSplit::kWherePaying) -
-                Mamba3ScanCuda::backward_workspace_bytes(s, ScanHeadSplit::kNever),
-            (most * s.heads * 2 * s.rank * s.chunk * s.state * sizeof(float) + 255) / 256 * 256);
+  EXPECT_EQ(
+      Mamba3ScanCuda::backward_workspace_bytes(s, ScanHeadSplit::kWherePaying, ScanSweep::kNever) -
+          Mamba3ScanCuda::backward_workspace_bytes(s, ScanHeadSplit::kNever, ScanSweep::kNever),
+      (most * s.heads * 2 * s.rank * s.chunk * s.state * sizeof(float) + 255) / 256 * 256);
 }
 
 }  // namespace
