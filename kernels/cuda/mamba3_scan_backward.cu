@@ -1573,17 +1573,18 @@ __global__ void finish_tokens_kernel(Dims d, DevInputs in, Work w, DevGrads grad
   }
 }
 
-// Per-head parameter gradients: the (batch, chunk) partials summed in a fixed order: each of
+// Per-head parameter gradients: the partials of slots_per_batch slots a batch (chunk_backward's a
+// chunk each, the sweep's a group of chunks: sweep_partial_slots) summed in a fixed order: each of
 // kReduceRows rows of threads adds every kReduceRows-th slot, kAhead loads in flight, then the
 // rows' sums in row order. (Eight rows a load at a time ran at 16% of warps active in 19.5 µs at
 // M3-ref SISO; this runs at 62% in 18.4 µs, ncu: the loads were not what bounds it. A slot's
 // partials lie partial_width floats apart, so a column block reads 128 bytes of each 1.3 KB row.)
 constexpr int kReduceRows = 32;
 __global__ void __launch_bounds__(32 * kReduceRows)
-    reduce_params_kernel(Dims d, Work w, DevGrads grads) {
+    reduce_params_kernel(Dims d, Work w, DevGrads grads, int slots_per_batch) {
   __shared__ float sums[kReduceRows][33];
   const int h = blockIdx.y, e = blockIdx.x * 32 + threadIdx.x;
-  const size_t slots = static_cast<size_t>(d.batch) * d.chunks;
+  const size_t slots = static_cast<size_t>(d.batch) * slots_per_batch;
   float sum = 0.f;
   if (e < d.partial_width) {
     const float* base = w.partials + static_cast<size_t>(h) * slots * d.partial_width + e;
@@ -1623,7 +1624,8 @@ __global__ void __launch_bounds__(32 * kReduceRows)
 void run_reduce_params(const BackwardLaunches& launches, const Dims& d, const Work& w,
                        const DevGrads& grads, cudaStream_t stream) {
   const Launch& l = launches.reduce_params;
-  reduce_params_kernel<<<l.grid, l.block, 0, stream>>>(d, w, grads);
+  const int slots_per_batch = launches.sweep ? sweep_partial_slots(d) : d.chunks;
+  reduce_params_kernel<<<l.grid, l.block, 0, stream>>>(d, w, grads, slots_per_batch);
   MEGACPP_CUDA_CHECK_LAUNCH(l.name);
 }
 

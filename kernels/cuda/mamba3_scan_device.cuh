@@ -534,6 +534,9 @@ struct SweepFloats {
 bool sweep_applies(const Dims& d, bool tensor_cores, size_t shared_per_block);
 size_t sweep_core_shared_bytes();
 SweepFloats sweep_floats(const Dims& d);
+// The sweep's partial slots a batch (Work::partials, for reduce_params): one a group of chunks
+// (kPartialGroupChunks in mamba3_scan_sweep.cu), fewer than chunk_backward's one a chunk.
+int sweep_partial_slots(const Dims& d);
 SweepLaunches sweep_launches(const Dims& d);
 // Writes every gradient but the per-head parameters', whose partials it leaves for reduce_params.
 void run_sweep(const SweepLaunches& launches, const Dims& d, const DevInputs& in, const Work& w,

@@ -86,6 +86,7 @@ struct CoreSmem {
   float d_theta[2][2][kC * kAngleLd];
   float mimo_x_parts[2][4][R * kP];
   alignas(16) float bias_parts[2][2][4][R * kN];  // [slot][q, k][the side's warp][rank, column]
+  float group_parts[2 * R * kN + R * kP];         // the biases' and mimo_x's over a group of chunks
   float dot_parts[4];
 };
 
@@ -109,53 +110,67 @@ __host__ __device__ inline size_t padded_rows(const Dims& d) {
 
 constexpr int kPrepThreads = 256;
 
+// The per-head parameters' partials a (batch, head) are one slot a group of kPartialGroupChunks
+// chunks (sweep_prep's block; sweep_core sums its chunks' parts over the group on chip): at M3-ref
+// MIMO a slot a chunk wrote and reduce_params read 336 MB of partials.
+constexpr int kPartialGroupChunks = 4;
+
+__host__ __device__ inline int partial_groups(const Dims& d) {
+  return (d.chunks + kPartialGroupChunks - 1) / kPartialGroupChunks;
+}
+
+// A block per (group of chunks, batch, head).
 template <int R>
 __global__ void __launch_bounds__(kPrepThreads, 4)
     sweep_prep_kernel(Dims d, DevInputs in, Work w, const bf16* dy, DevGrads grads) {
   constexpr int kTokens = kC / R;
-  const int c = blockIdx.x, bh = blockIdx.y, b = bh / d.heads, h = bh % d.heads;
-  const int t0 = c * kTokens, len = min(kTokens, d.seqlen - t0);
+  const int group = blockIdx.x, bh = blockIdx.y, b = bh / d.heads, h = bh % d.heads;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 
-  // The gating's backward: a thread's eight columns p … p + 7 (16-byte rows) of the chunk's rows
+  // The gating's backward: a thread's eight columns p … p + 7 (16-byte rows) of each chunk's rows
   // (token, rank) row and row + 32, one rank; dz's terms summed over a token's ranks (lanes 8
-  // apart); mimo_z's and mimo_o's terms summed over a warp's rows of one rank of each column
-  // (lanes 8 R apart), then over the warps in order.
+  // apart); mimo_z's and mimo_o's terms summed over the group's chunks, then over a warp's rows
+  // of one rank of each column (lanes 8 R apart), then over the warps in order.
   __shared__ float sums[2][kPrepThreads / 32][R * kP];
   constexpr int W = 8;
   const int p = W * (lane % W), row = threadIdx.x / W, rank = row % R;
   const size_t wr = (static_cast<size_t>(h) * R + rank) * kP + p;
   const Bf16Row<W> mimo_z = load_row<W>(in.mimo_z + wr), mimo_o = load_row<W>(in.mimo_o + wr);
   float sum_z[W] = {}, sum_o[W] = {};
+  const int last_chunk = min((group + 1) * kPartialGroupChunks, d.chunks);
+#pragma unroll 1
+  for (int c = group * kPartialGroupChunks; c < last_chunk; ++c) {
+    const int t0 = c * kTokens, len = min(kTokens, d.seqlen - t0);
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int i = (row + 32 * half) / R;  // the token (a warp's rows are whole tokens)
-    if (i >= len) break;
-    const size_t th = token_head(d, b, t0 + i, h);
-    const Bf16Row<W> dy_row = load_row<W>(dy + th * kP + p);
-    const Bf16Row<W> z_row = load_row<W>(in.z + zv_row(d, in, b, t0 + i, h) + p);
-    const Bf16Row<W> o_row = load_row<W>(w.gate_in + (th * R + rank) * kP + p);
-    float d_out[W], dz[W];
+    for (int half = 0; half < 2; ++half) {
+      const int i = (row + 32 * half) / R;  // the token (a warp's rows are whole tokens)
+      if (i >= len) break;
+      const size_t th = token_head(d, b, t0 + i, h);
+      const Bf16Row<W> dy_row = load_row<W>(dy + th * kP + p);
+      const Bf16Row<W> z_row = load_row<W>(in.z + zv_row(d, in, b, t0 + i, h) + p);
+      const Bf16Row<W> o_row = load_row<W>(w.gate_in + (th * R + rank) * kP + p);
+      float d_out[W], dz[W];
 #pragma unroll
-    for (int e = 0; e < W; ++e) {
-      const float dy_e = dy_row.at(e), z = z_row.at(e), o = o_row.at(e);
-      const float mz = mimo_z.at(e), mo = mimo_o.at(e);
-      const float gate = z * mz, sig = sigmoidf(gate), silu = gate * sig;
-      d_out[e] = dy_e * silu * mo;
-      sum_o[e] += dy_e * o * silu;
-      const float d_gate = dy_e * o * mo * sig * (1.f + gate * (1.f - sig));
-      dz[e] = d_gate * mz;
-      sum_z[e] += d_gate * z;
-    }
-    store_row(w.sweep_d_out + (th * R + rank) * kP + p, round_row<W>(d_out));
-#pragma unroll
-    for (int e = 0; e < W; ++e) {
-#pragma unroll
-      for (int offset = W; offset < W * R; offset <<= 1) {
-        dz[e] += __shfl_xor_sync(0xffffffffu, dz[e], offset);
+      for (int e = 0; e < W; ++e) {
+        const float dy_e = dy_row.at(e), z = z_row.at(e), o = o_row.at(e);
+        const float mz = mimo_z.at(e), mo = mimo_o.at(e);
+        const float gate = z * mz, sig = sigmoidf(gate), silu = gate * sig;
+        d_out[e] = dy_e * silu * mo;
+        sum_o[e] += dy_e * o * silu;
+        const float d_gate = dy_e * o * mo * sig * (1.f + gate * (1.f - sig));
+        dz[e] = d_gate * mz;
+        sum_z[e] += d_gate * z;
       }
+      store_row(w.sweep_d_out + (th * R + rank) * kP + p, round_row<W>(d_out));
+#pragma unroll
+      for (int e = 0; e < W; ++e) {
+#pragma unroll
+        for (int offset = W; offset < W * R; offset <<= 1) {
+          dz[e] += __shfl_xor_sync(0xffffffffu, dz[e], offset);
+        }
+      }
+      if (R == 1 || rank == 0) store_row(grads.z + th * kP + p, round_row<W>(dz));
     }
-    if (R == 1 || rank == 0) store_row(grads.z + th * kP + p, round_row<W>(dz));
   }
 #pragma unroll
   for (int e = 0; e < W; ++e) {
@@ -171,8 +186,8 @@ __global__ void __launch_bounds__(kPrepThreads, 4)
     }
   }
   __syncthreads();
-  const size_t slot = static_cast<size_t>(b) * d.chunks + c;
-  const size_t slots = static_cast<size_t>(d.batch) * d.chunks;
+  const size_t slot = static_cast<size_t>(b) * partial_groups(d) + group;
+  const size_t slots = static_cast<size_t>(d.batch) * partial_groups(d);
   // mimo_z's terms after the biases' and mimo_x's, then mimo_o's (reduce_params' layout).
   float* partial = w.partials + (static_cast<size_t>(h) * slots + slot) * d.partial_width;
   for (int item = threadIdx.x; item < 2 * R * kP; item += kPrepThreads) {
@@ -558,7 +573,8 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
   //    over later parts come from a suffix scan across the lanes; later_angles carries the sum
   //    over the chunks already finished (the later ones);
   //  - the pair's partials: q's and k's biases (the warps' column sums added), mimo_x's (the key
-  //    warps'), and a zero for dD but in chunk 0's slot (the pair's whole dD goes there);
+  //    warps'), summed over the chunk's group, and a zero for dD but in group 0's slot (the
+  //    pair's whole dD goes there);
   //  - dκ and the dt and trap terms of dγ and dκ (γ_t = τ_t DT_t, κ_t = τ_t DT_t + ...:
   //    sweep_token_terms adds κ_{t−1}'s and the angles');
   //  - dl, the last token's with the chunk's exit terms and e^{l_last} <E_c, X>, its suffix sums
@@ -612,26 +628,36 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
       }
     }
     {
-      const size_t slots = static_cast<size_t>(d.batch) * chunks;
+      // Summed over the chunk's group on chip (an item is the same thread's at every chunk), and
+      // stored to the group's slot at its first chunk, the walk's last of it.
+      const int group = c / kPartialGroupChunks, groups = partial_groups(d);
+      const bool opens = c == min((group + 1) * kPartialGroupChunks, chunks) - 1;
+      const bool closes = c % kPartialGroupChunks == 0;
+      const size_t slots = static_cast<size_t>(d.batch) * groups;
       float* partial =
-          w.partials +
-          (static_cast<size_t>(h) * slots + static_cast<size_t>(b) * chunks + c) * d.partial_width;
+          w.partials + (static_cast<size_t>(h) * slots + static_cast<size_t>(b) * groups + group) *
+                           d.partial_width;
+      const auto add = [&](int column, float value) {
+        float& sum = sm.group_parts[column];
+        sum = opens ? value : sum + value;
+        if (closes) partial[column] = sum;
+      };
 #pragma unroll
       for (int i = 0; i < R; ++i) {
         const int item = threadIdx.x + i * kQueryThreads;
         const int which = item / (R * kN), n = item % (R * kN);  // n: (rank, column)
         const float* bias_parts = &sm.bias_parts[slot][which][0][n];
         constexpr int kWarpParts = R * kN;
-        partial[which * R * kN + n] = bias_parts[0] + bias_parts[kWarpParts] +
-                                      bias_parts[2 * kWarpParts] + bias_parts[3 * kWarpParts];
+        add(which * R * kN + n, bias_parts[0] + bias_parts[kWarpParts] +
+                                    bias_parts[2 * kWarpParts] + bias_parts[3 * kWarpParts]);
       }
       for (int item = threadIdx.x; item < R * kP; item += kQueryThreads) {
         const float* parts = &sm.mimo_x_parts[slot][0][item];
         constexpr int kWarpParts = R * kP;
-        partial[2 * R * kN + item] =
-            parts[0] + parts[kWarpParts] + parts[2 * kWarpParts] + parts[3 * kWarpParts];
+        add(2 * R * kN + item,
+            parts[0] + parts[kWarpParts] + parts[2 * kWarpParts] + parts[3 * kWarpParts]);
       }
-      if (threadIdx.x == 0 && c > 0) partial[d.partial_width - 1] = 0.f;
+      if (threadIdx.x == 0 && closes && group > 0) partial[d.partial_width - 1] = 0.f;
     }
     if (token_thread) {
       const int i = threadIdx.x - (kQueryThreads - kTokens);
@@ -943,9 +969,10 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    // dD's partial of the pair, in its chunk 0 slot (finish_chunk zeroes the other chunks').
-    const size_t slots = static_cast<size_t>(d.batch) * chunks;
-    w.partials[(static_cast<size_t>(h) * slots + static_cast<size_t>(b) * chunks + 1) *
+    // dD's partial of the pair, in its group 0 slot (finish_chunk zeroes the other groups').
+    const int groups = partial_groups(d);
+    const size_t slots = static_cast<size_t>(d.batch) * groups;
+    w.partials[(static_cast<size_t>(h) * slots + static_cast<size_t>(b) * groups + 1) *
                    d.partial_width -
                1] = sm.dot_parts[0] + sm.dot_parts[1] + sm.dot_parts[2] + sm.dot_parts[3];
   }
@@ -1072,6 +1099,10 @@ size_t sweep_core_shared_bytes() {
   return std::max(sizeof(CoreSmem<1>), sizeof(CoreSmem<4>));
 }
 
+int sweep_partial_slots(const Dims& d) {
+  return partial_groups(d);
+}
+
 SweepFloats sweep_floats(const Dims& d) {
   const size_t pairs = static_cast<size_t>(d.batch) * d.heads, Tp = padded_tokens(d);
   const size_t per_row = static_cast<size_t>(d.batch) * d.seqlen * d.heads * d.rank * kP;
@@ -1092,7 +1123,7 @@ SweepLaunches sweep_launches_at(const Dims& d) {
   SweepLaunches l;
   l.prep = {"sweep_prep",
             kernel_address(&sweep_prep_kernel<R>),
-            dim3(chunks, bh),
+            dim3(static_cast<unsigned>(partial_groups(d)), bh),
             dim3(kPrepThreads),
             {}};
   SmemPlan core{};
