@@ -119,36 +119,65 @@ __host__ __device__ inline int partial_groups(const Dims& d) {
   return (d.chunks + kPartialGroupChunks - 1) / kPartialGroupChunks;
 }
 
-// A block per (group of chunks, batch, head).
+// sweep_prep's shared memory: a step's dy and z rows (64 tokens) and its 64 R rows of o, copied in
+// together (cp.async): loaded into registers, two rows a thread left DRAM 39% busy at M3-ref MIMO
+// (ncu, session 36), where a warp's dy and z rows are one token's.
+constexpr int kPrepStepTokens = 64;
 template <int R>
-__global__ void __launch_bounds__(kPrepThreads, 4)
+struct PrepSmem {
+  bf16 dy[kPrepStepTokens * kP], z[kPrepStepTokens * kP], o[kPrepStepTokens * R * kP];
+  float sums[2][kPrepThreads / 32][R * kP];
+};
+
+// A block per (group of chunks, batch, head), a step of 64 tokens at a time.
+template <int R>
+__global__ void __launch_bounds__(kPrepThreads, 3)
     sweep_prep_kernel(Dims d, DevInputs in, Work w, const bf16* dy, DevGrads grads) {
-  constexpr int kTokens = kC / R;
+  constexpr int kTokens = kC / R, kStepRows = kPrepStepTokens * R;
+  constexpr int kParts = kP / 8;  // 16-byte parts of a row
+  static_assert((kPartialGroupChunks * kTokens) % kPrepStepTokens == 0);
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  PrepSmem<R>& sm = *reinterpret_cast<PrepSmem<R>*>(smem_raw);
   const int group = blockIdx.x, bh = blockIdx.y, b = bh / d.heads, h = bh % d.heads;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 
-  // The gating's backward: a thread's eight columns p … p + 7 (16-byte rows) of each chunk's rows
-  // (token, rank) row and row + 32, one rank; dz's terms summed over a token's ranks (lanes 8
+  // The gating's backward: a thread's eight columns p … p + 7 (16-byte rows) of the step's rows
+  // (token, rank) row, row + 32, …, one rank; dz's terms summed over a token's ranks (lanes 8
   // apart); mimo_z's and mimo_o's terms summed over the group's chunks, then over a warp's rows
   // of one rank of each column (lanes 8 R apart), then over the warps in order.
-  __shared__ float sums[2][kPrepThreads / 32][R * kP];
   constexpr int W = 8;
   const int p = W * (lane % W), row = threadIdx.x / W, rank = row % R;
   const size_t wr = (static_cast<size_t>(h) * R + rank) * kP + p;
   const Bf16Row<W> mimo_z = load_row<W>(in.mimo_z + wr), mimo_o = load_row<W>(in.mimo_o + wr);
   float sum_z[W] = {}, sum_o[W] = {};
-  const int last_chunk = min((group + 1) * kPartialGroupChunks, d.chunks);
+  const int group_tokens = kPartialGroupChunks * kTokens;
+  const int group_end = min((group + 1) * group_tokens, d.seqlen);
 #pragma unroll 1
-  for (int c = group * kPartialGroupChunks; c < last_chunk; ++c) {
-    const int t0 = c * kTokens, len = min(kTokens, d.seqlen - t0);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int i = (row + 32 * half) / R;  // the token (a warp's rows are whole tokens)
-      if (i >= len) break;
-      const size_t th = token_head(d, b, t0 + i, h);
-      const Bf16Row<W> dy_row = load_row<W>(dy + th * kP + p);
-      const Bf16Row<W> z_row = load_row<W>(in.z + zv_row(d, in, b, t0 + i, h) + p);
-      const Bf16Row<W> o_row = load_row<W>(w.gate_in + (th * R + rank) * kP + p);
+  for (int t0 = group * group_tokens; t0 < group_end; t0 += kPrepStepTokens) {
+    for (int item = threadIdx.x; item < kPrepStepTokens * kParts; item += kPrepThreads) {
+      const int i = item / kParts, part = item % kParts * 8, t = t0 + i;
+      const bool valid = t < d.seqlen;
+      const size_t th = token_head(d, b, valid ? t : t0, h);
+      copy_16_async(sm.dy + i * kP + part, dy + th * kP + part, valid);
+      copy_16_async(sm.z + i * kP + part, in.z + zv_row(d, in, b, valid ? t : t0, h) + part, valid);
+    }
+    for (int item = threadIdx.x; item < kStepRows * kParts; item += kPrepThreads) {
+      const int i = item / kParts, part = item % kParts * 8, t = t0 + i / R;
+      const bool valid = t < d.seqlen;
+      const size_t th = token_head(d, b, valid ? t : t0, h);
+      copy_16_async(sm.o + i * kP + part, w.gate_in + (th * R + i % R) * kP + part, valid);
+    }
+    commit_copies();
+    wait_copies<0>();
+    __syncthreads();
+#pragma unroll 2
+    for (int step_row = row; step_row < kStepRows; step_row += 32) {
+      const int i = step_row / R, t = t0 + i;  // a warp's rows are whole tokens
+      if (t >= d.seqlen) break;
+      const size_t th = token_head(d, b, t, h);
+      const Bf16Row<W> dy_row = load_row<W>(sm.dy + i * kP + p);
+      const Bf16Row<W> z_row = load_row<W>(sm.z + i * kP + p);
+      const Bf16Row<W> o_row = load_row<W>(sm.o + step_row * kP + p);
       float d_out[W], dz[W];
 #pragma unroll
       for (int e = 0; e < W; ++e) {
@@ -171,6 +200,7 @@ __global__ void __launch_bounds__(kPrepThreads, 4)
       }
       if (R == 1 || rank == 0) store_row(grads.z + th * kP + p, round_row<W>(dz));
     }
+    __syncthreads();  // the step's rows are read before the next step's copies land
   }
 #pragma unroll
   for (int e = 0; e < W; ++e) {
@@ -181,8 +211,8 @@ __global__ void __launch_bounds__(kPrepThreads, 4)
       o += __shfl_xor_sync(0xffffffffu, o, offset);
     }
     if (lane < W * R) {
-      sums[0][warp][rank * kP + p + e] = z;
-      sums[1][warp][rank * kP + p + e] = o;
+      sm.sums[0][warp][rank * kP + p + e] = z;
+      sm.sums[1][warp][rank * kP + p + e] = o;
     }
   }
   __syncthreads();
@@ -193,7 +223,7 @@ __global__ void __launch_bounds__(kPrepThreads, 4)
   for (int item = threadIdx.x; item < 2 * R * kP; item += kPrepThreads) {
     const int which = item / (R * kP), column = item % (R * kP);
     float total = 0.f;
-    for (int x = 0; x < kPrepThreads / 32; ++x) total += sums[which][x][column];
+    for (int x = 0; x < kPrepThreads / 32; ++x) total += sm.sums[which][x][column];
     partial[2 * R * kN + (1 + which) * R * kP + column] = total;
   }
 }
@@ -1121,11 +1151,10 @@ SweepLaunches sweep_launches_at(const Dims& d) {
   const unsigned bh = static_cast<unsigned>(d.batch * d.heads);
   const unsigned chunks = static_cast<unsigned>(d.chunks);
   SweepLaunches l;
-  l.prep = {"sweep_prep",
-            kernel_address(&sweep_prep_kernel<R>),
-            dim3(static_cast<unsigned>(partial_groups(d)), bh),
-            dim3(kPrepThreads),
-            {}};
+  SmemPlan prep{};
+  prep.total = sizeof(PrepSmem<R>);
+  l.prep = {"sweep_prep", kernel_address(&sweep_prep_kernel<R>),
+            dim3(static_cast<unsigned>(partial_groups(d)), bh), dim3(kPrepThreads), prep};
   SmemPlan core{};
   core.total = sizeof(CoreSmem<R>);
   l.core = {"sweep_core", kernel_address(&sweep_core_kernel<R>),
@@ -1144,7 +1173,7 @@ void run_sweep_at(const SweepLaunches& launches, const Dims& d, const DevInputs&
                   const bf16* dy, const DevGrads& grads, cudaStream_t stream) {
   {
     const Launch& l = launches.prep;
-    sweep_prep_kernel<R><<<l.grid, l.block, 0, stream>>>(d, in, w, dy, grads);
+    sweep_prep_kernel<R><<<l.grid, l.block, l.smem.total, stream>>>(d, in, w, dy, grads);
     MEGACPP_CUDA_CHECK_LAUNCH(l.name);
   }
   {
