@@ -112,11 +112,14 @@ constexpr int kPrepThreads = 256;
 
 // The per-head parameters' partials a (batch, head) are one slot a group of kPartialGroupChunks
 // chunks (sweep_prep's block; sweep_core sums its chunks' parts over the group on chip): at M3-ref
-// MIMO a slot a chunk wrote and reduce_params read 336 MB of partials.
-constexpr int kPartialGroupChunks = 4;
+// MIMO a slot a chunk wrote and reduce_params read 336 MB of partials. 256 tokens a group at SISO,
+// 128 at MIMO (its 64 were 0.3-0.5% slower forward+backward, bench/RESULTS.md session 36).
+template <int R>
+constexpr int kPartialGroupChunks = R == 1 ? 4 : 8;
 
 __host__ __device__ inline int partial_groups(const Dims& d) {
-  return (d.chunks + kPartialGroupChunks - 1) / kPartialGroupChunks;
+  const int group = d.rank == 1 ? kPartialGroupChunks<1> : kPartialGroupChunks<4>;
+  return (d.chunks + group - 1) / group;
 }
 
 // sweep_prep's shared memory: a step's dy and z rows (64 tokens) and its 64 R rows of o, copied in
@@ -135,7 +138,7 @@ __global__ void __launch_bounds__(kPrepThreads, 3)
     sweep_prep_kernel(Dims d, DevInputs in, Work w, const bf16* dy, DevGrads grads) {
   constexpr int kTokens = kC / R, kStepRows = kPrepStepTokens * R;
   constexpr int kParts = kP / 8;  // 16-byte parts of a row
-  static_assert((kPartialGroupChunks * kTokens) % kPrepStepTokens == 0);
+  static_assert((kPartialGroupChunks<R> * kTokens) % kPrepStepTokens == 0);
   extern __shared__ __align__(16) unsigned char smem_raw[];
   PrepSmem<R>& sm = *reinterpret_cast<PrepSmem<R>*>(smem_raw);
   const int group = blockIdx.x, bh = blockIdx.y, b = bh / d.heads, h = bh % d.heads;
@@ -150,7 +153,7 @@ __global__ void __launch_bounds__(kPrepThreads, 3)
   const size_t wr = (static_cast<size_t>(h) * R + rank) * kP + p;
   const Bf16Row<W> mimo_z = load_row<W>(in.mimo_z + wr), mimo_o = load_row<W>(in.mimo_o + wr);
   float sum_z[W] = {}, sum_o[W] = {};
-  const int group_tokens = kPartialGroupChunks * kTokens;
+  const int group_tokens = kPartialGroupChunks<R> * kTokens;
   const int group_end = min((group + 1) * group_tokens, d.seqlen);
 #pragma unroll 1
   for (int t0 = group * group_tokens; t0 < group_end; t0 += kPrepStepTokens) {
@@ -660,9 +663,9 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
     {
       // Summed over the chunk's group on chip (an item is the same thread's at every chunk), and
       // stored to the group's slot at its first chunk, the walk's last of it.
-      const int group = c / kPartialGroupChunks, groups = partial_groups(d);
-      const bool opens = c == min((group + 1) * kPartialGroupChunks, chunks) - 1;
-      const bool closes = c % kPartialGroupChunks == 0;
+      const int group = c / kPartialGroupChunks<R>, groups = partial_groups(d);
+      const bool opens = c == min((group + 1) * kPartialGroupChunks<R>, chunks) - 1;
+      const bool closes = c % kPartialGroupChunks<R> == 0;
       const size_t slots = static_cast<size_t>(d.batch) * groups;
       float* partial =
           w.partials + (static_cast<size_t>(h) * slots + static_cast<size_t>(b) * groups + group) *
