@@ -113,18 +113,18 @@ enum class ScanHeadSplit { kWherePaying, kAlways, kNever };
 // At the fixed SISO and MIMO shapes (state 64, headdim 64, rank 1 and chunk 64 or rank 4 and chunk
 // 16: 64 rows (token, rank) a chunk) with 16 rotation pairs and at most 256 heads, on the tensor
 // cores, where a block may have about 218 KiB of shared memory (Hopper), the backward can run as a
-// sweep (kernels/cuda/mamba3_scan_sweep.cu): a block per
-// (batch, head) walks its chunks in reverse with dL/d(state) on chip, the official SISO kernels'
-// structure, instead of chunk_dstate, the reverse state pass and chunk_backward (a block per
-// chunk), and finishes dθ's sums and the per-token terms itself (no dtheta_offsets or
-// finish_tokens). The forward then also keeps for the backward its output before the gating (bf16,
-// B·L·H·R·P), the per-token scalars and the rotation's cos θ and sin θ (fp32,
-// B·H·chunks·C·(3 + 2A)). kWherePaying runs it from kSweepLeastPairs (batch, head) pairs: a block
-// each walks all its chunks, so with fewer the SMs idle (on an H200 at seqlen 8192 and 16 heads,
-// SISO: the backward 40% faster at 128 pairs, 7% at 64, 72% slower at 32; bench/RESULTS.md
-// session 33; MIMO: session 36); kAlways wherever
-// it applies; kNever nowhere. Other shapes and devices have no sweep. The two ways round
-// differently (the sweep's dO is bf16), so each is held to the oracle, not to the other's bits.
+// sweep (kernels/cuda/mamba3_scan_sweep.cu): a block per (batch, head) walks its chunks in reverse
+// with dL/d(state) on chip, the official SISO kernels' structure, instead of chunk_dstate, the
+// reverse state pass and chunk_backward (a block per chunk), and finishes dθ's sums and the
+// per-token terms itself (no dtheta_offsets or finish_tokens). The forward then also keeps for the
+// backward its output before the gating (bf16, B·L·H·R·P), the per-token scalars and the
+// rotation's cos θ and sin θ (fp32, B·H·chunks·C·(3 + 2A)). kWherePaying runs it from
+// kSweepLeastPairs (batch, head) pairs: a block each walks all its chunks, so with fewer the SMs
+// idle (on an H200 at seqlen 8192 and 16 heads, SISO: the backward 40% faster at 128 pairs, 7% at
+// 64, 72% slower at 32, bench/RESULTS.md session 33; MIMO forward+backward: 37% faster at 128, 11%
+// at 64, 43% slower at 32, session 36); kAlways wherever it applies; kNever nowhere. Other shapes
+// and devices have no sweep. The two ways round differently (the sweep's dO is bf16), so each is
+// held to the oracle, not to the other's bits.
 enum class ScanSweep { kWherePaying, kAlways, kNever };
 inline constexpr long kSweepLeastPairs = 64;
 // Dynamic shared memory (bytes) of the sweep's core kernel a block: where the device allows less
