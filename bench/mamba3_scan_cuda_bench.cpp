@@ -16,7 +16,7 @@
 //   --head-split always|never: chunk_backward's units split into a block per head everywhere or
 //     nowhere (ScanHeadSplit; by default the units left over after the last whole wave, where
 //     that pays);
-//   --sweep always|never: the SISO backward as a sweep (ScanSweep) wherever it applies, or
+//   --sweep always|never: the backward as a sweep (ScanSweep) wherever it applies, or
 //     nowhere (by default where the pairs are many enough for it to pay);
 //   --only mimo|siso: time only M3-ref's MIMO shape, or only its SISO variant;
 //   --zv-row COLUMNS: z and v read in place in rows of COLUMNS elements (z at column 0, v at

@@ -85,8 +85,8 @@ struct Mamba3Scan {
     // output: ScanDeviceInputs::zv_row_stride), with columns between and after them: the same
     // bits as from their own tensors.
     bool zv_in_a_wider_row = false;
-    // The SISO backward as a sweep (ScanSweep): forced off, the other way's rounding is held to
-    // the oracle too.
+    // The backward as a sweep (ScanSweep, SISO and MIMO): forced off, the other way's rounding is
+    // held to the oracle too.
     megacpp::cuda::ScanSweep sweep = megacpp::cuda::ScanSweep::kWherePaying;
   };
   struct Case {
