@@ -506,7 +506,7 @@ Mamba3ScanCuda::Mamba3ScanCuda(const ops::ScanShape& shape, bool psiv_cache, boo
     w.sweep_scalars = parts[5];
     w.sweep_rotation = parts[6];
     w.sweep_d_out = reinterpret_cast<bf16*>(parts[18]);
-    // Each head's dq and dk, bf16, in gstates' space (B·H·chunks·P·N floats at P = N = C).
+    // Each head's dq and dk, bf16, in gstates' space (B·H·chunks·P·N floats at P = N = C·R).
     w.sweep_dq = reinterpret_cast<bf16*>(w.gstates);
     w.sweep_dk = w.sweep_dq + static_cast<size_t>(d.batch) * d.heads * d.chunks * d.rows * d.state;
   }

@@ -38,7 +38,8 @@ struct Dims {
   int chunks;           // ceil(seqlen / chunk)
   int rows;             // chunk * rank: rows (token, rank) of a chunk
   int heads_per_group;  // heads / groups
-  int partial_width;    // per-head parameter gradient floats of one (batch, chunk)
+  int partial_width;    // per-head parameter gradient floats of one slot: a (batch, chunk), or
+                        // under the sweep a (batch, group of chunks)
   // The same shape values as divisors (see FastDiv): rank R, head dimension P, state N, N / 2,
   // angles A (1 when there are none), chunk C, rows C·R.
   FastDiv by_rank, by_headdim, by_state, by_half, by_angles, by_chunk, by_rows;
@@ -530,7 +531,7 @@ struct SweepFloats {
 };
 // Whether the sweep computes `d`'s backward: the fixed SISO or MIMO shape (64 rows a chunk) with 16
 // rotation pairs, on the tensor cores, where a block may have sweep_core's shared memory (the
-// larger of its two instances; Hopper: about 218 KiB).
+// larger of its two instances; Hopper: about 221 KiB).
 bool sweep_applies(const Dims& d, bool tensor_cores, size_t shared_per_block);
 size_t sweep_core_shared_bytes();
 SweepFloats sweep_floats(const Dims& d);

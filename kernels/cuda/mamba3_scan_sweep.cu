@@ -469,7 +469,7 @@ __device__ __forceinline__ void unrotate(float (&acc)[8][4], const bf16* rotated
   }
 }
 
-// The rows r0 … r0 + 15 of acc (all 64 columns) to a [B][chunks · C][H][64] bf16 tensor.
+// The rows r0 … r0 + 15 of acc (all 64 columns) to a [B][chunks · C · R][H][64] bf16 tensor.
 __device__ __forceinline__ void store_rows(bf16* to, const float (&acc)[8][4], size_t first_row,
                                            int heads, int r0, int g, int c4) {
 #pragma unroll
@@ -507,7 +507,7 @@ __device__ __forceinline__ void finish_rotated_gradient(float (&acc)[8][4], cons
   store_column_sums<R>(bias_part, acc, lane);
 }
 
-// Warps 0-3 are the query side (rows of 16 tokens: dq and dγ, and X's 16 rows each), warps 4-7
+// Warps 0-3 are the query side (16 rows (token, rank) each: dq and dγ, and X's 16 rows), warps 4-7
 // the key side (dk, dv, dκ): a scheduler (warp % 4) holds query block i, whose causal work grows
 // with i, and key block i, whose work shrinks with it. Every score block is computed (the causal
 // mask's zero blocks too: skipping them measured no gain, bench/RESULTS.md session 32).

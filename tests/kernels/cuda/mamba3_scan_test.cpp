@@ -270,6 +270,9 @@ struct Mamba3Scan {
       add(sized(64, 64, rank, chunk, 2, 1000), sweep_or_not(), "_Sweep");
       add(sized(64, 64, rank, chunk, 8, 50), sweep_or_not(), "_Sweep");
       add(sized(64, 64, rank, chunk, 8, 1000), sweep_or_not(), "_Sweep");
+      // 400 tokens: 7 chunks at SISO and 25 at MIMO, so the last group of the partials' (4 and 8
+      // chunks) is partly filled.
+      add(sized(64, 64, rank, chunk, 2, 400), sweep_or_not(), "_Sweep");
       s = sized(64, 64, rank, chunk, 2, 1000);
       s.groups = 2;
       add(s, sweep_or_not(), "_Sweep");
@@ -415,6 +418,14 @@ struct Mamba3Scan {
     };
     const auto scan = make_scan();
     EXPECT_EQ(scan->psiv_bytes() > 0, v.psiv_cache) << "PsiV cache of " << scan->psiv_bytes();
+    // A forced sweep runs wherever the GPU has its shared memory (the variants force it only at
+    // the fixed shapes, on the tensor cores), and a sweep forced off never does.
+    if (v.sweep == megacpp::cuda::ScanSweep::kAlways) {
+      EXPECT_EQ(scan->sweeps(),
+                device_shared_per_block() >= megacpp::cuda::scan_sweep_shared_bytes());
+    } else if (v.sweep == megacpp::cuda::ScanSweep::kNever) {
+      EXPECT_FALSE(scan->sweeps());
+    }
     megacpp::cuda::ScanDeviceInputs in{.q = t.bf16("q"),
                                        .k = t.bf16("k"),
                                        .v = t.bf16("v"),
