@@ -525,6 +525,12 @@ inline size_t split_qk_floats(const Dims& d, int split_units) {
 struct SweepLaunches {
   Launch prep, core, finish;
 };
+// The padded token count of a (batch, head) in the sweep's per-token parts (Work::sweep_scalars
+// and sweep_rotation: whole chunks), for the forward that fills them and the sweep's sizes.
+template <class D>
+__host__ __device__ inline size_t sweep_padded_tokens(const D& d) {
+  return static_cast<size_t>(d.chunks) * d.chunk;
+}
 // Floats of the sweep's workspace parts (Work's sweep fields; bf16 ones as half as many floats).
 struct SweepFloats {
   size_t gate_in = 0, d_out = 0, scalars = 0, rotation = 0;

@@ -166,13 +166,13 @@ static __device__ void keep_sweep_scalars(const D& d, const Work& w, const Chunk
   if (w.sweep_rotation == nullptr) return;
   const int C = d.chunk, A = d.angles, ld_a = angles_stride(A);
   const size_t pairs = static_cast<size_t>(d.batch) * d.heads;
-  const size_t padded = static_cast<size_t>(d.chunks) * C;
+  const size_t padded = sweep_padded_tokens(d);
   const size_t first = (static_cast<size_t>(pos.b) * d.heads + pos.h) * padded + pos.t0;
   float* cos_out = w.sweep_rotation + first * A;
   float* sin_out = cos_out + pairs * padded * A;
-  // Four pairs an item, one 16-byte store each: the sweep runs only at 16 pairs (sweep_applies),
-  // so a row in memory is a multiple of 16 bytes, 16-byte aligned (in shared memory its stride is
-  // ld_a, unaligned).
+  // Four pairs an item, one 16-byte store each: the sweep runs only at 16 rotation pairs
+  // (sweep_applies), so a row in memory is a multiple of 16 bytes, 16-byte aligned (in shared
+  // memory its stride is ld_a, unaligned).
   for (int idx = 4 * threadIdx.x; idx < C * A; idx += 4 * blockDim.x) {
     const int i = d.by_angles.div(idx), j = d.by_angles.mod(idx), at = i * ld_a + j;
     reinterpret_cast<float4*>(cos_out)[idx / 4] =

@@ -95,12 +95,8 @@ __device__ __forceinline__ float2 unpack_bf16(uint32_t pair) {
   return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pair));
 }
 
-// The padded token count of a (batch, head): chunks · C (the forward's kept scalars and rotation
-// hold whole chunks).
-__host__ __device__ inline size_t padded_tokens(const Dims& d) {
-  return static_cast<size_t>(d.chunks) * d.chunk;
-}
-// Its padded row count, chunks · C · R (the sweep's dq and dk hold whole chunks of rows).
+// A (batch, head)'s padded row count, chunks · C · R (the sweep's dq and dk hold whole chunks of
+// rows).
 __host__ __device__ inline size_t padded_rows(const Dims& d) {
   return static_cast<size_t>(d.chunks) * kC;
 }
@@ -201,7 +197,7 @@ __global__ void __launch_bounds__(kPrepThreads, 3)
           dz[e] += __shfl_xor_sync(0xffffffffu, dz[e], offset);
         }
       }
-      if (R == 1 || rank == 0) store_row(grads.z + th * kP + p, round_row<W>(dz));
+      if (rank == 0) store_row(grads.z + th * kP + p, round_row<W>(dz));
     }
     __syncthreads();  // the step's rows are read before the next step's copies land
   }
@@ -1137,7 +1133,7 @@ int sweep_partial_slots(const Dims& d) {
 }
 
 SweepFloats sweep_floats(const Dims& d) {
-  const size_t pairs = static_cast<size_t>(d.batch) * d.heads, Tp = padded_tokens(d);
+  const size_t pairs = static_cast<size_t>(d.batch) * d.heads, Tp = sweep_padded_tokens(d);
   const size_t per_row = static_cast<size_t>(d.batch) * d.seqlen * d.heads * d.rank * kP;
   SweepFloats f;
   f.gate_in = per_row / 2;
