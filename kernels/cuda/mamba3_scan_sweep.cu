@@ -235,6 +235,23 @@ __global__ void __launch_bounds__(kPrepThreads, 3)
 struct TokenPair {
   float x, y;
 };
+// l, κ and γ of the tokens of a lane's two fragment rows, row and row + 8.
+struct RowScalars {
+  float l[2], kappa[2], gamma[2];
+};
+template <int R>
+__device__ __forceinline__ RowScalars row_scalars(const float* l, const float* kappa,
+                                                  const float* gamma, int row) {
+  RowScalars out;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int token = (row + 8 * half) / R;
+    out.l[half] = l[token];
+    out.kappa[half] = kappa[token];
+    out.gamma[half] = gamma[token];
+  }
+  return out;
+}
 template <int R>
 __device__ __forceinline__ TokenPair token_pair(const float* values, int u) {
   if constexpr (R == 1) {
@@ -385,6 +402,62 @@ __device__ __forceinline__ void store_rank_column_sums(float* to, float (&sums)[
       for (int j = 0; j < 8; ++j) {
         *reinterpret_cast<float2*>(row + 8 * j) = make_float2(sums[2 * j], sums[2 * j + 1]);
       }
+    }
+  }
+}
+
+// A lane's values of its two fragment rows ([half][j][k]: row g + 8 half, column 8j + 2 c4 + k),
+// summed over each token's R rows (lanes 4 and 8 apart) and stored as bf16 to rows[half] (the
+// token's row at column 2 c4, or null past the sequence). At R = 4 by halving, as sum_rows: the
+// exchange with the lane 4 apart keeps the j its rank's bit 0 selects (j < 4 or j ≥ 4), the one
+// with the lane 8 apart the half its bit 1 selects, and each of a token's four lanes stores a
+// quarter of the row (24 shuffles, not rank_sum's 64, and a quarter of the stores a lane). The
+// sums are rank_sum's, (r0 + r1) + (r2 + r3), bit for bit.
+template <int R>
+__device__ __forceinline__ void store_token_rows(const float (&values)[2][8][2],
+                                                 bf16* const (&rows)[2], int lane) {
+  static_assert(R == 1 || R == 4);
+  if constexpr (R == 1) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      if (rows[half] == nullptr) continue;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        *reinterpret_cast<__nv_bfloat162*>(rows[half] + 8 * j) =
+            __floats2bfloat162_rn(values[half][j][0], values[half][j][1]);
+      }
+    }
+  } else {
+    const bool bit0 = (lane & 4) != 0, bit1 = (lane & 8) != 0;
+    float kept[2][4][2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          const float low = values[half][j][k], high = values[half][j + 4][k];
+          kept[half][j][k] =
+              (bit0 ? high : low) + __shfl_xor_sync(0xffffffffu, bit0 ? low : high, 4);
+        }
+      }
+    }
+    float sums[4][2];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const float low = kept[0][j][k], high = kept[1][j][k];
+        sums[j][k] = (bit1 ? high : low) + __shfl_xor_sync(0xffffffffu, bit1 ? low : high, 8);
+      }
+    }
+    bf16* row = bit1 ? rows[1] : rows[0];
+    if (row == nullptr) return;
+    row += bit0 ? 32 : 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      *reinterpret_cast<__nv_bfloat162*>(row + 8 * j) =
+          __floats2bfloat162_rn(sums[j][0], sums[j][1]);
     }
   }
 }
@@ -835,6 +908,9 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
       float s[8][4], da[8][4];
       score_tiles(s, da, q, k, d_out, v, r0, at);
       float dl_rows[2] = {0.f, 0.f}, d_gamma[2] = {0.f, 0.f};
+      // The lane's two rows' scalars, read once: read where selected, they were loads under
+      // branches.
+      const RowScalars rows_of = row_scalars<R>(l, kappa, gamma, r0 + g);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const TokenPair l_pair = token_pair<R>(l, 8 * j + 2 * c4);
@@ -846,9 +922,9 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
           const float product = da[j][e] * s[j][e];
           // Without branches (the lanes of a warp differ in u < t): every element's exponential,
           // then selects. e^{l_t − l_u} may overflow where u > t, and is then not selected.
-          const float earlier = __expf(l[t] - (e % 2 == 0 ? l_pair.x : l_pair.y)) *
+          const float earlier = __expf(rows_of.l[e / 2] - (e % 2 == 0 ? l_pair.x : l_pair.y)) *
                                 (e % 2 == 0 ? kappa_pair.x : kappa_pair.y);
-          const float weight = u < t ? earlier : u == t ? gamma[t] : 0.f;
+          const float weight = u < t ? earlier : u == t ? rows_of.gamma[e / 2] : 0.f;
           dl_rows[e / 2] = u < t ? __fmaf_rn(product, weight, dl_rows[e / 2]) : dl_rows[e / 2];
           d_gamma[e / 2] = u == t ? d_gamma[e / 2] + product : d_gamma[e / 2];
           da[j][e] *= weight;
@@ -891,6 +967,7 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
       float st[8][4], dat[8][4];
       score_tiles(st, dat, k, q, v, d_out, r0, at);
       float dl_rows[2] = {0.f, 0.f}, d_kappa[2] = {0.f, 0.f};
+      const RowScalars rows_of = row_scalars<R>(l, kappa, gamma, r0 + g);  // as the query side's
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const TokenPair l_pair = token_pair<R>(l, 8 * j + 2 * c4);
@@ -901,10 +978,15 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
           const float product = dat[j][e] * st[j][e];
           // Without branches, as the query side's (e^{l_u − l_s} may overflow where u < s).
           const bool later = u > s_row;
-          const float decay = __expf((e % 2 == 0 ? l_pair.x : l_pair.y) - l[s_row]);
-          const float weight = later ? decay * kappa[s_row] : u == s_row ? gamma[s_row] : 0.f;
-          d_kappa[e / 2] = later ? __fmaf_rn(product, decay, d_kappa[e / 2]) : d_kappa[e / 2];
-          dl_rows[e / 2] = later ? __fmaf_rn(-product, weight, dl_rows[e / 2]) : dl_rows[e / 2];
+          const float decay = __expf((e % 2 == 0 ? l_pair.x : l_pair.y) - rows_of.l[e / 2]);
+          const float weight = later        ? decay * rows_of.kappa[e / 2]
+                               : u == s_row ? rows_of.gamma[e / 2]
+                                            : 0.f;
+          // The earlier tokens' terms as products with zero (selected operands): written as
+          // selected sums, they were branches around the two multiply-adds. The sums' bits are the
+          // same (x + 0 = x, and a sum that starts at +0 is never −0).
+          d_kappa[e / 2] = __fmaf_rn(product, later ? decay : 0.f, d_kappa[e / 2]);
+          dl_rows[e / 2] = __fmaf_rn(-product, later ? weight : 0.f, dl_rows[e / 2]);
           st[j][e] *= weight;
           dat[j][e] *= weight;
         }
@@ -951,18 +1033,18 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
         }
       }
       frags_times_cols(acc, st, d_out, at);
-      // dv = Σ over the token's ranks of dL/dPsiV ⊙ mimo_x (the lanes of g % R = 0 store it), and
-      // mimo_x's terms dL/dPsiV ⊙ v summed over the warp's 16 rows by rank, left for
-      // finish_chunk to add over the key warps. A thread's two rows are of rank g % R.
+      // dv = Σ over the token's ranks of dL/dPsiV ⊙ mimo_x (store_token_rows), and mimo_x's terms
+      // dL/dPsiV ⊙ v summed over the warp's 16 rows by rank, left for finish_chunk to add over the
+      // key warps. A thread's two rows are of rank g % R.
       bf16* v_rows[2];
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int t = t0 + (r0 + g + 8 * half) / R;
-        v_rows[half] =
-            t < T && g % R == 0 ? grads.v + token_head(d, b, t, h) * kP + 2 * c4 : nullptr;
+        v_rows[half] = t < T ? grads.v + token_head(d, b, t, h) * kP + 2 * c4 : nullptr;
       }
       const float* rank_mimo_x = sm.mimo_x + g % R * kP;
       float column_sums[16];  // [j][column of the pair]: columns 8j + 2 c4 (+ 1)
+      float dv_terms[2][8][2];
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const int p = 8 * j + 2 * c4;
@@ -975,14 +1057,11 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
               __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(v_in + s_row * kLd + p));
           column_sums[2 * j] += acc[j][2 * half] * raw.x;
           column_sums[2 * j + 1] += acc[j][2 * half + 1] * raw.y;
-          const float dv0 = rank_sum<R>(acc[j][2 * half] * mimo_x.x);
-          const float dv1 = rank_sum<R>(acc[j][2 * half + 1] * mimo_x.y);
-          if (v_rows[half] != nullptr) {
-            *reinterpret_cast<__nv_bfloat162*>(v_rows[half] + 8 * j) =
-                __floats2bfloat162_rn(dv0, dv1);
-          }
+          dv_terms[half][j][0] = acc[j][2 * half] * mimo_x.x;
+          dv_terms[half][j][1] = acc[j][2 * half + 1] * mimo_x.y;
         }
       }
+      store_token_rows<R>(dv_terms, v_rows, lane);
       store_rank_column_sums<R>(sm.mimo_x_parts[slot][warp - 4], column_sums, lane);
       d_skip += quad_sum(own[0]) + quad_sum(own[1]);
     }
