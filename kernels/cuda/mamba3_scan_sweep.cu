@@ -81,13 +81,13 @@ struct CoreSmem {
   bf16 psiv[kTile];
   bf16 e_hi[kTile], e_lo[kTile], x_hi[kTile], x_lo[kTile], ds_hi[kTile], ds_lo[kTile];
   alignas(16) float mimo_x[R * kP];
-  float dl_query[2][kTokens], dl_key[2][kTokens], exit_terms[2][kC], dot_total[2];
+  float dl_query[2][kTokens], dl_key[2][kTokens], exit_terms[2][kC];
   float d_gamma[2][kTokens], d_kappa[2][kTokens];
   float d_theta[2][2][kC * kAngleLd];
   float mimo_x_parts[2][4][R * kP];
   alignas(16) float bias_parts[2][2][4][R * kN];  // [slot][q, k][the side's warp][rank, column]
   float group_parts[2 * R * kN + R * kP];         // the biases' and mimo_x's over a group of chunks
-  float dot_parts[4];
+  float dot_parts[2][4];                          // [slot][query warp]: <E_c, X>'s parts
 };
 
 // A pair of bf16 packed as pack_bf16 packs them (common.cuh), as floats.
@@ -229,6 +229,26 @@ __global__ void __launch_bounds__(kPrepThreads, 3)
 
 // ---------------------------------------------------------------------------------
 // sweep_core
+
+// Named barrier 1 of sweep_core: the query warps arrive once X's split operand (and <E_c, X>'s
+// parts) are in shared memory; the key warps wait there before their first read of it. Barrier 0
+// (__syncthreads) keeps its two places a chunk.
+//
+// compute-sanitizer's racecheck does not model bar.arrive: it reports hazards between accesses
+// that barrier 0 orders once a named barrier's producers only arrive, on a minimal kernel as on
+// this one (bench/racecheck_named_barrier.cu, session 37). Built with
+// -DMEGACPP_RACECHECK_NAMED_BARRIERS the query warps wait at barrier 1 as well (the same order,
+// slower), so racecheck can check the rest of the kernel.
+__device__ __forceinline__ void arrive_x_split() {
+#ifdef MEGACPP_RACECHECK_NAMED_BARRIERS
+  asm volatile("bar.sync 1, %0;" ::"n"(kCoreThreads) : "memory");
+#else
+  asm volatile("bar.arrive 1, %0;" ::"n"(kCoreThreads) : "memory");
+#endif
+}
+__device__ __forceinline__ void wait_x_split() {
+  asm volatile("bar.sync 1, %0;" ::"n"(kCoreThreads) : "memory");
+}
 
 // The per-token values (l or κ) of the columns u and u + 1 (u even): at R = 1 two tokens, one
 // 8-byte read; at R > 1 (even) one token.
@@ -685,6 +705,7 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
   static_assert(kA == 4 * (kQueryThreads / 32) && kAnglePart * kAngleParts == kC);
   static_assert(kAnglePart % R == 0 && kTokens <= 2 * 32 && (kTokens == 64 || kTokens <= 32));
   float later_angles = 0.f;
+  float later_l_last = 0.f;  // the query warps': l_last of chunk c + 1, for finish_chunk(c + 1)
   // The token threads' trap and dt for the chunk finish_chunk does next, loaded a chunk ahead:
   // loaded where used, their latency held warps 2 and 3 at every chunk's start.
   const bool token_thread = threadIdx.x >= kQueryThreads - kTokens && threadIdx.x < kQueryThreads;
@@ -698,7 +719,7 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
     }
   };
   if (token_thread) prefetch_token_inputs(chunks - 1);
-  const auto finish_chunk = [&](int c) {
+  const auto finish_chunk = [&](int c, float chunk_l_last) {
     const int slot = c % 2;
     const int t0 = c * kTokens, len = min(kTokens, T - t0);
     {
@@ -773,6 +794,9 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
       if (c > 0) prefetch_token_inputs(c - 1);
     }
     if (warp != 0) return;
+    // e^{l_last} <E_c, X> (the parts the query warps left at chunk c's step).
+    const float dot_total = __expf(chunk_l_last) * (sm.dot_parts[slot][0] + sm.dot_parts[slot][1] +
+                                                    sm.dot_parts[slot][2] + sm.dot_parts[slot][3]);
     const float exit_total = warp_sum(sm.exit_terms[slot][lane] + sm.exit_terms[slot][lane + 32]);
     const auto suffix_sum = [&](float value) {
 #pragma unroll
@@ -785,7 +809,7 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
     if constexpr (kTokens == 64) {
       const float first = sm.dl_query[slot][lane] + sm.dl_key[slot][lane];
       float second = sm.dl_query[slot][lane + 32] + sm.dl_key[slot][lane + 32];
-      if (lane == 31) second += exit_total + sm.dot_total[slot];
+      if (lane == 31) second += exit_total + dot_total;
       const float later = suffix_sum(second);
       const float second_total = __shfl_sync(0xffffffffu, later, 0);
       const float earlier = suffix_sum(first);
@@ -793,7 +817,7 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
       if (lane + 32 < len) w.tok_dadt[token_head(d, b, t0 + lane + 32, h)] = later;
     } else {
       float value = lane < kTokens ? sm.dl_query[slot][lane] + sm.dl_key[slot][lane] : 0.f;
-      if (lane == kTokens - 1) value += exit_total + sm.dot_total[slot];
+      if (lane == kTokens - 1) value += exit_total + dot_total;
       const float suffix = suffix_sum(value);
       if (lane < len) w.tok_dadt[token_head(d, b, t0 + lane, h)] = suffix;
     }
@@ -818,28 +842,8 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
     const float *cos_theta = sm.cos_theta[stage], *sin_theta = sm.sin_theta[stage];
     const bf16 *x_hi = sm.x_hi, *x_lo = sm.x_lo;
 
-    // The chunk's operands: X split from the query warps' registers (with <E_c, X>, X the
-    // gradient of this chunk's exit state); q and k rotated in place; E and e^{l} dO split.
-    if (query_side) {
-      float dot = 0.f;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int col = 8 * j + 2 * c4;
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int row = r0 + g + 8 * half;
-          const float x0 = x[j][2 * half], x1 = x[j][2 * half + 1];
-          const float2 e = *reinterpret_cast<const float2*>(entry + row * kEntryLd + col);
-          dot += x0 * e.x + x1 * e.y;
-          uint32_t hi, lo;
-          split_bf16(x0, x1, hi, lo);
-          *reinterpret_cast<uint32_t*>(sm.x_hi + row * kLd + col) = hi;
-          *reinterpret_cast<uint32_t*>(sm.x_lo + row * kLd + col) = lo;
-        }
-      }
-      dot = warp_sum(dot);
-      if (lane == 0) sm.dot_parts[warp] = dot;
-    }
+    // The chunk's operands: q and k rotated in place; E and e^{l} dO split (X's split, from the
+    // query warps' registers, comes after barrier 2).
     // q and k rotated in place with their biases, rounded once (padded rows stay zero): lane
     // (row = lane / 16, m = lane % 16) has columns n = 2m and 2m + 1 and their partners n + N/2
     // of rows 2 warp + row, + 16, … (token row / R)
@@ -893,17 +897,38 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
           make_uint2(pack_bf16(v01.x * mimo_x.x, v01.y * mimo_x.y),
                      pack_bf16(v23.x * mimo_x.z, v23.y * mimo_x.w));
     }
-    // Barrier 2: the operands and the dot's parts are in.
+    // Barrier 2: the operands are in.
     __syncthreads();
 
     if (query_side) {
+      // X split (X the gradient of this chunk's exit state) and <E_c, X>'s parts, handed to the key
+      // warps by named barrier 1 (they wait there before their first read of it, after their
+      // score tiles): split before barrier 2, it held the key warps there about 800 cycles a
+      // chunk (clock64, session 37). x_hi and x_lo are free: the key warps' last reads of
+      // chunk c + 1's were before barrier 1.
+      float dot = 0.f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int col = 8 * j + 2 * c4;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int row = r0 + g + 8 * half;
+          const float x0 = x[j][2 * half], x1 = x[j][2 * half + 1];
+          const float2 e = *reinterpret_cast<const float2*>(entry + row * kEntryLd + col);
+          dot += x0 * e.x + x1 * e.y;
+          uint32_t hi, lo;
+          split_bf16(x0, x1, hi, lo);
+          *reinterpret_cast<uint32_t*>(sm.x_hi + row * kLd + col) = hi;
+          *reinterpret_cast<uint32_t*>(sm.x_lo + row * kLd + col) = lo;
+        }
+      }
+      dot = warp_sum(dot);
+      if (lane == 0) sm.dot_parts[slot][warp] = dot;
+      arrive_x_split();
       // Chunk c + 1's parts are complete (barrier 1); the query warps, with the lighter share of
       // the causal work, finish them.
-      if (c + 1 < chunks) finish_chunk(c + 1);
-      if (warp == 0) {
-        sm.dot_total[slot] = __expf(l_last) * (sm.dot_parts[0] + sm.dot_parts[1] + sm.dot_parts[2] +
-                                               sm.dot_parts[3]);
-      }
+      if (c + 1 < chunks) finish_chunk(c + 1, later_l_last);
+      later_l_last = l_last;
       // S = Q̃ K̃ᵀ and dA = dO Vᵀ for the warp's 16 query rows, weighted by W; G's row sums and dγ.
       float s[8][4], da[8][4];
       score_tiles(s, da, q, k, d_out, v, r0, at);
@@ -992,6 +1017,7 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
         }
       }
       // dk̃: Xᵀ v's part first (its dot with k̃ is dl's and dκ's exit term), then the chunk's.
+      wait_x_split();
       float acc[8][4];
       float exit_term[2];
       state_product(acc, exit_term, v, x_hi, x_lo, k, r0, g, c4, at);
@@ -1068,12 +1094,13 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
   }
   __syncthreads();
   if (query_side) {
-    finish_chunk(0);
+    finish_chunk(0, later_l_last);
   } else {
     // Each quad's lanes hold the same sums: lane 0 of each quad counts them once.
     d_skip = warp_sum(c4 == 0 ? d_skip : 0.f);
-    // dot_parts (<E, X>'s per-warp parts) is free after the last chunk: it takes dD's.
-    if (lane == 0) sm.dot_parts[warp - 4] = d_skip;
+    // dot_parts' slot 1 (<E, X>'s parts of chunk 1, read by finish_chunk(1) before the last
+    // barrier 1) is free: it takes dD's.
+    if (lane == 0) sm.dot_parts[1][warp - 4] = d_skip;
   }
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -1082,7 +1109,8 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
     const size_t slots = static_cast<size_t>(d.batch) * groups;
     w.partials[(static_cast<size_t>(h) * slots + static_cast<size_t>(b) * groups + 1) *
                    d.partial_width -
-               1] = sm.dot_parts[0] + sm.dot_parts[1] + sm.dot_parts[2] + sm.dot_parts[3];
+               1] =
+        sm.dot_parts[1][0] + sm.dot_parts[1][1] + sm.dot_parts[1][2] + sm.dot_parts[1][3];
   }
 }
 
