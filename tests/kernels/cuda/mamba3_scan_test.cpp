@@ -266,6 +266,13 @@ struct Mamba3Scan {
       variants.insert(variants.end(), more.begin(), more.end());
       return variants;
     };
+    // More heads than angle_sums' dt table holds (kDtTable, 4096 heads · tokens): its dt read from
+    // memory, and more (head, pair) items than a block's threads.
+    {
+      ScanShape many_heads = sized(16, 64, 4, 8, 1, 20);
+      many_heads.heads = 4104;
+      add(many_heads, both, "_DtFromMemory");
+    }
     for (const auto& [rank, chunk] : {std::array{1, 64}, std::array{4, 16}}) {
       add(sized(64, 64, rank, chunk, 2, 1000), sweep_or_not(), "_Sweep");
       add(sized(64, 64, rank, chunk, 8, 50), sweep_or_not(), "_Sweep");
