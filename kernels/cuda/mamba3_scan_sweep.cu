@@ -230,15 +230,15 @@ __global__ void __launch_bounds__(kPrepThreads, 3)
 // ---------------------------------------------------------------------------------
 // sweep_core
 
-// Named barrier 1 of sweep_core: the query warps arrive once X's split operand (and <E_c, X>'s
-// parts) are in shared memory; the key warps wait there before their first read of it. Barrier 0
-// (__syncthreads) keeps its two places a chunk.
+// The X barrier of sweep_core (hardware barrier 1; the chunk loop's "barrier 1" and "barrier 2"
+// are __syncthreads, hardware barrier 0): the query warps arrive once X's split operand (and
+// <E_c, X>'s parts) are in shared memory; the key warps wait there before their first read of it.
 //
 // compute-sanitizer's racecheck does not model bar.arrive: it reports hazards between accesses
-// that barrier 0 orders once a named barrier's producers only arrive, on a minimal kernel as on
-// this one (bench/racecheck_named_barrier.cu, session 37). Built with
-// -DMEGACPP_RACECHECK_NAMED_BARRIERS the query warps wait at barrier 1 as well (the same order,
-// slower), so racecheck can check the rest of the kernel.
+// that a __syncthreads orders once a named barrier's producers only arrive, on a minimal kernel as
+// on this one (bench/racecheck_named_barrier.cu, session 37). Built with
+// -DMEGACPP_RACECHECK_NAMED_BARRIERS the query warps wait at the X barrier as well (the same
+// order, slower), so racecheck can check the rest of the kernel.
 __device__ __forceinline__ void arrive_x_split() {
 #ifdef MEGACPP_RACECHECK_NAMED_BARRIERS
   asm volatile("bar.sync 1, %0;" ::"n"(kCoreThreads) : "memory");
@@ -902,7 +902,7 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
 
     if (query_side) {
       // X split (X the gradient of this chunk's exit state) and <E_c, X>'s parts, handed to the key
-      // warps by named barrier 1 (they wait there before their first read of it, after their
+      // warps by the X barrier (they wait there before their first read of it, after their
       // score tiles): split before barrier 2, it held the key warps there about 800 cycles a
       // chunk (clock64, session 37). x_hi and x_lo are free: the key warps' last reads of
       // chunk c + 1's were before barrier 1.
@@ -1007,9 +1007,9 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
           const float weight = later        ? decay * rows_of.kappa[e / 2]
                                : u == s_row ? rows_of.gamma[e / 2]
                                             : 0.f;
-          // The earlier tokens' terms as products with zero (selected operands): written as
-          // selected sums, they were branches around the two multiply-adds. The sums' bits are the
-          // same (x + 0 = x, and a sum that starts at +0 is never −0).
+          // The terms of tokens u ≤ s as products with zero (selected operands): written as
+          // selected sums, they were branches around the two multiply-adds. For finite products
+          // the sums' bits are the same (x + 0 = x, and a sum that starts at +0 is never −0).
           d_kappa[e / 2] = __fmaf_rn(product, later ? decay : 0.f, d_kappa[e / 2]);
           dl_rows[e / 2] = __fmaf_rn(-product, later ? weight : 0.f, dl_rows[e / 2]);
           st[j][e] *= weight;
@@ -1098,8 +1098,8 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
   } else {
     // Each quad's lanes hold the same sums: lane 0 of each quad counts them once.
     d_skip = warp_sum(c4 == 0 ? d_skip : 0.f);
-    // dot_parts' slot 1 (<E, X>'s parts of chunk 1, read by finish_chunk(1) before the last
-    // barrier 1) is free: it takes dD's.
+    // dot_parts' slot 1 (<E, X>'s parts of chunk 1, read by finish_chunk(1) before the loop's
+    // last __syncthreads) is free: it takes dD's.
     if (lane == 0) sm.dot_parts[1][warp - 4] = d_skip;
   }
   __syncthreads();
