@@ -377,9 +377,11 @@ __device__ __forceinline__ float quad_sum(float x) {
 }
 
 // One step of sum_rows: lanes kMask apart swap halves of their values.
-template <int kWidth>
-__device__ __forceinline__ void halve(float (&sums)[16], int lane) {
-  constexpr int kMask = 2 * kWidth;
+// One halving step: the lane's bit kMask selects the upper or lower kWidth values, and each of
+// the kept ones gets the partner lane's copy (kMask apart) added; they end in sums[0, kWidth).
+template <int kWidth, int kMask = 2 * kWidth, int kCount>
+__device__ __forceinline__ void halve(float (&sums)[kCount], int lane) {
+  static_assert(2 * kWidth <= kCount);
   const bool upper = (lane & kMask) != 0;
 #pragma unroll
   for (int i = 0; i < kWidth; ++i) {
@@ -428,7 +430,7 @@ __device__ __forceinline__ void store_rank_column_sums(float* to, float (&sums)[
 
 // A lane's values of its two fragment rows ([half][j][k]: row g + 8 half, column 8j + 2 c4 + k),
 // summed over each token's R rows (lanes 4 and 8 apart) and stored as bf16 to rows[half] (the
-// token's row at column 2 c4, or null past the sequence). At R = 4 by halving, as sum_rows: the
+// token's row at column 2 c4, or null past the sequence). At R = 4 by sum_rows' halve steps: the
 // exchange with the lane 4 apart keeps the j its rank's bit 0 selects (j < 4 or j ≥ 4), the one
 // with the lane 8 apart the half its bit 1 selects, and each of a token's four lanes stores a
 // quarter of the row (24 shuffles, not rank_sum's 64, and a quarter of the stores a lane). The
@@ -448,36 +450,27 @@ __device__ __forceinline__ void store_token_rows(const float (&values)[2][8][2],
       }
     }
   } else {
-    const bool bit0 = (lane & 4) != 0, bit1 = (lane & 8) != 0;
-    float kept[2][4][2];
+    // [j ≥ 4][half][j % 4][k], so that each step keeps a leading half.
+    float sums[32];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
+      for (int j = 0; j < 8; ++j) {
 #pragma unroll
-        for (int k = 0; k < 2; ++k) {
-          const float low = values[half][j][k], high = values[half][j + 4][k];
-          kept[half][j][k] =
-              (bit0 ? high : low) + __shfl_xor_sync(0xffffffffu, bit0 ? low : high, 4);
-        }
+        for (int k = 0; k < 2; ++k)
+          sums[(j / 4) * 16 + half * 8 + (j % 4) * 2 + k] = values[half][j][k];
       }
     }
-    float sums[4][2];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-#pragma unroll
-      for (int k = 0; k < 2; ++k) {
-        const float low = kept[0][j][k], high = kept[1][j][k];
-        sums[j][k] = (bit1 ? high : low) + __shfl_xor_sync(0xffffffffu, bit1 ? low : high, 8);
-      }
-    }
+    halve<16, 4>(sums, lane);
+    halve<8, 8>(sums, lane);
+    const bool bit0 = (lane & 4) != 0, bit1 = (lane & 8) != 0;
     bf16* row = bit1 ? rows[1] : rows[0];
     if (row == nullptr) return;
     row += bit0 ? 32 : 0;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       *reinterpret_cast<__nv_bfloat162*>(row + 8 * j) =
-          __floats2bfloat162_rn(sums[j][0], sums[j][1]);
+          __floats2bfloat162_rn(sums[2 * j], sums[2 * j + 1]);
     }
   }
 }
