@@ -1281,27 +1281,47 @@ struct RotatedLoader {
     }
     return pair;
   }
-  __device__ __forceinline__ void store(int idx, const Loaded& pair) const {
-    const int half = d.state / 2, A = d.angles, ld_a = angles_stride(A);
+  // cos θ and sin θ of an item's W pairs, read once for q and k (load_rotated_qk); `on` false
+  // where a column has no pair (n ≥ A) or the token is padded.
+  struct Rotation {
+    float cs[W], sn[W];
+    bool on[W];
+  };
+  __device__ __forceinline__ Rotation rotation(int idx) const {
+    const int A = d.angles, ld_a = angles_stride(A);
     const auto [row, n0] = at(idx);
     const int i = d.by_rank.div(row);
+    Rotation rot;
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+      const int n = n0 + w;
+      rot.on[w] = n < A && i < pos.len;
+      rot.cs[w] = rot.on[w] ? cosv[i * ld_a + n] : 1.f;
+      rot.sn[w] = rot.on[w] ? sinv[i * ld_a + n] : 0.f;
+    }
+    return rot;
+  }
+  __device__ __forceinline__ void store(int idx, const Loaded& pair, const Rotation& rot) const {
+    const int half = d.state / 2;
+    const auto [row, n0] = at(idx);
     // Padded tokens loaded zeros, so they store zeros.
     float first[W], second[W];
 #pragma unroll
     for (int w = 0; w < W; ++w) {
-      const int n = n0 + w;
       const float a = pair.a.at(w) + pair.a_bias.at(w);
       const float b = pair.b.at(w) + pair.b_bias.at(w);
       first[w] = a;
       second[w] = b;
-      if (n < A && i < pos.len) {
-        const float cs = cosv[i * ld_a + n], sn = sinv[i * ld_a + n];
-        first[w] = a * cs - b * sn;
-        second[w] = a * sn + b * cs;
+      if (rot.on[w]) {
+        first[w] = a * rot.cs[w] - b * rot.sn[w];
+        second[w] = a * rot.sn[w] + b * rot.cs[w];
       }
     }
     store_row(dst + row * ld + n0, round_row<W>(first));
     store_row(dst + row * ld + n0 + half, round_row<W>(second));
+  }
+  __device__ __forceinline__ void store(int idx, const Loaded& pair) const {
+    store(idx, pair, rotation(idx));
   }
 };
 
@@ -1312,14 +1332,28 @@ static __device__ void load_rotated(const D& d, const bf16* src, const bf16* bia
   load_alone(RotatedLoader<D>::items(d), RotatedLoader<D>(d, pos, src, bias, cosv, sinv, dst, ld));
 }
 
-// q and k together: one memory latency for both.
+// q and k together: one memory latency for both, and one read of the rotation.
 template <class D>
 static __device__ void load_rotated_qk(const D& d, const DevInputs& in, const ChunkPos& pos,
                                        const float* cosv, const float* sinv, bf16* q_dst,
                                        bf16* k_dst, int ld) {
-  load_together(RotatedLoader<D>::items(d),
-                RotatedLoader<D>(d, pos, in.q, in.q_bias, cosv, sinv, q_dst, ld),
-                RotatedLoader<D>(d, pos, in.k, in.k_bias, cosv, sinv, k_dst, ld));
+  using Loader = RotatedLoader<D>;
+  const Loader q(d, pos, in.q, in.q_bias, cosv, sinv, q_dst, ld);
+  const Loader k(d, pos, in.k, in.k_bias, cosv, sinv, k_dst, ld);
+  struct Both {
+    typename Loader::Loaded q, k;
+  };
+  // load_together's pass, with each item's cos θ and sin θ read once for both.
+  for_each_batched<Loader::kBatch>(
+      Loader::items(d),
+      [&](int idx) {
+        return Both{q.load(idx), k.load(idx)};
+      },
+      [&](int idx, const Both& both) {
+        const typename Loader::Rotation rot = q.rotation(idx);
+        q.store(idx, both.q, rot);
+        k.store(idx, both.k, rot);
+      });
 }
 
 // v = x ⊙ mimo_x (PsiV) of head pos.h, rows (i, r), bf16: from the cache when
@@ -1344,6 +1378,11 @@ struct PsivLoader {
   float* mimo_x_copy = nullptr;
   bf16* v_copy = nullptr;          // the chunk's v, [C][P] (computing PsiV only)
   const bf16* staged_v = nullptr;  // the chunk's v already in shared memory, [C][P]
+  // chunk_forward's exit-scaled PsiV as hi + lo pairs, rows of ld (PsiV times a token's exit
+  // scale, from the PsiV just rounded: the bits of a pass over PsiV in shared memory).
+  bf16* scaled_hi = nullptr;
+  bf16* scaled_lo = nullptr;
+  const float* exit_scale = nullptr;  // [C]
 
   static __device__ __forceinline__ int items(const D& d) { return d.rows * d.headdim / W; }
   __device__ __forceinline__ Loaded load(int idx) const {
@@ -1382,6 +1421,18 @@ struct PsivLoader {
       }
     }
     store_row(dst + row * ld + p, value);
+    if (scaled_hi != nullptr) {
+      const float scale = exit_scale[i];
+      float hi[W], lo[W];
+#pragma unroll
+      for (int w = 0; w < W; ++w) {
+        const float x = value.at(w) * scale;
+        hi[w] = to_f(__float2bfloat16(x));
+        lo[w] = x - hi[w];
+      }
+      store_row(scaled_hi + row * ld + p, round_row<W>(hi));
+      store_row(scaled_lo + row * ld + p, round_row<W>(lo));
+    }
     if (mimo_x_copy != nullptr && i == 0) {
       float mimo_x[W];
 #pragma unroll

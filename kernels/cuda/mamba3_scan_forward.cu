@@ -150,7 +150,7 @@ static __device__ __forceinline__ void write_gated_output(const D& d, const DevI
 #pragma unroll
       for (int w = 0; w < W; ++w) {
         const float gate = z.at(w) * mimo_z.at(w);
-        sum[w] += o_r[w] * gate * sigmoidf(gate) * mimo_o.at(w);
+        sum[w] += o_r[w] * (gate * sigmoidf(gate) * mimo_o.at(w));
       }
     }
     store_row(y + th * P + p, round_row<W>(sum));
@@ -293,7 +293,15 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
   load_scalars(d, in, w, pos, sc, cosv, sinv);
   keep_sweep_scalars(d, w, pos, sc, cosv, sinv);
   load_rotated_qk(d, in, pos, cosv, sinv, q_rot, k_rot, ld_qk);
-  load_psiv(d, in, pos, w.psiv, false, write_psiv, psiv, ld_pv);
+  {
+    // PsiV, and its exit-scaled copy as hi + lo pairs beside it (PsiV and the weighted scores stay
+    // whole for o's intra-chunk tiles).
+    PsivLoader<D> loader{d, in, pos, w.psiv, false, write_psiv, psiv, ld_pv};
+    loader.scaled_hi = psiv_hi;
+    loader.scaled_lo = psiv_lo;
+    loader.exit_scale = sc + kExitScale * C;
+    load_alone(PsivLoader<D>::items(d), loader);
+  }
   // At R = 1 each score takes its own weight, made in the product's epilogue (the same expression
   // as fill_weights', so the same bits); at R > 1 a token pair's weight serves R² scores, so the
   // table is made once.
@@ -306,31 +314,13 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
                                             : weights[d.by_rank.div(i) * ld_w + d.by_rank.div(j)];
         weighted[i * ld_sw + j] = __float2bfloat16(value * weight);
       });
-  // The exit-scaled PsiV as hi + lo pairs beside PsiV (no barrier: the scores' product reads
-  // neither). kColumnsPerItem elements of a row a thread: 16-byte shared rows of bf16 at the fixed
-  // shapes.
-  constexpr int W = kColumnsPerItem<D>;
-  for (int idx = threadIdx.x; idx < M * P / W; idx += blockDim.x) {
-    const auto [row, p] = headdim_item<W>(d, idx);
-    const int at = row * ld_pv + p;
-    const float scale = sc[kExitScale * C + d.by_rank.div(row)];
-    const Bf16Row<W> v = load_row<W>(psiv + at);
-    float hi[W], lo[W];
-#pragma unroll
-    for (int w = 0; w < W; ++w) {
-      const float x = v.at(w) * scale;
-      hi[w] = to_f(__float2bfloat16(x));
-      lo[w] = x - hi[w];
-    }
-    store_row(psiv_hi + at, round_row<W>(hi));
-    store_row(psiv_lo + at, round_row<W>(lo));
-  }
   __syncthreads();
   // o's intra-chunk tile Sw PsiV, one a warp, made before the wait and kept in registers through
   // it.
   static_assert((D::rows / 16) * (D::headdim / 16) == kOutputThreads / 32);
   const int lane = static_cast<int>(threadIdx.x % 32), tile = static_cast<int>(threadIdx.x / 32);
   const int tile_i0 = (tile / (D::headdim / 16)) * 16, tile_j0 = (tile % (D::headdim / 16)) * 16;
+  const int g = lane / 4, t = lane % 4;  // the fragment's row in 8, column pair in 4
   float intra_tile[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
   accumulate_tile(
       SmemOperands<false, true, false, false>{weighted, nullptr, ld_sw, psiv, nullptr, ld_pv, M},
@@ -338,6 +328,50 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
   smem_mma_split<true, true, true, false>(
       P, N, M, psiv_hi, psiv_lo, ld_pv, k_rot, nullptr, ld_qk,
       [&](int p, int n, float value) { exit_part[p * kExitStride + n] = value; });
+  // Before the wait too, what of o and y does not read the state: D PsiV added to the intra-chunk
+  // tile (the same expression as chunk_output's), and y's gating factors
+  // silu(z ⊙ mimo_z_r) ⊙ mimo_o_r of the fragment's elements (y's terms multiply o by them, as
+  // chunk_output's do). Both of a thread's rows, g and g + 8 of its tile, are one rank (R divides
+  // 8 at the fixed shapes), so its columns of mimo_z and mimo_o are loaded once.
+  static_assert(8 % D::rank == 0);
+  const int rank = d.by_rank.mod(tile_i0 + g);
+  float gating[2][4];  // as the tile's fragments: [half][2 · upper + column]
+  {
+    const float skip = to_f(in.d[pos.h]);
+    const size_t wr = (static_cast<size_t>(pos.h) * R + rank) * P + tile_j0 + 2 * t;
+    float2 mimo_z[2], mimo_o[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      mimo_z[half] =
+          __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(in.mimo_z + wr + half * 8));
+      mimo_o[half] =
+          __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(in.mimo_o + wr + half * 8));
+    }
+#pragma unroll
+    for (int upper = 0; upper < 2; ++upper) {
+      const int row = tile_i0 + g + 8 * upper, token = d.by_rank.div(row);
+      const bool valid = token < pos.len;
+      const bf16* z_row =
+          in.z + zv_row(d, in, pos.b, pos.t0 + (valid ? token : 0), pos.h) + tile_j0 + 2 * t;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(
+            psiv + row * ld_pv + tile_j0 + half * 8 + 2 * t));
+        const float2 z =
+            valid ? __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(z_row + half * 8))
+                  : make_float2(0.f, 0.f);
+        const float vs[2] = {v.x, v.y}, zs[2] = {z.x, z.y};
+        const float mzs[2] = {mimo_z[half].x, mimo_z[half].y};
+        const float mos[2] = {mimo_o[half].x, mimo_o[half].y};
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          intra_tile[half][2 * upper + c] = intra_tile[half][2 * upper + c] + skip * vs[c];
+          const float gate = zs[c] * mzs[c];
+          gating[half][2 * upper + c] = gate * sigmoidf(gate) * mos[c];
+        }
+      }
+    }
+  }
   // E_c from chunk c − 1's block (chunk 0 starts from zero).
   const size_t pair = static_cast<size_t>(pos.b) * d.heads + pos.h;
   const size_t matrix = static_cast<size_t>(P) * N;
@@ -374,52 +408,32 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
   }
   __syncthreads();
   // o = e^{l} Q E_cᵀ + Sw PsiV + D PsiV made whole in registers, a tile a warp: its entry tile now,
-  // its intra-chunk tile made before the wait (rounded and summed as chunk_output rounds and sums
-  // them), and y's terms
-  // o_r ⊙ silu(z ⊙ mimo_z_r) ⊙ mimo_o_r summed over a token's ranks, rows g ^ 1 … of the tile
-  // (R divides 8 at the fixed shapes): o is never stored.
-  static_assert(8 % D::rank == 0);
-  const float skip = to_f(in.d[pos.h]);
-  const auto finish_tile = [&](const float(&from_entry)[2][4], const float(&intra)[2][4], int i0,
-                               int j0, int g, int t) {
+  // its intra-chunk part made before the wait (rounded and summed as chunk_output rounds and sums
+  // them), and y's terms o_r ⊙ (silu(z ⊙ mimo_z_r) ⊙ mimo_o_r) summed over a token's ranks, rows
+  // g ^ 1 … of the tile: o is never stored.
+  const auto finish_tile = [&](const float(&from_entry)[2][4]) {
 #pragma unroll
     for (int upper = 0; upper < 2; ++upper) {
-      const int row = i0 + g + 8 * upper;
-      const int token = d.by_rank.div(row), rank = d.by_rank.mod(row);
+      const int row = tile_i0 + g + 8 * upper, token = d.by_rank.div(row);
       const bool valid = token < pos.len;
       const float entry_decay = sc[kEntryDecay * C + token];
       const size_t th = token_head(d, pos.b, pos.t0 + (valid ? token : 0), pos.h);
-      const size_t wr = (static_cast<size_t>(pos.h) * R + rank) * P;
       float terms[2][2], outs[2][2];  // [half][column]
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int p = j0 + half * 8 + 2 * t;
-        const float2 v =
-            __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(psiv + row * ld_pv + p));
-        const float2 z = valid ? __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(
-                                     in.z + zv_row(d, in, pos.b, pos.t0 + token, pos.h) + p))
-                               : make_float2(0.f, 0.f);
-        const float2 mimo_z =
-            __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(in.mimo_z + wr + p));
-        const float2 mimo_o =
-            __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(in.mimo_o + wr + p));
-        const float vs[2] = {v.x, v.y}, zs[2] = {z.x, z.y};
-        const float mzs[2] = {mimo_z.x, mimo_z.y}, mos[2] = {mimo_o.x, mimo_o.y};
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
           // The product rounded, then the sum: no fused multiply-add that chunk_output lacks.
-          const float intra_part = intra[half][2 * upper + c] + skip * vs[c];
-          const float out =
-              __fadd_rn(intra_part, __fmul_rn(from_entry[half][2 * upper + c], entry_decay));
-          const float gate = zs[c] * mzs[c];
-          terms[half][c] = out * gate * sigmoidf(gate) * mos[c];
+          const float out = __fadd_rn(intra_tile[half][2 * upper + c],
+                                      __fmul_rn(from_entry[half][2 * upper + c], entry_decay));
+          terms[half][c] = out * gating[half][2 * upper + c];
           outs[half][c] = out;
         }
       }
       if (valid && w.gate_in != nullptr) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          *reinterpret_cast<__nv_bfloat162*>(w.gate_in + (th * R + rank) * P + j0 + half * 8 +
+          *reinterpret_cast<__nv_bfloat162*>(w.gate_in + (th * R + rank) * P + tile_j0 + half * 8 +
                                              2 * t) =
               __floats2bfloat162_rn(outs[half][0], outs[half][1]);
         }
@@ -428,7 +442,7 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
       if (valid && rank == 0) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          *reinterpret_cast<__nv_bfloat162*>(y + th * P + j0 + half * 8 + 2 * t) =
+          *reinterpret_cast<__nv_bfloat162*>(y + th * P + tile_j0 + half * 8 + 2 * t) =
               __floats2bfloat162_rn(terms[half][0], terms[half][1]);
         }
       }
@@ -438,7 +452,7 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
   accumulate_tile(SmemOperands<false, false, false, true>{q_rot, nullptr, ld_qk, entry_hi, entry_lo,
                                                           ld_split, N},
                   tile_i0, tile_j0, lane, entry_tile);
-  finish_tile(entry_tile, intra_tile, tile_i0, tile_j0, lane / 4, lane % 4);
+  finish_tile(entry_tile);
 }
 
 }  // namespace
