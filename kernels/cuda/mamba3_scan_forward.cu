@@ -308,19 +308,39 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
   constexpr bool kWeightsInline = D::rank == 1;
   if constexpr (!kWeightsInline) fill_weights(d, sc, weights);
   __syncthreads();
-  bf16_gemm<true, false, false>(
-      M, M, N, q_rot, ld_qk, k_rot, ld_qk, [&](int i, int j, float value) {
-        const float weight = kWeightsInline ? token_weight(d, sc, i, j)
-                                            : weights[d.by_rank.div(i) * ld_w + d.by_rank.div(j)];
-        weighted[i * ld_sw + j] = __float2bfloat16(value * weight);
-      });
-  __syncthreads();
-  // o's intra-chunk tile Sw PsiV, one a warp, made before the wait and kept in registers through
-  // it.
-  static_assert((D::rows / 16) * (D::headdim / 16) == kOutputThreads / 32);
+  // A tile a warp of every product below (the tiles smem_mma gives each warp: one, at these
+  // shapes), lane's fragment rows g and g + 8, column pairs 2t.
+  static_assert((D::rows / 16) * (D::headdim / 16) == kOutputThreads / 32 && D::rows == D::headdim);
   const int lane = static_cast<int>(threadIdx.x % 32), tile = static_cast<int>(threadIdx.x / 32);
   const int tile_i0 = (tile / (D::headdim / 16)) * 16, tile_j0 = (tile % (D::headdim / 16)) * 16;
-  const int g = lane / 4, t = lane % 4;  // the fragment's row in 8, column pair in 4
+  const int g = lane / 4, t = lane % 4;
+  {
+    // The scores Q Kᵀ ⊙ W, rounded to bf16 a column pair at a time (smem_mma's tile, the same
+    // bits). At R > 1 (even) a pair's two columns are one token: one weight for both.
+    float scores[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    accumulate_tile(
+        SmemOperands<false, false, false, false>{q_rot, nullptr, ld_qk, k_rot, nullptr, ld_qk, N},
+        tile_i0, tile_j0, lane, scores);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+#pragma unroll
+      for (int upper = 0; upper < 2; ++upper) {
+        const int i = tile_i0 + g + 8 * upper, j = tile_j0 + half * 8 + 2 * t;
+        float weight0, weight1;
+        if constexpr (kWeightsInline) {
+          weight0 = token_weight(d, sc, i, j);
+          weight1 = token_weight(d, sc, i, j + 1);
+        } else {
+          static_assert(D::rank % 2 == 0);
+          weight0 = weight1 = weights[d.by_rank.div(i) * ld_w + d.by_rank.div(j)];
+        }
+        *reinterpret_cast<__nv_bfloat162*>(weighted + i * ld_sw + j) = __floats2bfloat162_rn(
+            scores[half][2 * upper] * weight0, scores[half][2 * upper + 1] * weight1);
+      }
+    }
+  }
+  __syncthreads();
+  // o's intra-chunk tile Sw PsiV, made before the wait and kept in registers through it.
   float intra_tile[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
   accumulate_tile(
       SmemOperands<false, true, false, false>{weighted, nullptr, ld_sw, psiv, nullptr, ld_pv, M},
@@ -412,13 +432,16 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
   // them), and y's terms o_r ⊙ (silu(z ⊙ mimo_z_r) ⊙ mimo_o_r) summed over a token's ranks, rows
   // g ^ 1 … of the tile: o is never stored.
   const auto finish_tile = [&](const float(&from_entry)[2][4]) {
+    float terms[8];  // y's terms of the lane's fragment: [upper][half][column]
+    bool valid[2];
+    size_t th[2];
 #pragma unroll
     for (int upper = 0; upper < 2; ++upper) {
       const int row = tile_i0 + g + 8 * upper, token = d.by_rank.div(row);
-      const bool valid = token < pos.len;
+      valid[upper] = token < pos.len;
       const float entry_decay = sc[kEntryDecay * C + token];
-      const size_t th = token_head(d, pos.b, pos.t0 + (valid ? token : 0), pos.h);
-      float terms[2][2], outs[2][2];  // [half][column]
+      th[upper] = token_head(d, pos.b, pos.t0 + (valid[upper] ? token : 0), pos.h);
+      float outs[2][2];  // [half][column]
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
 #pragma unroll
@@ -426,24 +449,43 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
           // The product rounded, then the sum: no fused multiply-add that chunk_output lacks.
           const float out = __fadd_rn(intra_tile[half][2 * upper + c],
                                       __fmul_rn(from_entry[half][2 * upper + c], entry_decay));
-          terms[half][c] = out * gating[half][2 * upper + c];
+          terms[4 * upper + 2 * half + c] = out * gating[half][2 * upper + c];
           outs[half][c] = out;
         }
       }
-      if (valid && w.gate_in != nullptr) {
+      if (valid[upper] && w.gate_in != nullptr) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          *reinterpret_cast<__nv_bfloat162*>(w.gate_in + (th * R + rank) * P + tile_j0 + half * 8 +
-                                             2 * t) =
+          *reinterpret_cast<__nv_bfloat162*>(w.gate_in + (th[upper] * R + rank) * P + tile_j0 +
+                                             half * 8 + 2 * t) =
               __floats2bfloat162_rn(outs[half][0], outs[half][1]);
         }
       }
-      sum_over_token_ranks(terms, R);
-      if (valid && rank == 0) {
+    }
+    if constexpr (D::rank == 4) {
+      // A token's four rank rows are lanes 4 apart (g ^ 1, g ^ 2): two halving steps leave each of
+      // them a column pair's whole sums (sum_over_token_ranks' bits: (r0 + r1) + (r2 + r3)), upper
+      // by its bit 4 and half by its bit 8, and each stores its pair.
+      halve<4, 4>(terms, lane);
+      halve<2, 8>(terms, lane);
+      const int upper = (lane >> 2) & 1, half = (lane >> 3) & 1;
+      if (upper == 0 ? valid[0] : valid[1]) {
+        *reinterpret_cast<__nv_bfloat162*>(y + (upper == 0 ? th[0] : th[1]) * P + tile_j0 +
+                                           half * 8 + 2 * t) =
+            __floats2bfloat162_rn(terms[0], terms[1]);
+      }
+    } else {
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          *reinterpret_cast<__nv_bfloat162*>(y + th * P + tile_j0 + half * 8 + 2 * t) =
-              __floats2bfloat162_rn(terms[half][0], terms[half][1]);
+      for (int upper = 0; upper < 2; ++upper) {
+        float sums[2][2] = {{terms[4 * upper], terms[4 * upper + 1]},
+                            {terms[4 * upper + 2], terms[4 * upper + 3]}};
+        sum_over_token_ranks(sums, R);
+        if (valid[upper] && rank == 0) {
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            *reinterpret_cast<__nv_bfloat162*>(y + th[upper] * P + tile_j0 + half * 8 + 2 * t) =
+                __floats2bfloat162_rn(sums[half][0], sums[half][1]);
+          }
         }
       }
     }

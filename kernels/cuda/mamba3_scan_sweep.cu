@@ -376,19 +376,6 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x;
 }
 
-// One step of sum_rows: lanes kMask apart swap halves of their values.
-// One halving step: the lane's bit kMask selects the upper or lower kWidth values, and each of
-// the kept ones gets the partner lane's copy (kMask apart) added; they end in sums[0, kWidth).
-template <int kWidth, int kMask = 2 * kWidth, int kCount>
-__device__ __forceinline__ void halve(float (&sums)[kCount], int lane) {
-  static_assert(2 * kWidth <= kCount);
-  const bool upper = (lane & kMask) != 0;
-#pragma unroll
-  for (int i = 0; i < kWidth; ++i) {
-    const float low = sums[i], high = sums[i + kWidth];
-    sums[i] = (upper ? high : low) + __shfl_xor_sync(0xffffffffu, upper ? low : high, kMask);
-  }
-}
 // The sums over a warp's 16 rows, from each thread's over its own two (sums[2j + k]: column
 // 8j + 2 c4 + k), by halving: each exchange keeps the half of the values its lane's bit selects
 // and adds the partner's copy of them, so after three steps lane (g, c4) holds the whole sums of
