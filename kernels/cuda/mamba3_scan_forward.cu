@@ -292,15 +292,34 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
   const int ld_split = plan.ld_split;
   load_scalars(d, in, w, pos, sc, cosv, sinv);
   keep_sweep_scalars(d, w, pos, sc, cosv, sinv);
-  load_rotated_qk(d, in, pos, cosv, sinv, q_rot, k_rot, ld_qk);
   {
-    // PsiV, and its exit-scaled copy as hi + lo pairs beside it (PsiV and the weighted scores stay
-    // whole for o's intra-chunk tiles).
-    PsivLoader<D> loader{d, in, pos, w.psiv, false, write_psiv, psiv, ld_pv};
-    loader.scaled_hi = psiv_hi;
-    loader.scaled_lo = psiv_lo;
-    loader.exit_scale = sc + kExitScale * C;
-    load_alone(PsivLoader<D>::items(d), loader);
+    // q and k rotated (load_rotated_qk's), and PsiV with its exit-scaled copy as hi + lo pairs
+    // beside it (PsiV and the weighted scores stay whole for o's intra-chunk tiles), in one pass:
+    // at N = P the loaders' items are one index space, so the three tensors' loads are all issued
+    // before the first is used (one memory latency, not two).
+    using Rotated = RotatedLoader<D>;
+    static_assert(D::state == D::headdim && Rotated::W * 2 == PsivLoader<D>::W);
+    const Rotated q(d, pos, in.q, in.q_bias, cosv, sinv, q_rot, ld_qk);
+    const Rotated k(d, pos, in.k, in.k_bias, cosv, sinv, k_rot, ld_qk);
+    PsivLoader<D> v{d, in, pos, w.psiv, false, write_psiv, psiv, ld_pv};
+    v.scaled_hi = psiv_hi;
+    v.scaled_lo = psiv_lo;
+    v.exit_scale = sc + kExitScale * C;
+    struct Loaded {
+      typename Rotated::Loaded q, k;
+      typename PsivLoader<D>::Loaded v;
+    };
+    for_each_batched<Rotated::kBatch>(
+        Rotated::items(d),
+        [&](int idx) {
+          return Loaded{q.load(idx), k.load(idx), v.load(idx)};
+        },
+        [&](int idx, const Loaded& loaded) {
+          const typename Rotated::Rotation rot = q.rotation(idx);
+          q.store(idx, loaded.q, rot);
+          k.store(idx, loaded.k, rot);
+          v.store(idx, loaded.v);
+        });
   }
   // At R = 1 each score takes its own weight, made in the product's epilogue (the same expression
   // as fill_weights', so the same bits); at R > 1 a token pair's weight serves R² scores, so the
@@ -340,6 +359,32 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
     }
   }
   __syncthreads();
+  // y's gating inputs of the lane's fragment elements, loaded here so that their latency passes
+  // under the two products below. Both of a thread's rows, g and g + 8 of its tile, are one rank
+  // (R divides 8 at the fixed shapes), so its columns of mimo_z and mimo_o are loaded once.
+  static_assert(8 % D::rank == 0);
+  const int rank = d.by_rank.mod(tile_i0 + g);
+  __nv_bfloat162 z_pairs[2][2], mimo_z[2], mimo_o[2];  // z: [upper][half]
+  {
+    const size_t wr = (static_cast<size_t>(pos.h) * R + rank) * P + tile_j0 + 2 * t;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      mimo_z[half] = *reinterpret_cast<const __nv_bfloat162*>(in.mimo_z + wr + half * 8);
+      mimo_o[half] = *reinterpret_cast<const __nv_bfloat162*>(in.mimo_o + wr + half * 8);
+    }
+#pragma unroll
+    for (int upper = 0; upper < 2; ++upper) {
+      const int token = d.by_rank.div(tile_i0 + g + 8 * upper);
+      const bool valid = token < pos.len;
+      const bf16* z_row =
+          in.z + zv_row(d, in, pos.b, pos.t0 + (valid ? token : 0), pos.h) + tile_j0 + 2 * t;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        z_pairs[upper][half] = valid ? *reinterpret_cast<const __nv_bfloat162*>(z_row + half * 8)
+                                     : __floats2bfloat162_rn(0.f, 0.f);
+      }
+    }
+  }
   // o's intra-chunk tile Sw PsiV, made before the wait and kept in registers through it.
   float intra_tile[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
   accumulate_tile(
@@ -351,38 +396,21 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
   // Before the wait too, what of o and y does not read the state: D PsiV added to the intra-chunk
   // tile (the same expression as chunk_output's), and y's gating factors
   // silu(z ⊙ mimo_z_r) ⊙ mimo_o_r of the fragment's elements (y's terms multiply o by them, as
-  // chunk_output's do). Both of a thread's rows, g and g + 8 of its tile, are one rank (R divides
-  // 8 at the fixed shapes), so its columns of mimo_z and mimo_o are loaded once.
-  static_assert(8 % D::rank == 0);
-  const int rank = d.by_rank.mod(tile_i0 + g);
+  // chunk_output's do).
   float gating[2][4];  // as the tile's fragments: [half][2 · upper + column]
   {
     const float skip = to_f(in.d[pos.h]);
-    const size_t wr = (static_cast<size_t>(pos.h) * R + rank) * P + tile_j0 + 2 * t;
-    float2 mimo_z[2], mimo_o[2];
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      mimo_z[half] =
-          __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(in.mimo_z + wr + half * 8));
-      mimo_o[half] =
-          __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(in.mimo_o + wr + half * 8));
-    }
 #pragma unroll
     for (int upper = 0; upper < 2; ++upper) {
-      const int row = tile_i0 + g + 8 * upper, token = d.by_rank.div(row);
-      const bool valid = token < pos.len;
-      const bf16* z_row =
-          in.z + zv_row(d, in, pos.b, pos.t0 + (valid ? token : 0), pos.h) + tile_j0 + 2 * t;
+      const int row = tile_i0 + g + 8 * upper;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(
             psiv + row * ld_pv + tile_j0 + half * 8 + 2 * t));
-        const float2 z =
-            valid ? __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(z_row + half * 8))
-                  : make_float2(0.f, 0.f);
+        const float2 z = __bfloat1622float2(z_pairs[upper][half]);
+        const float2 mz = __bfloat1622float2(mimo_z[half]), mo = __bfloat1622float2(mimo_o[half]);
         const float vs[2] = {v.x, v.y}, zs[2] = {z.x, z.y};
-        const float mzs[2] = {mimo_z[half].x, mimo_z[half].y};
-        const float mos[2] = {mimo_o[half].x, mimo_o[half].y};
+        const float mzs[2] = {mz.x, mz.y}, mos[2] = {mo.x, mo.y};
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
           intra_tile[half][2 * upper + c] = intra_tile[half][2 * upper + c] + skip * vs[c];
