@@ -93,11 +93,12 @@ struct KernelAttributes {
 // At the shapes compiled with fixed dimensions (state 64, headdim 64, and rank 4 at chunk 16 or
 // rank 1 at chunk 64) the scan can walk the chunk-entry states in chains: chunk_forward, and
 // chunk_dstate with the reverse state pass, whose blocks each wait for their (batch, head) pair's
-// previous chunk. A chain's links (a flag, a state through L2, a fence) follow one another, so
-// with few pairs the separate passes (chunk_state, state_pass, chunk_output; chunk_dstate, then
-// state_pass_backward) are faster. kWherePaying picks by the pair count at the crossovers measured
-// on an H200 (bench/RESULTS.md, sessions 22 and 27); kAlways and kNever force one way, for the
-// benchmark's comparison and the test that both give the same bits. Other shapes have no chains.
+// previous chunk. A chain's links (a state through L2, a release of the flag, its acquire) follow
+// one another, so with few pairs the separate passes (chunk_state, state_pass, chunk_output;
+// chunk_dstate, then state_pass_backward) are faster. kWherePaying picks by the pair count at the
+// crossovers measured on an H200 (bench/RESULTS.md, sessions 22 and 27); kAlways and kNever force
+// one way, for the benchmark's comparison and the test that both give the same bits. Other shapes
+// have no chains.
 enum class ScanChains { kWherePaying, kAlways, kNever };
 
 // chunk_backward runs a block per (batch, group, chunk) that walks the group's heads one after

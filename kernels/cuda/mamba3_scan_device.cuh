@@ -972,9 +972,9 @@ static __device__ __forceinline__ void wait_ready(const int* flag, bool wait) {
   __syncthreads();
 }
 
-// Every thread's stores before the call made visible device-wide, then (when `publish`) `flag` set.
-// A barrier for the whole block either way. The block's stores are ordered before thread 0's by
-// the barrier, and its release store (sm_70 and later) orders them all before the flag at device
+// A barrier for the whole block; when `publish`, then every thread's stores before the call made
+// visible device-wide and `flag` set. The block's stores are ordered before thread 0's by the
+// barrier, and its release store (sm_70 and later) orders them all before the flag at device
 // scope (a release is cumulative: the pattern of CUTLASS's semaphore and of cooperative groups'
 // grid barrier). A fence in every thread before the barrier was 5% of chunk_forward's stall
 // samples at MIMO (membar, ncu source counters, session 38).
@@ -1305,8 +1305,8 @@ struct RotatedLoader {
     }
     return pair;
   }
-  // cos θ and sin θ of an item's W pairs, read once for q and k (load_rotated_qk); `on` false
-  // where a column has no pair (n ≥ A) or the token is padded.
+  // cos θ and sin θ of an item's W pairs, read once for q and k (load_rotated_qk, chunk_forward's
+  // load pass); `on` false where a column has no pair (n ≥ A) or the token is padded.
   struct Rotation {
     float cs[W], sn[W];
     bool on[W];

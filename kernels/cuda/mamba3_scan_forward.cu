@@ -140,7 +140,11 @@ static __device__ __forceinline__ void write_gated_output(const D& d, const DevI
     const auto [i, p] = headdim_item<W>(d, idx);
     const size_t th = token_head(d, pos.b, pos.t0 + i, pos.h);
     const Bf16Row<W> z = load_row<W>(in.z + zv_row(d, in, pos.b, pos.t0 + i, pos.h) + p);
-    float sum[W] = {};
+    // From −0, the additive identity of every float: at R = 1 the sum is the one product as
+    // chunk_forward rounds it, −0 included (+0 would turn a product of −0 into +0).
+    float sum[W];
+#pragma unroll
+    for (int w = 0; w < W; ++w) sum[w] = -0.f;
     for (int r = 0; r < R; ++r) {
       const size_t wr = (static_cast<size_t>(pos.h) * R + r) * P + p;
       const Bf16Row<W> mimo_z = load_row<W>(in.mimo_z + wr), mimo_o = load_row<W>(in.mimo_o + wr);
@@ -492,8 +496,8 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
     }
     if constexpr (D::rank == 4) {
       // A token's four rank rows are lanes 4 apart (g ^ 1, g ^ 2): two halving steps leave each of
-      // them a column pair's whole sums (sum_over_token_ranks' bits: (r0 + r1) + (r2 + r3)), upper
-      // by its bit 4 and half by its bit 8, and each stores its pair.
+      // them a column pair's whole sums (in sum_over_token_ranks' order, (r0 + r1) + (r2 + r3)),
+      // upper by its bit 4 and half by its bit 8, and each stores its pair.
       halve<4, 4>(terms, lane);
       halve<2, 8>(terms, lane);
       const int upper = (lane >> 2) & 1, half = (lane >> 3) & 1;
