@@ -1305,8 +1305,8 @@ struct RotatedLoader {
     }
     return pair;
   }
-  // cos θ and sin θ of an item's W pairs, read once for q and k (load_rotated_qk, chunk_forward's
-  // load pass); `on` false where a column has no pair (n ≥ A) or the token is padded.
+  // cos θ and sin θ of an item's W pairs, read once for q and k (load_rotated_qk); `on` false where
+  // a column has no pair (n ≥ A) or the token is padded.
   struct Rotation {
     float cs[W], sn[W];
     bool on[W];
@@ -1356,27 +1356,37 @@ static __device__ void load_rotated(const D& d, const bf16* src, const bf16* bia
   load_alone(RotatedLoader<D>::items(d), RotatedLoader<D>(d, pos, src, bias, cosv, sinv, dst, ld));
 }
 
-// q and k together: one memory latency for both, and one read of the rotation.
-template <class D>
+// A loader with nothing to load: load_rotated_qk's companion by default.
+struct NoLoader {
+  struct Loaded {};
+  __device__ __forceinline__ Loaded load(int) const { return {}; }
+  __device__ __forceinline__ void store(int, const Loaded&) const {}
+};
+
+// q and k together: one memory latency for both, and one read of the rotation. `also` is a loader
+// over the same index space (chunk_forward's PsiV at N = P) whose loads are issued with theirs.
+template <class D, class Also = NoLoader>
 static __device__ void load_rotated_qk(const D& d, const DevInputs& in, const ChunkPos& pos,
                                        const float* cosv, const float* sinv, bf16* q_dst,
-                                       bf16* k_dst, int ld) {
+                                       bf16* k_dst, int ld, const Also& also = Also{}) {
   using Loader = RotatedLoader<D>;
   const Loader q(d, pos, in.q, in.q_bias, cosv, sinv, q_dst, ld);
   const Loader k(d, pos, in.k, in.k_bias, cosv, sinv, k_dst, ld);
-  struct Both {
+  struct All {
     typename Loader::Loaded q, k;
+    typename Also::Loaded also;
   };
   // load_together's pass, with each item's cos θ and sin θ read once for both.
   for_each_batched<Loader::kBatch>(
       Loader::items(d),
       [&](int idx) {
-        return Both{q.load(idx), k.load(idx)};
+        return All{q.load(idx), k.load(idx), also.load(idx)};
       },
-      [&](int idx, const Both& both) {
+      [&](int idx, const All& all) {
         const typename Loader::Rotation rot = q.rotation(idx);
-        q.store(idx, both.q, rot);
-        k.store(idx, both.k, rot);
+        q.store(idx, all.q, rot);
+        k.store(idx, all.k, rot);
+        also.store(idx, all.also);
       });
 }
 

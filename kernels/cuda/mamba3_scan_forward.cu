@@ -297,33 +297,16 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
   load_scalars(d, in, w, pos, sc, cosv, sinv);
   keep_sweep_scalars(d, w, pos, sc, cosv, sinv);
   {
-    // q and k rotated (load_rotated_qk's), and PsiV with its exit-scaled copy as hi + lo pairs
-    // beside it (PsiV and the weighted scores stay whole for o's intra-chunk tiles), in one pass:
-    // at N = P the loaders' items are one index space, so the three tensors' loads are all issued
-    // before the first is used (one memory latency, not two).
-    using Rotated = RotatedLoader<D>;
-    static_assert(D::state == D::headdim && Rotated::W * 2 == PsivLoader<D>::W);
-    const Rotated q(d, pos, in.q, in.q_bias, cosv, sinv, q_rot, ld_qk);
-    const Rotated k(d, pos, in.k, in.k_bias, cosv, sinv, k_rot, ld_qk);
+    // q and k rotated, and PsiV with its exit-scaled copy as hi + lo pairs beside it (PsiV and the
+    // weighted scores stay whole for o's intra-chunk tiles), in one pass: at N = P the loaders'
+    // items are one index space, so the three tensors' loads are all issued before the first is
+    // used (one memory latency, not two).
+    static_assert(D::state == D::headdim && RotatedLoader<D>::W * 2 == PsivLoader<D>::W);
     PsivLoader<D> v{d, in, pos, w.psiv, false, write_psiv, psiv, ld_pv};
     v.scaled_hi = psiv_hi;
     v.scaled_lo = psiv_lo;
     v.exit_scale = sc + kExitScale * C;
-    struct Loaded {
-      typename Rotated::Loaded q, k;
-      typename PsivLoader<D>::Loaded v;
-    };
-    for_each_batched<Rotated::kBatch>(
-        Rotated::items(d),
-        [&](int idx) {
-          return Loaded{q.load(idx), k.load(idx), v.load(idx)};
-        },
-        [&](int idx, const Loaded& loaded) {
-          const typename Rotated::Rotation rot = q.rotation(idx);
-          q.store(idx, loaded.q, rot);
-          k.store(idx, loaded.k, rot);
-          v.store(idx, loaded.v);
-        });
+    load_rotated_qk(d, in, pos, cosv, sinv, q_rot, k_rot, ld_qk, v);
   }
   // At R = 1 each score takes its own weight, made in the product's epilogue (the same expression
   // as fill_weights', so the same bits); at R > 1 a token pair's weight serves R² scores, so the
