@@ -279,7 +279,9 @@ inline SmemPlan plan_for(const Dims& d, ScanKernel kernel, bool weights_recomput
       p.d_scores = take(m * ld_mm * sizeof(float));
     }
     const size_t ld_w = static_cast<size_t>(weights_stride(d.chunk));
-    if (!p.weights_recomputed) p.token_weights = take(c * ld_w * sizeof(float));
+    // chunk_forward at R = 1 makes each weight in the scores' epilogue (token_weight): no table.
+    const bool weights_inline = fused && d.rank == 1;
+    if (!p.weights_recomputed && !weights_inline) p.token_weights = take(c * ld_w * sizeof(float));
     if (!fused) p.out = take(m * ld_mp * sizeof(float));  // chunk_forward keeps o in registers
     p.weighted_scores = take(m * ld_sw * sizeof(bf16));
   }
