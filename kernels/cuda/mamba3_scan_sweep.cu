@@ -46,7 +46,8 @@
 // dO is rounded to bf16 once (as the official kernels do), and every product reads that one value,
 // so the angle gradient's cancelling terms still see the same numbers. Each head's dq and dk are
 // rounded to bf16 before the sums over heads (dθ and the biases' sums over tokens take the fp32
-// values).
+// values). The decays e^{l} are exp_flushed's: __expf's bits, but 0 where those would be subnormal
+// (below 1.2e−38, far under every tolerance), for three instructions fewer each.
 #include <algorithm>
 
 #include "kernels/cuda/mamba3_scan_device.cuh"
@@ -775,8 +776,9 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
     }
     if (warp != 0) return;
     // e^{l_last} <E_c, X> (the parts the query warps left at chunk c's step).
-    const float dot_total = __expf(chunk_l_last) * (sm.dot_parts[slot][0] + sm.dot_parts[slot][1] +
-                                                    sm.dot_parts[slot][2] + sm.dot_parts[slot][3]);
+    const float dot_total =
+        exp_flushed(chunk_l_last) * (sm.dot_parts[slot][0] + sm.dot_parts[slot][1] +
+                                     sm.dot_parts[slot][2] + sm.dot_parts[slot][3]);
     const float exit_total = warp_sum(sm.exit_terms[slot][lane] + sm.exit_terms[slot][lane + 32]);
     const auto suffix_sum = [&](float value) {
 #pragma unroll
@@ -860,7 +862,7 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
       const uint2 o_raw = *reinterpret_cast<const uint2*>(d_out + row * kLd + col);
       const uint2 v_raw = *reinterpret_cast<const uint2*>(v_in + row * kLd + col);
       const float4 mimo_x = *reinterpret_cast<const float4*>(sm.mimo_x + row % R * kP + col);
-      const float scale = __expf(l[row / R]);
+      const float scale = exp_flushed(l[row / R]);
       const float2 o01 = unpack_bf16(o_raw.x), o23 = unpack_bf16(o_raw.y);
       const float2 v01 = unpack_bf16(v_raw.x), v23 = unpack_bf16(v_raw.y);
       uint2 hi, lo;
@@ -927,7 +929,7 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
           const float product = da[j][e] * s[j][e];
           // Without branches (the lanes of a warp differ in u < t): every element's exponential,
           // then selects. e^{l_t − l_u} may overflow where u > t, and is then not selected.
-          const float earlier = __expf(rows_of.l[e / 2] - (e % 2 == 0 ? l_pair.x : l_pair.y)) *
+          const float earlier = exp_flushed(rows_of.l[e / 2] - (e % 2 == 0 ? l_pair.x : l_pair.y)) *
                                 (e % 2 == 0 ? kappa_pair.x : kappa_pair.y);
           const float weight = u < t ? earlier : u == t ? rows_of.gamma[e / 2] : 0.f;
           dl_rows[e / 2] = u < t ? __fmaf_rn(product, weight, dl_rows[e / 2]) : dl_rows[e / 2];
@@ -943,7 +945,7 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int t = (r0 + g + 8 * half) / R;
-        scale[half] = __expf(l[t]);
+        scale[half] = exp_flushed(l[t]);
         dl_rows[half] = rank_sum<R>(quad_sum(dl_rows[half] + scale[half] * inter[half]));
         d_gamma[half] = rank_sum<R>(quad_sum(d_gamma[half]));
       }
@@ -961,7 +963,7 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
       zero(update);
       rows_times_cols<true>(update, sm.ds_hi, r0, q, at);
       rows_times_cols<true>(update, sm.ds_lo, r0, q, at);
-      const float decay = __expf(l_last);
+      const float decay = exp_flushed(l_last);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
 #pragma unroll
@@ -983,7 +985,7 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
           const float product = dat[j][e] * st[j][e];
           // Without branches, as the query side's (e^{l_u − l_s} may overflow where u < s).
           const bool later = u > s_row;
-          const float decay = __expf((e % 2 == 0 ? l_pair.x : l_pair.y) - rows_of.l[e / 2]);
+          const float decay = exp_flushed((e % 2 == 0 ? l_pair.x : l_pair.y) - rows_of.l[e / 2]);
           const float weight = later        ? decay * rows_of.kappa[e / 2]
                                : u == s_row ? rows_of.gamma[e / 2]
                                             : 0.f;
@@ -1005,7 +1007,7 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int s_row = r0 + g + 8 * half, s_token = s_row / R;
-        const float exit_decay = __expf(l_last - l[s_token]);
+        const float exit_decay = exp_flushed(l_last - l[s_token]);
         scale[half] = exit_decay * kappa[s_token];
         const float raw = quad_sum(exit_term[half]);
         const float term = scale[half] * raw;
