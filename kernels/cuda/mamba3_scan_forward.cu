@@ -267,6 +267,11 @@ __global__ void __launch_bounds__(kOutputThreads)
 // Blocks take their chunk from a ticket (take_chain_chunk: why every wait ends). The recurrence is
 // the state pass's (E_0 = 0, scale_add, chunks in order), and o's two terms are rounded and added
 // as chunk_output rounds and adds them; y sums a token's ranks in another order (over lanes).
+//
+// A block a chunk: resident blocks that take ticket after ticket were slower at both fixed shapes,
+// with the next chunk's inputs copied ahead (cp.async) or without, and so were L2 prefetch hints of
+// a later chunk's inputs (bench/RESULTS.md, session 39): the kernel is bound by issuing its
+// instructions, and its load waits are covered by its other warps.
 template <class D>
 __global__ void __launch_bounds__(kOutputThreads, 2)
     chunk_forward_kernel(D d, SmemPlan plan, DevInputs in, Work w, bool write_psiv, bf16* y) {
