@@ -1060,7 +1060,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
             if (j < i) {
               acc[0] += d_weights[i * ld_w + j] * weight_of(i, j);
             } else if (j > i) {
-              acc[1] += d_weights[j * ld_w + i] * __expf(sc[kLog * C + j] - log_i);
+              acc[1] += d_weights[j * ld_w + i] * exp_flushed(sc[kLog * C + j] - log_i);
             }
           }
           // The entry term: split, the sum of the token's row terms (o's tiles), scaled below.
@@ -1332,7 +1332,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
           float d_scale = 0.f;
           for (int x = 0; x < R * column_tiles; ++x) d_scale += row_terms[j * R * column_tiles + x];
           const float scale = sc[kExitScale * C + j];
-          sc[kDKappa * C + j] += d_scale * expf(sc[kLog * C + last] - sc[kLog * C + j]);
+          sc[kDKappa * C + j] += d_scale * exp_flushed(sc[kLog * C + last] - sc[kLog * C + j]);
           sc[kDLog * C + j] -= d_scale * scale;
           sum += d_scale * scale;
         }
@@ -1372,7 +1372,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
         if (lane == 0) {
           const float scale = sc[kExitScale * C + j];
           const int last = pos.len - 1;
-          sc[kDKappa * C + j] += d_scale * expf(sc[kLog * C + last] - sc[kLog * C + j]);
+          sc[kDKappa * C + j] += d_scale * exp_flushed(sc[kLog * C + last] - sc[kLog * C + j]);
           sc[kScratch * C + j] = d_scale * scale;
           sc[kDLog * C + j] -= d_scale * scale;
         }

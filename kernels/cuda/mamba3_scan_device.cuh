@@ -97,6 +97,13 @@ __host__ __device__ constexpr int weights_stride(int chunk) {
   return chunk + 2;
 }
 
+// Whether chunk_forward makes each token weight in its scores' epilogue (token_weight) rather
+// than reading a table: at R = 1 a weight serves one score, at R > 1 a token pair's weight serves
+// R² scores, so the table is made once. plan_for reserves the table exactly when this is false.
+__host__ __device__ constexpr bool forward_weights_inline(int rank) {
+  return rank == 1;
+}
+
 // Row stride (elements) of the [C][A] per-token, per-pair fp32 arrays (cos θ, sin θ,
 // chunk_backward's dL/dθ): load_scalars stores them a lane per token of one pair, and
 // chunk_backward's θ sums read them the same way, where rows of A = 32 put a warp on one bank.
@@ -279,8 +286,7 @@ inline SmemPlan plan_for(const Dims& d, ScanKernel kernel, bool weights_recomput
       p.d_scores = take(m * ld_mm * sizeof(float));
     }
     const size_t ld_w = static_cast<size_t>(weights_stride(d.chunk));
-    // chunk_forward at R = 1 makes each weight in the scores' epilogue (token_weight): no table.
-    const bool weights_inline = fused && d.rank == 1;
+    const bool weights_inline = fused && forward_weights_inline(d.rank);
     if (!p.weights_recomputed && !weights_inline) p.token_weights = take(c * ld_w * sizeof(float));
     if (!fused) p.out = take(m * ld_mp * sizeof(float));  // chunk_forward keeps o in registers
     p.weighted_scores = take(m * ld_sw * sizeof(bf16));
@@ -580,7 +586,10 @@ void run_backward(const BackwardLaunches& launches, bool tensor_cores, bool psiv
 // __expf(x) where its result is a normal float, and 0 where it would be subnormal (below 2^−126,
 // about 1.2e−38): its product and ex2, with subnormals flushed (ex2.approx.ftz). __expf keeps a
 // subnormal result by halving its argument below −126 and squaring the result: a compare and two
-// predicated multiplies a call, 3 of sweep_prep's 50 instructions an element (session 39).
+// predicated multiplies a call, 3 of sweep_prep's 50 instructions an element (session 39). Every
+// decay of the scan takes it (forward, chunk_backward and the sweep alike, so their weights agree):
+// a decay's argument is at most 0, so only decays below 1.2e−38 become 0. The IEEE expf it replaced
+// in the forward's weights differs by about 2 ulp.
 static __device__ __forceinline__ float exp_flushed(float x) {
   float result;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(result) : "f"(__fmul_rn(x, 1.44269502162933349609375f)));
@@ -1183,8 +1192,8 @@ static __device__ void load_scalars(const D& d, const DevInputs& in, const Work&
     __syncwarp();
     const float last = sc[kLog * C + (pos.len - 1)];
     for (int i = lane; i < C; i += 32) {
-      sc[kEntryDecay * C + i] = expf(sc[kLog * C + i]);
-      sc[kExitScale * C + i] = expf(last - sc[kLog * C + i]) * sc[kKappa * C + i];
+      sc[kEntryDecay * C + i] = exp_flushed(sc[kLog * C + i]);
+      sc[kExitScale * C + i] = exp_flushed(last - sc[kLog * C + i]) * sc[kKappa * C + i];
     }
   }
   if constexpr (kLandCopies) wait_copies<0>();
@@ -1504,7 +1513,7 @@ static __device__ void load_psiv(const D& d, const DevInputs& in, const ChunkPos
 template <class D>
 static __device__ __forceinline__ float token_weight(const D& d, const float* sc, int i, int j) {
   const int C = d.chunk;
-  if (j < i) return expf(sc[kLog * C + i] - sc[kLog * C + j]) * sc[kKappa * C + j];
+  if (j < i) return exp_flushed(sc[kLog * C + i] - sc[kLog * C + j]) * sc[kKappa * C + j];
   return j == i ? sc[kGamma * C + i] : 0.f;
 }
 

@@ -313,10 +313,8 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
     v.exit_scale = sc + kExitScale * C;
     load_rotated_qk(d, in, pos, cosv, sinv, q_rot, k_rot, ld_qk, v);
   }
-  // At R = 1 each score takes its own weight, made in the product's epilogue (the same expression
-  // as fill_weights', so the same bits; plan_for gives it no table); at R > 1 a token pair's weight
-  // serves R² scores, so the table is made once.
-  constexpr bool kWeightsInline = D::rank == 1;
+  // Inline weights are token_weight's, fill_weights' expression: the same bits either way.
+  constexpr bool kWeightsInline = forward_weights_inline(D::rank);
   if constexpr (!kWeightsInline) fill_weights(d, sc, weights);
   __syncthreads();
   // A tile a warp of every product below (the tiles smem_mma gives each warp: one, at these
