@@ -20,7 +20,11 @@ cmake --build build -j "$jobs"
 ctest --test-dir build --output-on-failure -j "$jobs"
 
 if [ "${MEGACPP_SKIP_SANITIZE:-0}" != 1 ]; then
-  cmake -S . -B build-sanitize -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMEGACPP_CUDA=OFF \
+  # -Og with line tables, not RelWithDebInfo's -O2 -g: the same reports with file and line, and
+  # it compiled 2.7× faster (this build was 31 of CI's 59 minutes on 2 cores). Without NDEBUG,
+  # so the libraries' asserts run too.
+  cmake -S . -B build-sanitize -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-Og -g1" -DMEGACPP_CUDA=OFF \
     -DMEGACPP_SANITIZE=ON -DMEGACPP_BUILD_BENCH=OFF "-DMEGACPP_TEST_DIRS=^(base|kernels/cpu|runtime|receipts|service|cli)/"
   cmake --build build-sanitize -j "$jobs"
   ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
