@@ -9,9 +9,11 @@
 //                 the pre-gate output the forward kept
 //                 (Work::gate_in; the forward also kept the per-token scalars l, κ, γ and the
 //                 rotation's cos θ and sin θ, as its load_scalars made them);
-//   sweep_core    a block of 8 warps per (batch, head) walking the chunks in reverse with
-//                 dL/d(exit state) on chip (the official mamba3_siso_bwd_kernel_dqkv's structure,
-//                 bench/RESULTS.md sessions 32-34), which gives each head's un-rotated dq and dk,
+//   sweep_core    a block per (batch, head) walking the chunks in reverse with dL/d(exit state)
+//                 on chip (the official mamba3_siso_bwd_kernel_dqkv's structure, bench/RESULTS.md
+//                 sessions 32-34), 8 compute warps and a warpgroup that makes each chunk's
+//                 operands while they work on the chunk after it, which gives each head's
+//                 un-rotated dq and dk,
 //                 dv = dL/dPsiV ⊙ mimo_x, the per-head partials (the biases', mimo_x's, dD's),
 //                 dADT, dκ, the dt/trap terms of dκ and dγ, and dθ's suffix sums over the
 //                 sequence (the reverse walk carries them from chunk to chunk);
@@ -44,10 +46,11 @@
 // Precision: chunk_backward_kernel's note holds here too. The rotated q and k are rounded once and
 // used by both sides; every product with the state (E, X, e^{l} dO) takes split hi + lo operands.
 // dO is rounded to bf16 once (as the official kernels do), and every product reads that one value,
-// so the angle gradient's cancelling terms still see the same numbers. Each head's dq and dk are
-// rounded to bf16 before the sums over heads (dθ and the biases' sums over tokens take the fp32
-// values). The decays e^{l} are exp_flushed's: __expf's bits, but 0 where those would be subnormal
-// (below 1.2e−38, far under every tolerance), for three instructions fewer each.
+// so the angle gradient's cancelling terms still see the same numbers (<E_c, X> reads E's split
+// too). Each head's dq and dk are rounded to bf16 before the sums over heads (dθ and the biases'
+// sums over tokens take the fp32 values). The decays e^{l} are exp_flushed's: __expf's bits, but 0
+// where those would be subnormal (below 1.2e−38, far under every tolerance), for three
+// instructions fewer each.
 #include <algorithm>
 
 #include "kernels/cuda/mamba3_scan_device.cuh"
@@ -60,28 +63,43 @@ constexpr int kC = 64, kN = 64, kP = 64, kA = 16;
 // bf16 row stride of every [64][64] operand: ldmatrix rows on distinct banks.
 constexpr int kLd = 72;
 constexpr int kTile = kC * kLd;
+// sweep_core's block: 8 compute warps (0-3 the query side, 4-7 the key side) and a warpgroup of
+// operand warps (8-11) that makes each chunk's operands while the compute warps work on the chunk
+// before it. Registers (setmaxnreg): 168 a thread at entry (65,536 / 384), then the compute warps
+// take what they use without spilling (224 at R = 4, 232 at R = 1) and the operand warps keep the
+// rest (56 or 40: 2 · 224 + 56 = 3 · 168). setmaxnreg is sm_90a's: built for another architecture
+// every warp keeps 168 (the compute warps spill; the results are the same).
 constexpr int kCoreWarps = 8, kCoreThreads = kCoreWarps * 32;
+constexpr int kOperandThreads = 128;
+constexpr int kCoreBlockThreads = kCoreThreads + kOperandThreads;
+constexpr int kEntryRegisters = 65536 / kCoreBlockThreads / 8 * 8;
+template <int R>
+constexpr int kComputeRegisters = R == 1 ? 232 : 224;
+template <int R>
+constexpr int kOperandRegisters = 3 * kEntryRegisters - 2 * kComputeRegisters<R>;
 constexpr int kQueryThreads = kCoreThreads / 2;  // warps 0-3, the query side
 constexpr int kAngleLd = kA + 1;                 // fp32 row stride of the dθ parts
 constexpr int kRotationLd = kA + 4;  // fp32 row stride of cos θ and sin θ: 16-byte copies
-constexpr int kEntryLd = kN + 4;     // fp32 row stride of E_c: the X fragments' reads 2-way, not 8
 
 // Shared memory: two stages of the chunk's q and k (rotated in place once in), v (as it came in),
-// dO (bf16 [C][kLd]), E_c (fp32 [P][kEntryLd]), cos θ, sin θ, l, κ and γ; then PsiV = v ⊙ mimo_x
-// and the split operands (E and X: rows p, columns n; e^{l} dO: rows t, columns p; hi and lo
-// each), the head's mimo_x, and the parts that a chunk's warps leave for the next chunk to finish
-// (two slots: dl's per token, the exit terms, <E, X>, dγ and dκ, dθ's q and k terms, mimo_x's
-// column sums of each key warp, and the column sums of each warp's dq or dk).
+// dO (bf16 [C][kLd]), cos θ, sin θ, l, κ and γ, and PsiV = v ⊙ mimo_x; E_c (fp32 [P][N], read by
+// the operand warps only); the split operands (E and X: rows p, columns n; e^{l} dO: rows t,
+// columns p; hi and lo each; E's made for each chunk once the compute warps are done with the
+// last chunk's, e^{l} dO's by each query warp, the columns it reads), the head's mimo_x and the
+// rotation's biases, and the parts that a chunk's warps leave for
+// the next chunk to finish (two slots: dl's per token, the exit terms, <E, X>, dγ and dκ, dθ's q
+// and k terms, mimo_x's column sums of each key warp, and the column sums of each warp's dq or
+// dk).
 template <int R>
 struct CoreSmem {
   static constexpr int kTokens = kC / R;
-  bf16 q[2][kTile], k[2][kTile], v[2][kTile], d_out[2][kTile];
-  float entry[2][kP * kEntryLd];
+  bf16 q[2][kTile], k[2][kTile], v[2][kTile], d_out[2][kTile], psiv[2][kTile];
   float cos_theta[2][kTokens * kRotationLd], sin_theta[2][kTokens * kRotationLd];
   float log_decay[2][kTokens], kappa[2][kTokens], gamma[2][kTokens];
-  bf16 psiv[kTile];
+  float entry[kP * kN];
   bf16 e_hi[kTile], e_lo[kTile], x_hi[kTile], x_lo[kTile], ds_hi[kTile], ds_lo[kTile];
   alignas(16) float mimo_x[R * kP];
+  alignas(16) float qk_bias[2][R * kN];  // the rotation's biases of q and k, by rank
   float dl_query[2][kTokens], dl_key[2][kTokens], exit_terms[2][kC];
   float d_gamma[2][kTokens], d_kappa[2][kTokens];
   float d_theta[2][2][kC * kAngleLd];
@@ -231,24 +249,43 @@ __global__ void __launch_bounds__(kPrepThreads, 3)
 // ---------------------------------------------------------------------------------
 // sweep_core
 
-// The X barrier of sweep_core (hardware barrier 1; the chunk loop's "barrier 1" and "barrier 2"
-// are __syncthreads, hardware barrier 0): the query warps arrive once X's split operand (and
-// <E_c, X>'s parts) are in shared memory; the key warps wait there before their first read of it.
+// sweep_core's hardware barriers (bar.sync waits; bar.arrive counts itself in and goes on):
+//  - the X barrier (1, the compute warps): the query warps arrive once X's split operand is in
+//    shared memory; the key warps wait there before their first read of it;
+//  - a stage's ready barrier (2 + stage, the block): the operand warps arrive once the chunk's
+//    stage (q and k rotated, PsiV, and the copies they waited for) is complete; the compute warps
+//    wait there at the chunk's start (so it is also their barrier between chunks: every part a
+//    chunk's warps left is complete, and the one before it read);
+//  - the free barrier (4, the block): the compute warps arrive at a chunk's end; the operand warps
+//    wait there before they overwrite its stage (the next chunk but one's copies) and E's split
+//    operand;
+//  - the state barrier (5, the operand and query warps): the operand warps arrive once the chunk's
+//    split E is in; the query warps wait there before their first read of it;
+//  - the operand warps' own (6) and the compute warps' own (7).
 //
 // compute-sanitizer's racecheck does not model bar.arrive: it reports hazards between accesses
 // that a __syncthreads orders once a named barrier's producers only arrive, on a minimal kernel as
 // on this one (bench/racecheck_named_barrier.cu, session 37). Built with
 // -DMEGACPP_RACECHECK_NAMED_BARRIERS the query warps wait at the X barrier as well (the same
-// order, slower), so racecheck can check the rest of the kernel.
+// order, slower); the operand warps' hand-overs cannot be waits on both sides (each side waits for
+// the other's next one), so racecheck sees those as hazards.
+constexpr int kXBarrier = 1, kReadyBarrier = 2, kFreeBarrier = 4, kStateBarrier = 5,
+              kOperandBarrier = 6, kComputeBarrier = 7;
+__device__ __forceinline__ void barrier_wait(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
 __device__ __forceinline__ void arrive_x_split() {
 #ifdef MEGACPP_RACECHECK_NAMED_BARRIERS
-  asm volatile("bar.sync 1, %0;" ::"n"(kCoreThreads) : "memory");
+  barrier_wait(kXBarrier, kCoreThreads);
 #else
-  asm volatile("bar.arrive 1, %0;" ::"n"(kCoreThreads) : "memory");
+  barrier_arrive(kXBarrier, kCoreThreads);
 #endif
 }
 __device__ __forceinline__ void wait_x_split() {
-  asm volatile("bar.sync 1, %0;" ::"n"(kCoreThreads) : "memory");
+  barrier_wait(kXBarrier, kCoreThreads);
 }
 
 // The per-token values (l or κ) of the columns u and u + 1 (u even): at R = 1 two tokens, one
@@ -577,90 +614,57 @@ __device__ __forceinline__ void finish_rotated_gradient(float (&acc)[8][4], cons
   store_column_sums<R>(bias_part, acc, lane);
 }
 
-// Warps 0-3 are the query side (16 rows (token, rank) each: dq and dγ, and X's 16 rows), warps 4-7
-// the key side (dk, dv, dκ): a scheduler (warp % 4) holds query block i, whose causal work grows
-// with i, and key block i, whose work shrinks with it. Every score block is computed (the causal
-// mask's zero blocks too: skipping them measured no gain, bench/RESULTS.md session 32).
+// The operand warps (a warpgroup, 128 threads) of sweep_core: for each chunk, walking the chunks in
+// reverse a chunk ahead of the compute warps, its stage copied in (cp.async), q and k rotated in
+// place with their biases (rounded once; padded rows stay zero) and PsiV = v ⊙ mimo_x (as the
+// forward rounds it, PsivLoader: zeros for padded tokens, whose v is zero), then the stage's ready
+// barrier; and once the compute warps are done with the chunk before (the free barrier), E split
+// into hi + lo, then the state barrier. A thread's copies are the same rows (token, rank) of every
+// chunk: rows thread / 8 + 16 i of each of q, k, v (the token's, at every rank) and dO, its
+// 16-byte part thread % 8 (zeros past the sequence); E's quads thread + 128 i; cos θ's and sin θ's
+// quads thread + 128 i (of kTokens · 4); l, κ, γ by 3 kTokens / 4 threads. The item loops stay
+// rolled: unrolled, they spilled at 56 registers and the MIMO backward took 4% longer
+// (bench/RESULTS.md session 41).
 template <int R>
-__global__ void __launch_bounds__(kCoreThreads, 1)
-    sweep_core_kernel(Dims d, DevInputs in, Work w, DevGrads grads) {
+__device__ __forceinline__ void make_operands(const Dims& d, const DevInputs& in, const Work& w,
+                                              CoreSmem<R>& sm, int h, int b, int thread) {
   constexpr int kTokens = kC / R;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  CoreSmem<R>& sm = *reinterpret_cast<CoreSmem<R>*>(smem_raw);
-  const int h = blockIdx.x, b = blockIdx.y;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c4 = lane % 4;
-  const int H = d.heads, T = d.seqlen, chunks = d.chunks;
-  const size_t Tp = static_cast<size_t>(chunks) * kTokens, rows = padded_rows(d);
-  const size_t pairs = static_cast<size_t>(d.batch) * H;
-  const LaneAddress at(lane);
-  const bool query_side = warp < 4;
-  const int r0 = 16 * (warp % 4);
-  float x[8][4];  // query warps: X's rows r0 … r0 + 15, all 64 columns
-  zero(x);
-  const size_t bh = static_cast<size_t>(b) * H + h;
-  const float skip = to_f(in.d[h]);
-  float d_skip = 0.f;
-  // The rotation's biases of the lane's columns: [n or n + N/2][n + 0 or 1], n = 2 (lane % 16),
-  // of the rank of the rows the lane rotates (rows 2 warp + lane / 16 + 16 i: one rank).
-  float q_bias[2][2], k_bias[2][2];
-  {
-    const int bias_row = (h * R + (2 * warp + lane / 16) % R) * kN;
+  const int T = d.seqlen, chunks = d.chunks, pwarp = thread / 32, lane = thread % 32;
+  const size_t Tp = static_cast<size_t>(chunks) * kTokens;
+  const size_t pairs = static_cast<size_t>(d.batch) * d.heads;
+  const size_t bh = static_cast<size_t>(b) * d.heads + h;
+  const int copy_row = thread / 8, copy_part = thread % 8, copy_rank = copy_row % R;
+  static_assert(kOperandThreads / 8 % R == 0);  // every row a thread copies is of its rank
+  const auto load_stage = [&](int c) {
+    const int stage = c % 2;
+    const int qk_row_stride = R * d.groups * kN;
+    const size_t qk_column = static_cast<size_t>(copy_rank) * d.groups * kN +
+                             (h / d.heads_per_group) * kN + copy_part * 8;
+    const size_t v_column = static_cast<size_t>(h) * kP + copy_part * 8;
+    const size_t o_column = (static_cast<size_t>(h) * R + copy_rank) * kP + copy_part * 8;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int n = 2 * (lane % 16) + e + half * (kN / 2);
-        q_bias[half][e] = to_f(in.q_bias[bias_row + n]);
-        k_bias[half][e] = to_f(in.k_bias[bias_row + n]);
-      }
-    }
-  }
-  for (int i = threadIdx.x; i < R * kP; i += kCoreThreads) {
-    sm.mimo_x[i] = to_f(in.mimo_x[h * R * kP + i]);
-  }
-
-  // A thread's copies are the same rows (token, rank) of every chunk: row thread / 8 (and + 32)
-  // of each of q, k, v (the token's, at every rank), dO, its 16-byte part thread % 8 (zeros past
-  // the sequence); E's quads thread, + 256, ...; cos θ's and sin θ's quad thread (of kTokens · 4);
-  // l, κ, γ by 3 kTokens / 4 threads.
-  const int copy_row = threadIdx.x / 8, copy_part = threadIdx.x % 8, copy_rank = copy_row % R;
-  const int qk_row_stride = R * d.groups * kN;
-  const int qk_rank = copy_rank * d.groups * kN;
-  const bf16* q_source = in.q + qk_rank + (h / d.heads_per_group) * kN + copy_part * 8;
-  const bf16* k_source = in.k + qk_rank + (h / d.heads_per_group) * kN + copy_part * 8;
-  const bf16* v_source = in.v + static_cast<size_t>(h) * kP + copy_part * 8;
-  const bf16* o_source =
-      w.sweep_d_out + (static_cast<size_t>(h) * R + copy_rank) * kP + copy_part * 8;
-  const float* cos_source = w.sweep_rotation + bh * Tp * kA;
-  const float* sin_source = cos_source + pairs * Tp * kA;
-  const auto load_chunk = [&](int c, int stage) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = copy_row + 32 * half, t = c * kTokens + row / R;
+    for (int i = 0; i < kC / (kOperandThreads / 8); ++i) {
+      const int row = copy_row + kOperandThreads / 8 * i, t = c * kTokens + row / R;
       const bool valid = t < T;
       const size_t token = static_cast<size_t>(b) * T + (valid ? t : 0);
       const int to = row * kLd + copy_part * 8;
-      copy_16_async(sm.q[stage] + to, q_source + token * qk_row_stride, valid);
-      copy_16_async(sm.k[stage] + to, k_source + token * qk_row_stride, valid);
-      copy_16_async(sm.v[stage] + to, v_source + token * in.zv_stride, valid);
-      copy_16_async(sm.d_out[stage] + to, o_source + token * H * R * kP, valid);
+      copy_16_async(sm.q[stage] + to, in.q + token * qk_row_stride + qk_column, valid);
+      copy_16_async(sm.k[stage] + to, in.k + token * qk_row_stride + qk_column, valid);
+      copy_16_async(sm.v[stage] + to, in.v + token * in.zv_stride + v_column, valid);
+      copy_16_async(sm.d_out[stage] + to, w.sweep_d_out + token * d.heads * R * kP + o_column,
+                    valid);
     }
-    const float* entry = w.states + (bh * chunks + c) * kP * kN;
-#pragma unroll
-    for (int i = 0; i < kP * kN / 4 / kCoreThreads; ++i) {
-      const int quad = threadIdx.x + i * kCoreThreads, row = quad / (kN / 4),
-                col = quad % (kN / 4) * 4;
-      copy_16_async(sm.entry[stage] + row * kEntryLd + col, entry + quad * 4, true);
-    }
-    if (kTokens * (kA / 4) >= kCoreThreads || threadIdx.x < kTokens * (kA / 4)) {
-      const int row = threadIdx.x / (kA / 4), col = threadIdx.x % (kA / 4) * 4;
+    const float* cos_source = w.sweep_rotation + bh * Tp * kA;
+    const float* sin_source = cos_source + pairs * Tp * kA;
+    for (int quad = thread; quad < kTokens * (kA / 4); quad += kOperandThreads) {
+      const int row = quad / (kA / 4), col = quad % (kA / 4) * 4;
       const size_t from = (static_cast<size_t>(c) * kTokens + row) * kA + col;
       copy_16_async(sm.cos_theta[stage] + row * kRotationLd + col, cos_source + from, true);
       copy_16_async(sm.sin_theta[stage] + row * kRotationLd + col, sin_source + from, true);
     }
     constexpr int kScalarQuads = kTokens / 4;
-    if (threadIdx.x < 3 * kScalarQuads) {
-      const int which = threadIdx.x / kScalarQuads, part = threadIdx.x % kScalarQuads;
+    if (thread < 3 * kScalarQuads) {
+      const int which = thread / kScalarQuads, part = thread % kScalarQuads;
       float* target = which == 0   ? sm.log_decay[stage]
                       : which == 1 ? sm.kappa[stage]
                                    : sm.gamma[stage];
@@ -669,6 +673,146 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
     }
     commit_copies();
   };
+  const auto load_entry = [&](int c) {
+    const float* entry = w.states + (bh * chunks + c) * kP * kN;
+#pragma unroll
+    for (int i = 0; i < kP * kN / 4 / kOperandThreads; ++i) {
+      const int quad = thread + i * kOperandThreads;
+      copy_16_async(sm.entry + quad * 4, entry + quad * 4, true);
+    }
+    commit_copies();
+  };
+  // q and k rotated in place, lane (row = lane / 16, m = lane % 16) columns n = 2m and 2m + 1 and
+  // their partners n + N/2; then PsiV, four columns an item.
+  const auto rotate_and_weight = [&](int c) {
+    const int stage = c % 2, t0 = c * kTokens;
+    const float *cos_theta = sm.cos_theta[stage], *sin_theta = sm.sin_theta[stage];
+    constexpr int kRowStep = 2 * (kOperandThreads / 32);
+#pragma unroll 1
+    for (int i = 0; i < kC / kRowStep; ++i) {
+      const int t = 2 * pwarp + lane / 16 + i * kRowStep, n = 2 * (lane % 16);
+      const bool token = t0 + t / R < T;
+      float2 c_ = make_float2(1.f, 1.f), s_ = make_float2(0.f, 0.f);
+      if (n < kA) {
+        c_ = *reinterpret_cast<const float2*>(cos_theta + t / R * kRotationLd + n);
+        s_ = *reinterpret_cast<const float2*>(sin_theta + t / R * kRotationLd + n);
+      }
+      const float cs[2] = {c_.x, c_.y}, sn[2] = {s_.x, s_.y};
+#pragma unroll
+      for (int which = 0; which < 2; ++which) {
+        bf16* row = (which == 0 ? sm.q[stage] : sm.k[stage]) + t * kLd + n;
+        const float* bias = sm.qk_bias[which] + t % R * kN + n;
+        const float2 first = unpack_bf16(*reinterpret_cast<const uint32_t*>(row));
+        const float2 second = unpack_bf16(*reinterpret_cast<const uint32_t*>(row + kN / 2));
+        float2 lead_bias = make_float2(0.f, 0.f), partner_bias = lead_bias;
+        if (token) {
+          lead_bias = *reinterpret_cast<const float2*>(bias);
+          partner_bias = *reinterpret_cast<const float2*>(bias + kN / 2);
+        }
+        const float lead[2] = {first.x + lead_bias.x, first.y + lead_bias.y};
+        const float partner[2] = {second.x + partner_bias.x, second.y + partner_bias.y};
+        *reinterpret_cast<uint32_t*>(row) =
+            pack_bf16(lead[0] * cs[0] - partner[0] * sn[0], lead[1] * cs[1] - partner[1] * sn[1]);
+        *reinterpret_cast<uint32_t*>(row + kN / 2) =
+            pack_bf16(lead[0] * sn[0] + partner[0] * cs[0], lead[1] * sn[1] + partner[1] * cs[1]);
+      }
+    }
+#pragma unroll 1
+    for (int i = 0; i < kC * kP / 4 / kOperandThreads; ++i) {
+      const int item = thread + i * kOperandThreads, row = item / (kP / 4),
+                col = item % (kP / 4) * 4;
+      const uint2 v_raw = *reinterpret_cast<const uint2*>(sm.v[stage] + row * kLd + col);
+      const float4 mimo_x = *reinterpret_cast<const float4*>(sm.mimo_x + row % R * kP + col);
+      const float2 v01 = unpack_bf16(v_raw.x), v23 = unpack_bf16(v_raw.y);
+      *reinterpret_cast<uint2*>(sm.psiv[stage] + row * kLd + col) =
+          make_uint2(pack_bf16(v01.x * mimo_x.x, v01.y * mimo_x.y),
+                     pack_bf16(v23.x * mimo_x.z, v23.y * mimo_x.w));
+    }
+  };
+  // E (rows p, columns n) split, four columns an item.
+  const auto split_entry = [&]() {
+#pragma unroll 1
+    for (int i = 0; i < kP * kN / 4 / kOperandThreads; ++i) {
+      const int item = thread + i * kOperandThreads, row = item / (kN / 4),
+                col = item % (kN / 4) * 4;
+      const float4 e = *reinterpret_cast<const float4*>(sm.entry + row * kN + col);
+      uint2 hi, lo;
+      split_bf16(e.x, e.y, hi.x, lo.x);
+      split_bf16(e.z, e.w, hi.y, lo.y);
+      *reinterpret_cast<uint2*>(sm.e_hi + row * kLd + col) = hi;
+      *reinterpret_cast<uint2*>(sm.e_lo + row * kLd + col) = lo;
+    }
+  };
+  // The last chunk first; then, for each chunk c before it (the compute warps at chunk c + 1): E_c
+  // copied in once every operand warp has read E_{c+1}, stage c made while it lands (its copies
+  // were started at the last free barrier; stage c % 2 held chunk c + 2, whose last reads were
+  // before that barrier), and, once the compute warps are done with chunk c + 1, chunk c − 1's
+  // copies started and E_c split.
+  const auto make_stage = [&](int c) {
+    wait_copies<1>();                                // the stage's copies (E's may be in flight)
+    barrier_wait(kOperandBarrier, kOperandThreads);  // every operand thread's are in
+    rotate_and_weight(c);
+    barrier_arrive(kReadyBarrier + c % 2, kCoreBlockThreads);
+  };
+  const auto split_state = [&](int c) {
+    wait_copies<0>();
+    barrier_wait(kOperandBarrier, kOperandThreads);  // E_c is in
+    if (c + 1 < chunks) barrier_wait(kFreeBarrier, kCoreBlockThreads);
+    if (c > 0) load_stage(c - 1);
+    split_entry();
+    barrier_arrive(kStateBarrier, kOperandThreads + kQueryThreads);
+  };
+  load_stage(chunks - 1);
+  load_entry(chunks - 1);
+  make_stage(chunks - 1);
+  split_state(chunks - 1);
+  for (int c = chunks - 2; c >= 0; --c) {
+    barrier_wait(kOperandBarrier, kOperandThreads);  // E_{c+1} is read
+    load_entry(c);
+    make_stage(c);
+    split_state(c);
+  }
+}
+
+// The compute warps: 0-3 are the query side (16 rows (token, rank) each: dq and dγ, and X's 16
+// rows), 4-7 the key side (dk, dv, dκ): a scheduler (warp % 4) holds query block i, whose causal
+// work grows with i, key block i, whose work shrinks with it, and an operand warp. Every score
+// block is computed (the causal mask's zero blocks too: skipping them measured no gain,
+// bench/RESULTS.md session 32).
+template <int R>
+__global__ void __launch_bounds__(kCoreBlockThreads, 1)
+    sweep_core_kernel(Dims d, DevInputs in, Work w, DevGrads grads) {
+  constexpr int kTokens = kC / R;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  CoreSmem<R>& sm = *reinterpret_cast<CoreSmem<R>*>(smem_raw);
+  const int h = blockIdx.x, b = blockIdx.y;
+  for (int i = threadIdx.x; i < R * kP; i += kCoreBlockThreads) {
+    sm.mimo_x[i] = to_f(in.mimo_x[h * R * kP + i]);
+    sm.qk_bias[0][i] = to_f(in.q_bias[h * R * kN + i]);
+    sm.qk_bias[1][i] = to_f(in.k_bias[h * R * kN + i]);
+  }
+  __syncthreads();
+  if (threadIdx.x >= kCoreThreads) {
+#ifdef __CUDA_ARCH_FEAT_SM90_ALL
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kOperandRegisters<R>));
+#endif
+    make_operands<R>(d, in, w, sm, h, b, static_cast<int>(threadIdx.x) - kCoreThreads);
+    return;
+  }
+#ifdef __CUDA_ARCH_FEAT_SM90_ALL
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kComputeRegisters<R>));
+#endif
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c4 = lane % 4;
+  const int H = d.heads, T = d.seqlen, chunks = d.chunks;
+  const size_t rows = padded_rows(d);
+  const LaneAddress at(lane);
+  const bool query_side = warp < 4;
+  const int r0 = 16 * (warp % 4);
+  float x[8][4];  // query warps: X's rows r0 … r0 + 15, all 64 columns
+  zero(x);
+  const size_t bh = static_cast<size_t>(b) * H + h;
+  const float skip = to_f(in.d[h]);
+  float d_skip = 0.f;
 
   // Chunk c's results from the parts its warps left in slot c % 2, by the four query warps:
   //  - dθ's suffix sums over the sequence (the q and k terms added): query warp w has columns
@@ -805,107 +949,37 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
     }
   };
 
-  load_chunk(chunks - 1, (chunks - 1) % 2);
   for (int c = chunks - 1; c >= 0; --c) {
     const int stage = c % 2, slot = c % 2;
     const size_t first_row = (static_cast<size_t>(b) * rows + static_cast<size_t>(c) * kC) * H + h;
     const int t0 = c * kTokens;
-    wait_copies<0>();
-    // Barrier 1: the stage is in; chunk c + 1's operands are no longer read (the next copies
-    // take their stage); chunk c + 1's parts are complete and chunk c + 2's read (slot c % 2 is
-    // free for chunk c's).
-    __syncthreads();
-    if (c > 0) load_chunk(c - 1, (c - 1) % 2);
+    // The stage is made; every compute warp is done with chunk c + 1 (its parts are complete, and
+    // chunk c + 2's were read: slot c % 2 is free for chunk c's).
+    barrier_wait(kReadyBarrier + stage, kCoreBlockThreads);
     bf16 *q = sm.q[stage], *k = sm.k[stage];
-    const bf16 *v = sm.psiv, *v_in = sm.v[stage], *d_out = sm.d_out[stage];
+    const bf16 *v = sm.psiv[stage], *v_in = sm.v[stage], *d_out = sm.d_out[stage];
     const float *l = sm.log_decay[stage], *kappa = sm.kappa[stage], *gamma = sm.gamma[stage];
-    const float* entry = sm.entry[stage];
     const float l_last = l[kTokens - 1];
     const float *cos_theta = sm.cos_theta[stage], *sin_theta = sm.sin_theta[stage];
     const bf16 *x_hi = sm.x_hi, *x_lo = sm.x_lo;
 
-    // The chunk's operands: q and k rotated in place; E and e^{l} dO split (X's split, from the
-    // query warps' registers, comes after barrier 2).
-    // q and k rotated in place with their biases, rounded once (padded rows stay zero): lane
-    // (row = lane / 16, m = lane % 16) has columns n = 2m and 2m + 1 and their partners n + N/2
-    // of rows 2 warp + row, + 16, … (token row / R)
-    for (int t = 2 * warp + lane / 16; t < kC; t += 2 * kCoreWarps) {
-      const int n = 2 * (lane % 16);
-      const bool token = t0 + t / R < T;
-      float2 c_ = make_float2(1.f, 1.f), s_ = make_float2(0.f, 0.f);
-      if (n < kA) {
-        c_ = *reinterpret_cast<const float2*>(cos_theta + t / R * kRotationLd + n);
-        s_ = *reinterpret_cast<const float2*>(sin_theta + t / R * kRotationLd + n);
-      }
-      const float cs[2] = {c_.x, c_.y}, sn[2] = {s_.x, s_.y};
-#pragma unroll
-      for (int which = 0; which < 2; ++which) {
-        bf16* row = (which == 0 ? q : k) + t * kLd + n;
-        const float(&bias)[2][2] = which == 0 ? q_bias : k_bias;
-        const float2 first = unpack_bf16(*reinterpret_cast<const uint32_t*>(row));
-        const float2 second = unpack_bf16(*reinterpret_cast<const uint32_t*>(row + kN / 2));
-        const float lead[2] = {first.x + (token ? bias[0][0] : 0.f),
-                               first.y + (token ? bias[0][1] : 0.f)};
-        const float partner[2] = {second.x + (token ? bias[1][0] : 0.f),
-                                  second.y + (token ? bias[1][1] : 0.f)};
-        *reinterpret_cast<uint32_t*>(row) =
-            pack_bf16(lead[0] * cs[0] - partner[0] * sn[0], lead[1] * cs[1] - partner[1] * sn[1]);
-        *reinterpret_cast<uint32_t*>(row + kN / 2) =
-            pack_bf16(lead[0] * sn[0] + partner[0] * cs[0], lead[1] * sn[1] + partner[1] * cs[1]);
-      }
-    }
-    // Four columns an item: 16-byte reads of E, 8-byte ones of dO and v, 8-byte stores (half
-    // the instructions of pairs; this phase is latency-bound).
-    for (int item = threadIdx.x; item < kP * kN / 4; item += kCoreThreads) {
-      const int row = item / (kN / 4), col = item % (kN / 4) * 4;
-      const float4 e = *reinterpret_cast<const float4*>(entry + row * kEntryLd + col);
-      const uint2 o_raw = *reinterpret_cast<const uint2*>(d_out + row * kLd + col);
-      const uint2 v_raw = *reinterpret_cast<const uint2*>(v_in + row * kLd + col);
-      const float4 mimo_x = *reinterpret_cast<const float4*>(sm.mimo_x + row % R * kP + col);
-      const float scale = exp_flushed(l[row / R]);
-      const float2 o01 = unpack_bf16(o_raw.x), o23 = unpack_bf16(o_raw.y);
-      const float2 v01 = unpack_bf16(v_raw.x), v23 = unpack_bf16(v_raw.y);
-      uint2 hi, lo;
-      split_bf16(e.x, e.y, hi.x, lo.x);
-      split_bf16(e.z, e.w, hi.y, lo.y);
-      *reinterpret_cast<uint2*>(sm.e_hi + row * kLd + col) = hi;
-      *reinterpret_cast<uint2*>(sm.e_lo + row * kLd + col) = lo;
-      split_bf16(o01.x * scale, o01.y * scale, hi.x, lo.x);
-      split_bf16(o23.x * scale, o23.y * scale, hi.y, lo.y);
-      *reinterpret_cast<uint2*>(sm.ds_hi + row * kLd + col) = hi;
-      *reinterpret_cast<uint2*>(sm.ds_lo + row * kLd + col) = lo;
-      // PsiV as the forward rounds it (PsivLoader): zeros for padded tokens, whose v is zero.
-      *reinterpret_cast<uint2*>(sm.psiv + row * kLd + col) =
-          make_uint2(pack_bf16(v01.x * mimo_x.x, v01.y * mimo_x.y),
-                     pack_bf16(v23.x * mimo_x.z, v23.y * mimo_x.w));
-    }
-    // Barrier 2: the operands are in.
-    __syncthreads();
-
     if (query_side) {
-      // X split (X the gradient of this chunk's exit state) and <E_c, X>'s parts, handed to the key
-      // warps by the X barrier (they wait there before their first read of it, after their
-      // score tiles): split before barrier 2, it held the key warps there about 800 cycles a
-      // chunk (clock64, session 37). x_hi and x_lo are free: the key warps' last reads of
-      // chunk c + 1's were before barrier 1.
-      float dot = 0.f;
+      // X split (X the gradient of this chunk's exit state), handed to the key warps by the X
+      // barrier (they wait there before their first read of it, after their score tiles). x_hi
+      // and x_lo are free: the key warps' last reads of chunk c + 1's were before the ready
+      // barrier.
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const int col = 8 * j + 2 * c4;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int row = r0 + g + 8 * half;
-          const float x0 = x[j][2 * half], x1 = x[j][2 * half + 1];
-          const float2 e = *reinterpret_cast<const float2*>(entry + row * kEntryLd + col);
-          dot += x0 * e.x + x1 * e.y;
           uint32_t hi, lo;
-          split_bf16(x0, x1, hi, lo);
+          split_bf16(x[j][2 * half], x[j][2 * half + 1], hi, lo);
           *reinterpret_cast<uint32_t*>(sm.x_hi + row * kLd + col) = hi;
           *reinterpret_cast<uint32_t*>(sm.x_lo + row * kLd + col) = lo;
         }
       }
-      dot = warp_sum(dot);
-      if (lane == 0) sm.dot_parts[slot][warp] = dot;
       arrive_x_split();
       // Chunk c + 1's parts are complete (barrier 1); the query warps, with the lighter share of
       // the causal work, finish them.
@@ -940,6 +1014,7 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
       // dq̃: the state's part first (its dot with q̃ is dl's inter term), then the chunk's.
       float acc[8][4];
       float inter[2];
+      barrier_wait(kStateBarrier, kOperandThreads + kQueryThreads);  // E's split is in
       state_product(acc, inter, d_out, sm.e_hi, sm.e_lo, q, r0, g, c4, at);
       float scale[2];
 #pragma unroll
@@ -958,7 +1033,38 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
         sm.d_gamma[slot][(r0 + g) / R] = d_gamma[0];
         sm.d_gamma[slot][(r0 + g + 8) / R] = d_gamma[1];
       }
-      // X for chunk c − 1: e^{l_last} X + (e^{l} dO)ᵀ Q̃, the warp's 16 rows.
+      // <E_c, X>'s part of the warp's 16 rows, with E as its split (the value every product with
+      // E reads), for finish_chunk(c).
+      float dot = 0.f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int col = 8 * j + 2 * c4;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int at_e = (r0 + g + 8 * half) * kLd + col;
+          const float2 hi = unpack_bf16(*reinterpret_cast<const uint32_t*>(sm.e_hi + at_e));
+          const float2 lo = unpack_bf16(*reinterpret_cast<const uint32_t*>(sm.e_lo + at_e));
+          dot += x[j][2 * half] * (hi.x + lo.x) + x[j][2 * half + 1] * (hi.y + lo.y);
+        }
+      }
+      dot = warp_sum(dot);
+      if (lane == 0) sm.dot_parts[slot][warp] = dot;
+        // X for chunk c − 1: e^{l_last} X + (e^{l} dO)ᵀ Q̃, the warp's 16 rows.
+        // Each query warp splits the e^{l} dO its rows p read (columns r0 … r0 + 15, every row t):
+        // four columns an item, rows lane / 4 + 8 i.
+#pragma unroll
+      for (int i = 0; i < kC / 8; ++i) {
+        const int t = lane / 4 + 8 * i, col = r0 + 4 * (lane % 4);
+        const uint2 o_raw = *reinterpret_cast<const uint2*>(d_out + t * kLd + col);
+        const float row_scale = exp_flushed(l[t / R]);
+        const float2 o01 = unpack_bf16(o_raw.x), o23 = unpack_bf16(o_raw.y);
+        uint2 hi, lo;
+        split_bf16(o01.x * row_scale, o01.y * row_scale, hi.x, lo.x);
+        split_bf16(o23.x * row_scale, o23.y * row_scale, hi.y, lo.y);
+        *reinterpret_cast<uint2*>(sm.ds_hi + t * kLd + col) = hi;
+        *reinterpret_cast<uint2*>(sm.ds_lo + t * kLd + col) = lo;
+      }
+      __syncwarp();
       float update[8][4];
       zero(update);
       rows_times_cols<true>(update, sm.ds_hi, r0, q, at);
@@ -1073,18 +1179,21 @@ __global__ void __launch_bounds__(kCoreThreads, 1)
       store_rank_column_sums<R>(sm.mimo_x_parts[slot][warp - 4], column_sums, lane);
       d_skip += quad_sum(own[0]) + quad_sum(own[1]);
     }
+    // Chunk c's stage, split E and e^{l} dO are no longer read (the operand warps wait here for
+    // nothing past chunk 1).
+    if (c > 0) barrier_arrive(kFreeBarrier, kCoreBlockThreads);
   }
-  __syncthreads();
+  barrier_wait(kComputeBarrier, kCoreThreads);
   if (query_side) {
     finish_chunk(0, later_l_last);
   } else {
     // Each quad's lanes hold the same sums: lane 0 of each quad counts them once.
     d_skip = warp_sum(c4 == 0 ? d_skip : 0.f);
     // dot_parts' slot 1 (<E, X>'s parts of chunk 1, read by finish_chunk(1) before the loop's
-    // last __syncthreads) is free: it takes dD's.
+    // loop's end) is free: it takes dD's.
     if (lane == 0) sm.dot_parts[1][warp - 4] = d_skip;
   }
-  __syncthreads();
+  barrier_wait(kComputeBarrier, kCoreThreads);
   if (threadIdx.x == 0) {
     // dD's partial of the pair, in its group 0 slot (finish_chunk zeroes the other groups').
     const int groups = partial_groups(d);
@@ -1247,7 +1356,7 @@ SweepLaunches sweep_launches_at(const Dims& d) {
   core.total = sizeof(CoreSmem<R>);
   l.core = {"sweep_core", kernel_address(&sweep_core_kernel<R>),
             dim3(static_cast<unsigned>(d.heads), static_cast<unsigned>(d.batch)),
-            dim3(kCoreThreads), core};
+            dim3(kCoreBlockThreads), core};
   l.finish = {"sweep_finish",
               kernel_address(&sweep_finish_kernel<R>),
               dim3(chunks, static_cast<unsigned>(d.batch)),
