@@ -256,12 +256,15 @@ __global__ void __launch_bounds__(kPrepThreads, 3)
 //    stage (q and k rotated, PsiV, and the copies they waited for) is complete; the compute warps
 //    wait there at the chunk's start (so it is also their barrier between chunks: every part a
 //    chunk's warps left is complete, and the one before it read);
-//  - the free barrier (4, the block): the compute warps arrive at a chunk's end; the operand warps
-//    wait there before they overwrite its stage (the next chunk but one's copies) and E's split
-//    operand;
-//  - the state barrier (5, the operand and query warps): the operand warps arrive once the chunk's
+//  - a stage's free barrier (4 + stage, the block): the compute warps arrive at a chunk's end; the
+//    operand warps wait there before they overwrite its stage (the next chunk but one's copies)
+//    and E's split operand. One a stage: the key warps can finish the next chunk (they never wait
+//    for the operand warps' E) before the operand warps wait here, and on one barrier their
+//    arrival would meet this chunk's phase still open (one barrier measured 2% slower at MIMO,
+//    bench/RESULTS.md session 41);
+//  - the state barrier (6, the operand and query warps): the operand warps arrive once the chunk's
 //    split E is in; the query warps wait there before their first read of it;
-//  - the operand warps' own (6) and the compute warps' own (7).
+//  - the operand warps' own (7) and the compute warps' own (8).
 //
 // compute-sanitizer's racecheck does not model bar.arrive: it reports hazards between accesses
 // that a __syncthreads orders once a named barrier's producers only arrive, on a minimal kernel as
@@ -269,8 +272,8 @@ __global__ void __launch_bounds__(kPrepThreads, 3)
 // -DMEGACPP_RACECHECK_NAMED_BARRIERS the query warps wait at the X barrier as well (the same
 // order, slower); the operand warps' hand-overs cannot be waits on both sides (each side waits for
 // the other's next one), so racecheck sees those as hazards.
-constexpr int kXBarrier = 1, kReadyBarrier = 2, kFreeBarrier = 4, kStateBarrier = 5,
-              kOperandBarrier = 6, kComputeBarrier = 7;
+constexpr int kXBarrier = 1, kReadyBarrier = 2, kFreeBarrier = 4, kStateBarrier = 6,
+              kOperandBarrier = 7, kComputeBarrier = 8;
 __device__ __forceinline__ void barrier_wait(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
@@ -757,7 +760,7 @@ __device__ __forceinline__ void make_operands(const Dims& d, const DevInputs& in
   const auto split_state = [&](int c) {
     wait_copies<0>();
     barrier_wait(kOperandBarrier, kOperandThreads);  // E_c is in
-    if (c + 1 < chunks) barrier_wait(kFreeBarrier, kCoreBlockThreads);
+    if (c + 1 < chunks) barrier_wait(kFreeBarrier + (c + 1) % 2, kCoreBlockThreads);
     if (c > 0) load_stage(c - 1);
     split_entry();
     barrier_arrive(kStateBarrier, kOperandThreads + kQueryThreads);
@@ -1181,7 +1184,7 @@ __global__ void __launch_bounds__(kCoreBlockThreads, 1)
     }
     // Chunk c's stage, split E and e^{l} dO are no longer read (the operand warps wait here for
     // nothing past chunk 1).
-    if (c > 0) barrier_arrive(kFreeBarrier, kCoreBlockThreads);
+    if (c > 0) barrier_arrive(kFreeBarrier + stage, kCoreBlockThreads);
   }
   barrier_wait(kComputeBarrier, kCoreThreads);
   if (query_side) {
