@@ -64,11 +64,11 @@ constexpr int kC = 64, kN = 64, kP = 64, kA = 16;
 constexpr int kLd = 72;
 constexpr int kTile = kC * kLd;
 // sweep_core's block: 8 compute warps (0-3 the query side, 4-7 the key side) and a warpgroup of
-// operand warps (8-11) that makes each chunk's operands while the compute warps work on the chunk
-// before it. Registers (setmaxnreg): 168 a thread at entry (65,536 / 384), then the compute warps
-// take what they use without spilling (224 at R = 4, 232 at R = 1) and the operand warps keep the
-// rest (56 or 40: 2 · 224 + 56 = 3 · 168). setmaxnreg is sm_90a's: built for another architecture
-// every warp keeps 168 (the compute warps spill; the results are the same).
+// operand warps (8-11) that makes each chunk's operands a chunk ahead of them (in the reverse
+// walk's order). Registers (setmaxnreg): 168 a thread at entry (65,536 / 384), then the compute
+// warps take what they use without spilling (224 at R = 4, 232 at R = 1) and the operand warps keep
+// the rest (56 or 40: 2 · 224 + 56 = 3 · 168). setmaxnreg is sm_90a's: built for another
+// architecture every warp keeps 168 (the compute warps spill; the results are the same).
 constexpr int kCoreWarps = 8, kCoreThreads = kCoreWarps * 32;
 constexpr int kOperandThreads = 128;
 constexpr int kCoreBlockThreads = kCoreThreads + kOperandThreads;
@@ -86,10 +86,9 @@ constexpr int kRotationLd = kA + 4;  // fp32 row stride of cos θ and sin θ: 16
 // the operand warps only); the split operands (E and X: rows p, columns n; e^{l} dO: rows t,
 // columns p; hi and lo each; E's made for each chunk once the compute warps are done with the
 // last chunk's, e^{l} dO's by each query warp, the columns it reads), the head's mimo_x and the
-// rotation's biases, and the parts that a chunk's warps leave for
-// the next chunk to finish (two slots: dl's per token, the exit terms, <E, X>, dγ and dκ, dθ's q
-// and k terms, mimo_x's column sums of each key warp, and the column sums of each warp's dq or
-// dk).
+// rotation's biases, and the parts that a chunk's warps leave for the next chunk to finish (two
+// slots: dl's per token, the exit terms, <E, X>, dγ and dκ, dθ's q and k terms, mimo_x's column
+// sums of each key warp, and the column sums of each warp's dq or dk).
 template <int R>
 struct CoreSmem {
   static constexpr int kTokens = kC / R;
