@@ -68,7 +68,9 @@ constexpr int kTile = kC * kLd;
 // walk's order). Registers (setmaxnreg): 168 a thread at entry (65,536 / 384), then the compute
 // warps take what they use without spilling (224 at R = 4, 232 at R = 1) and the operand warps keep
 // the rest (56 or 40: 2 · 224 + 56 = 3 · 168). setmaxnreg is sm_90a's: built for another
-// architecture every warp keeps 168 (the compute warps spill; the results are the same).
+// architecture every warp keeps 168 (the compute warps spill; the results are the same). The sums
+// assume the 168 that __launch_bounds__(384, 1) gives: a -maxrregcount below it would leave the
+// compute warps' setmaxnreg.inc waiting for registers that never come free.
 constexpr int kCoreWarps = 8, kCoreThreads = kCoreWarps * 32;
 constexpr int kOperandThreads = 128;
 constexpr int kCoreBlockThreads = kCoreThreads + kOperandThreads;
@@ -620,13 +622,13 @@ __device__ __forceinline__ void finish_rotated_gradient(float (&acc)[8][4], cons
 // reverse a chunk ahead of the compute warps, its stage copied in (cp.async), q and k rotated in
 // place with their biases (rounded once; padded rows stay zero) and PsiV = v ⊙ mimo_x (as the
 // forward rounds it, PsivLoader: zeros for padded tokens, whose v is zero), then the stage's ready
-// barrier; and once the compute warps are done with the chunk before (the free barrier), E split
-// into hi + lo, then the state barrier. A thread's copies are the same rows (token, rank) of every
-// chunk: rows thread / 8 + 16 i of each of q, k, v (the token's, at every rank) and dO, its
-// 16-byte part thread % 8 (zeros past the sequence); E's quads thread + 128 i; cos θ's and sin θ's
-// quads thread + 128 i (of kTokens · 4); l, κ, γ by 3 kTokens / 4 threads. The item loops stay
-// rolled: unrolled, they spilled at 56 registers and the MIMO backward took 4% longer
-// (bench/RESULTS.md session 41).
+// barrier; and once the compute warps are done with the chunk the walk took before it (the free
+// barrier), E split into hi + lo, then the state barrier. A thread's copies are the same rows
+// (token, rank) of every chunk: rows thread / 8 + 16 i of each of q, k, v (the token's, at every
+// rank) and dO, its 16-byte part thread % 8 (zeros past the sequence); E's quads thread + 128 i;
+// cos θ's and sin θ's quads thread + 128 i (of kTokens · 4); l, κ, γ by 3 kTokens / 4 threads. The
+// item loops stay rolled: unrolled, they spilled at 56 registers and the MIMO backward took 4%
+// longer (bench/RESULTS.md session 41).
 template <int R>
 __device__ __forceinline__ void make_operands(const Dims& d, const DevInputs& in, const Work& w,
                                               CoreSmem<R>& sm, int h, int b, int thread) {
@@ -983,8 +985,8 @@ __global__ void __launch_bounds__(kCoreBlockThreads, 1)
         }
       }
       arrive_x_split();
-      // Chunk c + 1's parts are complete (barrier 1); the query warps, with the lighter share of
-      // the causal work, finish them.
+      // Chunk c + 1's parts are complete (the ready barrier); the query warps, with the lighter
+      // share of the causal work, finish them.
       if (c + 1 < chunks) finish_chunk(c + 1, later_l_last);
       later_l_last = l_last;
       // S = Q̃ K̃ᵀ and dA = dO Vᵀ for the warp's 16 query rows, weighted by W; G's row sums and dγ.
@@ -1051,20 +1053,22 @@ __global__ void __launch_bounds__(kCoreBlockThreads, 1)
       }
       dot = warp_sum(dot);
       if (lane == 0) sm.dot_parts[slot][warp] = dot;
-        // X for chunk c − 1: e^{l_last} X + (e^{l} dO)ᵀ Q̃, the warp's 16 rows.
-        // Each query warp splits the e^{l} dO its rows p read (columns r0 … r0 + 15, every row t):
-        // four columns an item, rows lane / 4 + 8 i.
+      // X for chunk c − 1: e^{l_last} X + (e^{l} dO)ᵀ Q̃, the warp's 16 rows. Each query warp
+      // first splits the e^{l} dO its rows p read (columns r0 … r0 + 15, every row t): four
+      // columns an item, rows lane / 4 + 8 i.
+      {
 #pragma unroll
-      for (int i = 0; i < kC / 8; ++i) {
-        const int t = lane / 4 + 8 * i, col = r0 + 4 * (lane % 4);
-        const uint2 o_raw = *reinterpret_cast<const uint2*>(d_out + t * kLd + col);
-        const float row_scale = exp_flushed(l[t / R]);
-        const float2 o01 = unpack_bf16(o_raw.x), o23 = unpack_bf16(o_raw.y);
-        uint2 hi, lo;
-        split_bf16(o01.x * row_scale, o01.y * row_scale, hi.x, lo.x);
-        split_bf16(o23.x * row_scale, o23.y * row_scale, hi.y, lo.y);
-        *reinterpret_cast<uint2*>(sm.ds_hi + t * kLd + col) = hi;
-        *reinterpret_cast<uint2*>(sm.ds_lo + t * kLd + col) = lo;
+        for (int i = 0; i < kC / 8; ++i) {
+          const int t = lane / 4 + 8 * i, col = r0 + 4 * (lane % 4);
+          const uint2 o_raw = *reinterpret_cast<const uint2*>(d_out + t * kLd + col);
+          const float row_scale = exp_flushed(l[t / R]);
+          const float2 o01 = unpack_bf16(o_raw.x), o23 = unpack_bf16(o_raw.y);
+          uint2 hi, lo;
+          split_bf16(o01.x * row_scale, o01.y * row_scale, hi.x, lo.x);
+          split_bf16(o23.x * row_scale, o23.y * row_scale, hi.y, lo.y);
+          *reinterpret_cast<uint2*>(sm.ds_hi + t * kLd + col) = hi;
+          *reinterpret_cast<uint2*>(sm.ds_lo + t * kLd + col) = lo;
+        }
       }
       __syncwarp();
       float update[8][4];
@@ -1192,7 +1196,7 @@ __global__ void __launch_bounds__(kCoreBlockThreads, 1)
     // Each quad's lanes hold the same sums: lane 0 of each quad counts them once.
     d_skip = warp_sum(c4 == 0 ? d_skip : 0.f);
     // dot_parts' slot 1 (<E, X>'s parts of chunk 1, read by finish_chunk(1) before the loop's
-    // loop's end) is free: it takes dD's.
+    // end) is free: it takes dD's.
     if (lane == 0) sm.dot_parts[1][warp - 4] = d_skip;
   }
   barrier_wait(kComputeBarrier, kCoreThreads);
