@@ -417,7 +417,9 @@ struct DevGrads {
 struct Work {
   float* theta0;   // [B, H, chunks, A] θ just before each chunk
   float* states;   // [B, H, chunks, P, N] chunk-local exit part, then entry states (chunk_forward:
-                   //   entry states only)
+                   //   entry states only); where the sweep will run (sweep_rotation not null),
+                   //   each chunk's block then leaves its entry state as the sweep reads it, split
+                   //   in place: bf16 [P, N] hi parts, then lo parts (entry_split_of)
   float* decay;    // [B, H, chunks] e^{l_last}
   float* gstates;  // [B, H, chunks, P, N] dL/d(entry), then dL/d(exit state) (the fused
                    //   chunk_dstate: dL/d(exit state) only)
@@ -786,8 +788,7 @@ static __device__ __forceinline__ Bf16Row<W> round_row(const float (&values)[W])
 // Four neighbouring floats as store_split's pairs, their hi and lo parts stored 8 bytes at a time
 // (at + hi and at + lo 8-byte aligned): four 2-byte stores a part put a warp's lanes 8 bytes apart,
 // on 2-way bank conflicts.
-static __device__ __forceinline__ void store_split_quad(const float4& x, bf16* hi, bf16* lo,
-                                                        int at) {
+static __device__ __forceinline__ void split_quad(const float4& x, Bf16Row<4>& hi, Bf16Row<4>& lo) {
   const float values[4] = {x.x, x.y, x.z, x.w};
   float high[4], low[4];
 #pragma unroll
@@ -795,8 +796,20 @@ static __device__ __forceinline__ void store_split_quad(const float4& x, bf16* h
     high[e] = to_f(__float2bfloat16(values[e]));
     low[e] = values[e] - high[e];
   }
-  store_row(hi + at, round_row<4>(high));
-  store_row(lo + at, round_row<4>(low));
+  hi = round_row<4>(high);
+  lo = round_row<4>(low);
+}
+static __device__ __forceinline__ void store_split_quad(const float4& x, bf16* hi, bf16* lo,
+                                                        int at) {
+  Bf16Row<4> high, low;
+  split_quad(x, high, low);
+  store_row(hi + at, high);
+  store_row(lo + at, low);
+}
+// Chunk bhc's entry state split in place of its fp32 copy (Work::states): hi parts [P, N], then lo
+// parts (the same bytes as the fp32 state).
+static __device__ __forceinline__ bf16* entry_split_of(const Work& w, size_t bhc, int matrix) {
+  return reinterpret_cast<bf16*>(w.states + bhc * matrix);
 }
 // W floats from `from`, four at a time where W allows (`from` then 16-byte aligned).
 template <int W>

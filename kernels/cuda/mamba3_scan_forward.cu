@@ -230,6 +230,18 @@ __global__ void __launch_bounds__(kOutputThreads)
   });
   fill_weights(d, sc, weights);
   __syncthreads();
+  if constexpr (kTensor) {
+    // Where the sweep will run, E_c's split in place of its fp32 copy, as the sweep reads it (the
+    // block's reads of that copy were before the barrier, and no other block reads it).
+    if (w.sweep_rotation != nullptr) {
+      bf16* split_out = entry_split_of(w, bhc, P * N);
+      for (int idx = threadIdx.x; idx < P * N; idx += blockDim.x) {
+        const int at = d.by_state.div(idx) * ld_split + d.by_state.mod(idx);
+        split_out[idx] = entry_hi[at];
+        split_out[P * N + idx] = entry_lo[at];
+      }
+    }
+  }
   const int ld_sw = ld.sw;
   bf16_gemm<kTensor, false, false>(
       M, M, N, q_rot, ld_qk, k_rot, ld_qk, [&](int i, int j, float value) {
@@ -422,13 +434,14 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
   float4 entry[kPerThread];
   const float decay = sc[kEntryDecay * C + (pos.len - 1)];
   const bool has_next = pos.c + 1 < d.chunks;
+  const bool keeps_split = w.sweep_rotation != nullptr;
 #pragma unroll
   for (int u = 0; u < kPerThread; ++u) {
     const int quad = threadIdx.x + u * kOutputThreads;
     if (quad >= quads) continue;
     entry[u] = pos.c > 0 ? __ldcg(reinterpret_cast<const float4*>(states) + quad)
                          : make_float4(0.f, 0.f, 0.f, 0.f);
-    if (pos.c == 0) reinterpret_cast<float4*>(states)[quad] = entry[u];
+    if (pos.c == 0 && !keeps_split) reinterpret_cast<float4*>(states)[quad] = entry[u];
     if (has_next) {
       const float4 part = exit_part_quad<D>(exit_part, quad);
       __stcg(reinterpret_cast<float4*>(states + matrix) + quad, scale_add(decay, entry[u], part));
@@ -436,13 +449,23 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
   }
   publish_ready(ready + pos.c + 1, has_next);
   if (threadIdx.x == 0) w.decay[pair * d.chunks + pos.c] = decay;
-    // E_c as hi + lo pairs, the operand of o's entry tiles.
+  // E_c as hi + lo pairs, the operand of o's entry tiles; where the sweep will run, also in place
+  // of E_c's fp32 copy, as the sweep reads it (every thread's reads of that copy were before
+  // publish_ready's barrier, and no other block reads it).
+  bf16* split_out = entry_split_of(w, pair * d.chunks + pos.c, P * N);
 #pragma unroll
   for (int u = 0; u < kPerThread; ++u) {
     const int quad = threadIdx.x + u * kOutputThreads;
     if (quad >= quads) continue;
     const int at = d.by_state.div(4 * quad) * ld_split + d.by_state.mod(4 * quad);
-    store_split_quad(entry[u], entry_hi, entry_lo, at);
+    Bf16Row<4> hi, lo;
+    split_quad(entry[u], hi, lo);
+    store_row(entry_hi + at, hi);
+    store_row(entry_lo + at, lo);
+    if (keeps_split) {
+      __stcg(reinterpret_cast<uint2*>(split_out) + quad, hi.raw);
+      __stcg(reinterpret_cast<uint2*>(split_out + matrix) + quad, lo.raw);
+    }
   }
   __syncthreads();
   // o = e^{l} Q E_cᵀ + Sw PsiV + D PsiV made whole in registers, a tile a warp: its entry tile now,

@@ -84,11 +84,11 @@ constexpr int kAngleLd = kA + 1;                 // fp32 row stride of the dθ p
 constexpr int kRotationLd = kA + 4;  // fp32 row stride of cos θ and sin θ: 16-byte copies
 
 // Shared memory: two stages of the chunk's q and k (rotated in place once in), v (as it came in),
-// dO (bf16 [C][kLd]), cos θ, sin θ, l, κ and γ, and PsiV = v ⊙ mimo_x; E_c (fp32 [P][N], read by
-// the operand warps only); the split operands (E and X: rows p, columns n; e^{l} dO: rows t,
-// columns p; hi and lo each; E's made for each chunk once the compute warps are done with the
-// last chunk's, e^{l} dO's by each query warp, the columns it reads), the head's mimo_x and the
-// rotation's biases, and the parts that a chunk's warps leave for the next chunk to finish (two
+// dO (bf16 [C][kLd]), cos θ, sin θ, l, κ and γ, PsiV = v ⊙ mimo_x, and E_c's split (hi and lo,
+// rows p, columns n: the forward leaves it split, Work::states); the split operands of X (rows p,
+// columns n) and e^{l} dO (rows t, columns p; each query warp splits the columns it reads), hi
+// and lo each; the head's mimo_x, and the parts that a chunk's warps leave for the next chunk to
+// finish (two
 // slots: dl's per token, the exit terms, <E, X>, dγ and dκ, dθ's q and k terms, mimo_x's column
 // sums of each key warp, and the column sums of each warp's dq or dk).
 template <int R>
@@ -97,10 +97,9 @@ struct CoreSmem {
   bf16 q[2][kTile], k[2][kTile], v[2][kTile], d_out[2][kTile], psiv[2][kTile];
   float cos_theta[2][kTokens * kRotationLd], sin_theta[2][kTokens * kRotationLd];
   float log_decay[2][kTokens], kappa[2][kTokens], gamma[2][kTokens];
-  float entry[kP * kN];
-  bf16 e_hi[kTile], e_lo[kTile], x_hi[kTile], x_lo[kTile], ds_hi[kTile], ds_lo[kTile];
+  bf16 e_hi[2][kTile], e_lo[2][kTile];  // E_c's split, a stage's, as the forward left it
+  bf16 x_hi[kTile], x_lo[kTile], ds_hi[kTile], ds_lo[kTile];
   alignas(16) float mimo_x[R * kP];
-  alignas(16) float qk_bias[2][R * kN];  // the rotation's biases of q and k, by rank
   float dl_query[2][kTokens], dl_key[2][kTokens], exit_terms[2][kC];
   float d_gamma[2][kTokens], d_kappa[2][kTokens];
   float d_theta[2][2][kC * kAngleLd];
@@ -254,17 +253,15 @@ __global__ void __launch_bounds__(kPrepThreads, 3)
 //  - the X barrier (1, the compute warps): the query warps arrive once X's split operand is in
 //    shared memory; the key warps wait there before their first read of it;
 //  - a stage's ready barrier (2 + stage, the block): the operand warps arrive once the chunk's
-//    stage (q and k rotated, PsiV, and the copies they waited for) is complete; the compute warps
+//    stage (q and k rotated, PsiV, and the copies they waited for, E's split among them) is
+//    complete; the compute warps
 //    wait there at the chunk's start (so it is also their barrier between chunks: every part a
 //    chunk's warps left is complete, and the one before it read);
 //  - a stage's free barrier (4 + stage, the block): the compute warps arrive at a chunk's end; the
-//    operand warps wait there before they overwrite its stage (the next chunk but one's copies)
-//    and E's split operand. One a stage: the key warps can finish the next chunk (they never wait
-//    for the operand warps' E) before the operand warps wait here, and on one barrier their
-//    arrival would meet this chunk's phase still open (one barrier measured 2% slower at MIMO,
-//    bench/RESULTS.md session 41);
-//  - the state barrier (6, the operand and query warps): the operand warps arrive once the chunk's
-//    split E is in; the query warps wait there before their first read of it;
+//    operand warps wait there before they overwrite its stage (the next chunk but one's copies).
+//    One a stage: the key warps can finish the next chunk before the query warps finish this one
+//    and the operand warps wait here, and on one barrier their arrival would meet this chunk's
+//    phase still open (one barrier measured 2% slower at MIMO, bench/RESULTS.md session 41);
 //  - the operand warps' own (7) and the compute warps' own (8).
 //
 // compute-sanitizer's racecheck does not model bar.arrive: it reports hazards between accesses
@@ -273,8 +270,8 @@ __global__ void __launch_bounds__(kPrepThreads, 3)
 // -DMEGACPP_RACECHECK_NAMED_BARRIERS the query warps wait at the X barrier as well (the same
 // order, slower); the operand warps' hand-overs cannot be waits on both sides (each side waits for
 // the other's next one), so racecheck sees those as hazards.
-constexpr int kXBarrier = 1, kReadyBarrier = 2, kFreeBarrier = 4, kStateBarrier = 6,
-              kOperandBarrier = 7, kComputeBarrier = 8;
+constexpr int kXBarrier = 1, kReadyBarrier = 2, kFreeBarrier = 4, kOperandBarrier = 7,
+              kComputeBarrier = 8;
 __device__ __forceinline__ void barrier_wait(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
@@ -623,12 +620,12 @@ __device__ __forceinline__ void finish_rotated_gradient(float (&acc)[8][4], cons
 // place with their biases (rounded once; padded rows stay zero) and PsiV = v ⊙ mimo_x (as the
 // forward rounds it, PsivLoader: zeros for padded tokens, whose v is zero), then the stage's ready
 // barrier; and once the compute warps are done with the chunk the walk took before it (the free
-// barrier), E split into hi + lo, then the state barrier. A thread's copies are the same rows
-// (token, rank) of every chunk: rows thread / 8 + 16 i of each of q, k, v (the token's, at every
-// rank) and dO, its 16-byte part thread % 8 (zeros past the sequence); E's quads thread + 128 i;
-// cos θ's and sin θ's quads thread + 128 i (of kTokens · 4); l, κ, γ by 3 kTokens / 4 threads. The
-// item loops stay rolled: unrolled, they spilled at 56 registers and the MIMO backward took 4%
-// longer (bench/RESULTS.md session 41).
+// barrier), the next chunk's copies started. A thread's copies are the same rows (token, rank) of
+// every chunk: rows thread / 8 + 16 i of each of q, k, v (the token's, at every rank), dO and E's
+// hi and lo parts, its 16-byte part thread % 8 (zeros past the sequence); cos θ's and sin θ's quads
+// thread + 128 i (of kTokens · 4); l, κ, γ by 3 kTokens / 4 threads. The item loops stay rolled:
+// unrolled, they spilled at 56 registers and the MIMO backward took 4% longer (bench/RESULTS.md
+// session 41).
 template <int R>
 __device__ __forceinline__ void make_operands(const Dims& d, const DevInputs& in, const Work& w,
                                               CoreSmem<R>& sm, int h, int b, int thread) {
@@ -658,6 +655,14 @@ __device__ __forceinline__ void make_operands(const Dims& d, const DevInputs& in
       copy_16_async(sm.d_out[stage] + to, w.sweep_d_out + token * d.heads * R * kP + o_column,
                     valid);
     }
+    const bf16* entry_hi = entry_split_of(w, bh * chunks + c, kP * kN);
+#pragma unroll
+    for (int i = 0; i < kP / (kOperandThreads / 8); ++i) {
+      const int row = copy_row + kOperandThreads / 8 * i;
+      const int from = row * kN + copy_part * 8, to = row * kLd + copy_part * 8;
+      copy_16_async(sm.e_hi[stage] + to, entry_hi + from, true);
+      copy_16_async(sm.e_lo[stage] + to, entry_hi + kP * kN + from, true);
+    }
     const float* cos_source = w.sweep_rotation + bh * Tp * kA;
     const float* sin_source = cos_source + pairs * Tp * kA;
     for (int quad = thread; quad < kTokens * (kA / 4); quad += kOperandThreads) {
@@ -677,24 +682,36 @@ __device__ __forceinline__ void make_operands(const Dims& d, const DevInputs& in
     }
     commit_copies();
   };
-  const auto load_entry = [&](int c) {
-    const float* entry = w.states + (bh * chunks + c) * kP * kN;
-#pragma unroll
-    for (int i = 0; i < kP * kN / 4 / kOperandThreads; ++i) {
-      const int quad = thread + i * kOperandThreads;
-      copy_16_async(sm.entry + quad * 4, entry + quad * 4, true);
-    }
-    commit_copies();
-  };
   // q and k rotated in place, lane (row = lane / 16, m = lane % 16) columns n = 2m and 2m + 1 and
-  // their partners n + N/2; then PsiV, four columns an item.
+  // their partners n + N/2; then PsiV, four columns an item. A lane's rows are R-periodic in its
+  // steps, so its biases and mimo_x columns are the same at every step of every chunk: held in
+  // registers from the start (read from shared memory at each step, their loads were the largest
+  // share of the operand warps' stalls, ncu source counters).
+  constexpr int kRowStep = 2 * (kOperandThreads / 32);
+  constexpr int kPsivRowStep = kOperandThreads / (kP / 4);
+  static_assert(kRowStep % R == 0 && kPsivRowStep % R == 0);
+  const int rotation_row = 2 * pwarp + lane / 16, rotation_column = 2 * (lane % 16);
+  // As bf16 pairs, the parameters' own values (the operand warps have few registers).
+  uint32_t lead_bias[2], partner_bias[2];  // [q or k]
+  {
+    const bf16* biases[2] = {in.q_bias, in.k_bias};
+#pragma unroll
+    for (int which = 0; which < 2; ++which) {
+      const bf16* bias = biases[which] + (h * R + rotation_row % R) * kN + rotation_column;
+      lead_bias[which] = *reinterpret_cast<const uint32_t*>(bias);
+      partner_bias[which] = *reinterpret_cast<const uint32_t*>(bias + kN / 2);
+    }
+  }
+  const int psiv_row = thread / (kP / 4), psiv_column = thread % (kP / 4) * 4;
+  const uint2 mimo_x =
+      *reinterpret_cast<const uint2*>(in.mimo_x + (h * R + psiv_row % R) * kP + psiv_column);
   const auto rotate_and_weight = [&](int c) {
     const int stage = c % 2, t0 = c * kTokens;
     const float *cos_theta = sm.cos_theta[stage], *sin_theta = sm.sin_theta[stage];
-    constexpr int kRowStep = 2 * (kOperandThreads / 32);
+    const int n = rotation_column;
 #pragma unroll 1
     for (int i = 0; i < kC / kRowStep; ++i) {
-      const int t = 2 * pwarp + lane / 16 + i * kRowStep, n = 2 * (lane % 16);
+      const int t = rotation_row + i * kRowStep;
       const bool token = t0 + t / R < T;
       float2 c_ = make_float2(1.f, 1.f), s_ = make_float2(0.f, 0.f);
       if (n < kA) {
@@ -705,16 +722,13 @@ __device__ __forceinline__ void make_operands(const Dims& d, const DevInputs& in
 #pragma unroll
       for (int which = 0; which < 2; ++which) {
         bf16* row = (which == 0 ? sm.q[stage] : sm.k[stage]) + t * kLd + n;
-        const float* bias = sm.qk_bias[which] + t % R * kN + n;
         const float2 first = unpack_bf16(*reinterpret_cast<const uint32_t*>(row));
         const float2 second = unpack_bf16(*reinterpret_cast<const uint32_t*>(row + kN / 2));
-        float2 lead_bias = make_float2(0.f, 0.f), partner_bias = lead_bias;
-        if (token) {
-          lead_bias = *reinterpret_cast<const float2*>(bias);
-          partner_bias = *reinterpret_cast<const float2*>(bias + kN / 2);
-        }
-        const float lead[2] = {first.x + lead_bias.x, first.y + lead_bias.y};
-        const float partner[2] = {second.x + partner_bias.x, second.y + partner_bias.y};
+        // Padded tokens loaded zeros and take no bias, so they store zeros.
+        const float2 lead_add = unpack_bf16(token ? lead_bias[which] : 0u);
+        const float2 partner_add = unpack_bf16(token ? partner_bias[which] : 0u);
+        const float lead[2] = {first.x + lead_add.x, first.y + lead_add.y};
+        const float partner[2] = {second.x + partner_add.x, second.y + partner_add.y};
         *reinterpret_cast<uint32_t*>(row) =
             pack_bf16(lead[0] * cs[0] - partner[0] * sn[0], lead[1] * cs[1] - partner[1] * sn[1]);
         *reinterpret_cast<uint32_t*>(row + kN / 2) =
@@ -722,59 +736,27 @@ __device__ __forceinline__ void make_operands(const Dims& d, const DevInputs& in
       }
     }
 #pragma unroll 1
-    for (int i = 0; i < kC * kP / 4 / kOperandThreads; ++i) {
-      const int item = thread + i * kOperandThreads, row = item / (kP / 4),
-                col = item % (kP / 4) * 4;
-      const uint2 v_raw = *reinterpret_cast<const uint2*>(sm.v[stage] + row * kLd + col);
-      const float4 mimo_x = *reinterpret_cast<const float4*>(sm.mimo_x + row % R * kP + col);
+    for (int i = 0; i < kC / kPsivRowStep; ++i) {
+      const int row = psiv_row + i * kPsivRowStep, at = row * kLd + psiv_column;
+      const uint2 v_raw = *reinterpret_cast<const uint2*>(sm.v[stage] + at);
       const float2 v01 = unpack_bf16(v_raw.x), v23 = unpack_bf16(v_raw.y);
-      *reinterpret_cast<uint2*>(sm.psiv[stage] + row * kLd + col) =
-          make_uint2(pack_bf16(v01.x * mimo_x.x, v01.y * mimo_x.y),
-                     pack_bf16(v23.x * mimo_x.z, v23.y * mimo_x.w));
+      const float2 x01 = unpack_bf16(mimo_x.x), x23 = unpack_bf16(mimo_x.y);
+      *reinterpret_cast<uint2*>(sm.psiv[stage] + at) = make_uint2(
+          pack_bf16(v01.x * x01.x, v01.y * x01.y), pack_bf16(v23.x * x23.x, v23.y * x23.y));
     }
   };
-  // E (rows p, columns n) split, four columns an item.
-  const auto split_entry = [&]() {
-#pragma unroll 1
-    for (int i = 0; i < kP * kN / 4 / kOperandThreads; ++i) {
-      const int item = thread + i * kOperandThreads, row = item / (kN / 4),
-                col = item % (kN / 4) * 4;
-      const float4 e = *reinterpret_cast<const float4*>(sm.entry + row * kN + col);
-      uint2 hi, lo;
-      split_bf16(e.x, e.y, hi.x, lo.x);
-      split_bf16(e.z, e.w, hi.y, lo.y);
-      *reinterpret_cast<uint2*>(sm.e_hi + row * kLd + col) = hi;
-      *reinterpret_cast<uint2*>(sm.e_lo + row * kLd + col) = lo;
-    }
-  };
-  // The last chunk first; then, for each chunk c before it (the compute warps at chunk c + 1): E_c
-  // copied in once every operand warp has read E_{c+1}, stage c made while it lands (its copies
-  // were started at the last free barrier; stage c % 2 held chunk c + 2, whose last reads were
-  // before that barrier), and, once the compute warps are done with chunk c + 1, chunk c − 1's
-  // copies started and E_c split.
-  const auto make_stage = [&](int c) {
-    wait_copies<1>();                                // the stage's copies (E's may be in flight)
-    barrier_wait(kOperandBarrier, kOperandThreads);  // every operand thread's are in
+  // The last chunk's stage first; then, for each chunk c before it (the compute warps at chunk
+  // c + 1), its stage made from the copies started at the last free barrier, and, once the compute
+  // warps are done with chunk c + 1 (whose stage chunk c − 1 takes), chunk c − 1's copies started.
+  load_stage(chunks - 1);
+  for (int c = chunks - 1; c >= 0; --c) {
+    wait_copies<0>();
+    barrier_wait(kOperandBarrier, kOperandThreads);  // every operand thread's copies are in
     rotate_and_weight(c);
     barrier_arrive(kReadyBarrier + c % 2, kCoreBlockThreads);
-  };
-  const auto split_state = [&](int c) {
-    wait_copies<0>();
-    barrier_wait(kOperandBarrier, kOperandThreads);  // E_c is in
+    if (c == 0) break;
     if (c + 1 < chunks) barrier_wait(kFreeBarrier + (c + 1) % 2, kCoreBlockThreads);
-    if (c > 0) load_stage(c - 1);
-    split_entry();
-    barrier_arrive(kStateBarrier, kOperandThreads + kQueryThreads);
-  };
-  load_stage(chunks - 1);
-  load_entry(chunks - 1);
-  make_stage(chunks - 1);
-  split_state(chunks - 1);
-  for (int c = chunks - 2; c >= 0; --c) {
-    barrier_wait(kOperandBarrier, kOperandThreads);  // E_{c+1} is read
-    load_entry(c);
-    make_stage(c);
-    split_state(c);
+    load_stage(c - 1);
   }
 }
 
@@ -792,8 +774,6 @@ __global__ void __launch_bounds__(kCoreBlockThreads, 1)
   const int h = blockIdx.x, b = blockIdx.y;
   for (int i = threadIdx.x; i < R * kP; i += kCoreBlockThreads) {
     sm.mimo_x[i] = to_f(in.mimo_x[h * R * kP + i]);
-    sm.qk_bias[0][i] = to_f(in.q_bias[h * R * kN + i]);
-    sm.qk_bias[1][i] = to_f(in.k_bias[h * R * kN + i]);
   }
   __syncthreads();
   if (threadIdx.x >= kCoreThreads) {
@@ -1018,8 +998,7 @@ __global__ void __launch_bounds__(kCoreBlockThreads, 1)
       // dq̃: the state's part first (its dot with q̃ is dl's inter term), then the chunk's.
       float acc[8][4];
       float inter[2];
-      barrier_wait(kStateBarrier, kOperandThreads + kQueryThreads);  // E's split is in
-      state_product(acc, inter, d_out, sm.e_hi, sm.e_lo, q, r0, g, c4, at);
+      state_product(acc, inter, d_out, sm.e_hi[stage], sm.e_lo[stage], q, r0, g, c4, at);
       float scale[2];
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
@@ -1046,8 +1025,8 @@ __global__ void __launch_bounds__(kCoreBlockThreads, 1)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int at_e = (r0 + g + 8 * half) * kLd + col;
-          const float2 hi = unpack_bf16(*reinterpret_cast<const uint32_t*>(sm.e_hi + at_e));
-          const float2 lo = unpack_bf16(*reinterpret_cast<const uint32_t*>(sm.e_lo + at_e));
+          const float2 hi = unpack_bf16(*reinterpret_cast<const uint32_t*>(sm.e_hi[stage] + at_e));
+          const float2 lo = unpack_bf16(*reinterpret_cast<const uint32_t*>(sm.e_lo[stage] + at_e));
           dot += x[j][2 * half] * (hi.x + lo.x) + x[j][2 * half + 1] * (hi.y + lo.y);
         }
       }
@@ -1063,11 +1042,9 @@ __global__ void __launch_bounds__(kCoreBlockThreads, 1)
           const uint2 o_raw = *reinterpret_cast<const uint2*>(d_out + t * kLd + col);
           const float row_scale = exp_flushed(l[t / R]);
           const float2 o01 = unpack_bf16(o_raw.x), o23 = unpack_bf16(o_raw.y);
-          uint2 hi, lo;
-          split_bf16(o01.x * row_scale, o01.y * row_scale, hi.x, lo.x);
-          split_bf16(o23.x * row_scale, o23.y * row_scale, hi.y, lo.y);
-          *reinterpret_cast<uint2*>(sm.ds_hi + t * kLd + col) = hi;
-          *reinterpret_cast<uint2*>(sm.ds_lo + t * kLd + col) = lo;
+          store_split_quad(make_float4(o01.x * row_scale, o01.y * row_scale, o23.x * row_scale,
+                                       o23.y * row_scale),
+                           sm.ds_hi, sm.ds_lo, t * kLd + col);
         }
       }
       __syncwarp();
@@ -1185,9 +1162,9 @@ __global__ void __launch_bounds__(kCoreBlockThreads, 1)
       store_rank_column_sums<R>(sm.mimo_x_parts[slot][warp - 4], column_sums, lane);
       d_skip += quad_sum(own[0]) + quad_sum(own[1]);
     }
-    // Chunk c's stage, split E and e^{l} dO are no longer read (the operand warps wait here for
-    // nothing past chunk 1).
-    if (c > 0) barrier_arrive(kFreeBarrier + stage, kCoreBlockThreads);
+    // Chunk c's stage is no longer read (the operand warps wait here before chunk c − 2's copies:
+    // for nothing past chunk 2).
+    if (c > 1) barrier_arrive(kFreeBarrier + stage, kCoreBlockThreads);
   }
   barrier_wait(kComputeBarrier, kCoreThreads);
   if (query_side) {
