@@ -224,7 +224,8 @@ struct Work {
   double state_bytes_fwd = 0, state_bytes_bwd = 0;  // this implementation's state traffic
 };
 
-Work work_of(const ScanShape& s) {
+// `kernels`: what the scan launches (kernel_attributes), which decides its state traffic.
+Work work_of(const ScanShape& s, const std::vector<megacpp::cuda::KernelAttributes>& kernels) {
   const double chunks = std::ceil(static_cast<double>(s.seqlen) / s.chunk);
   const double blocks = static_cast<double>(s.batch) * s.heads * chunks;
   const double m = static_cast<double>(s.chunk) * s.rank, n = s.state, p = s.headdim;
@@ -238,8 +239,17 @@ Work work_of(const ScanShape& s) {
   w.fwd_bytes = 2 * qk + 2 * xz + scalars + xz;  // q k v z coefficients, y
   w.bwd_bytes = (2 * qk + 3 * xz + scalars) + (2 * qk + 2 * xz + scalars);  // + dy; grads
   const double matrix = blocks * n * p * 4;
-  w.state_bytes_fwd = 4 * matrix;  // F written, read+written by the pass, entry read
-  w.state_bytes_bwd = 6 * matrix;  // H written, pass read+write, G read, E read twice
+  const auto launches = [&](const char* name) {
+    return std::any_of(kernels.begin(), kernels.end(),
+                       [&](const megacpp::cuda::KernelAttributes& k) { return k.name == name; });
+  };
+  const bool sweeps = launches("sweep_core");
+  // chunk_forward: each entry state written by its chunk's predecessor and read once; apart, F
+  // written, read and written by the pass, the entry read. Where the sweep runs, each entry state
+  // is then written again, split, in its own place (Work::states), and the sweep reads that once;
+  // otherwise H written, the pass's read and write, G read, E read twice.
+  w.state_bytes_fwd = (launches("chunk_forward") ? 2 : 4) * matrix + (sweeps ? matrix : 0);
+  w.state_bytes_bwd = (sweeps ? 1 : 6) * matrix;
   return w;
 }
 
@@ -570,7 +580,7 @@ static int run(int argc, char** argv) {
     const bool variants[3][2] = {{true, false}, {true, true}, {false, false}};
     for (const auto& v : variants) {
       results.push_back(measure(name, pr, v[1], v[0], chains, head_split, sweep, repeats));
-      works.push_back(work_of(run_shape));
+      works.push_back(work_of(run_shape, results.back().kernels));
     }
     free_problem(pr);
   }
