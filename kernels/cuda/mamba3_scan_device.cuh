@@ -785,9 +785,7 @@ static __device__ __forceinline__ Bf16Row<W> round_row(const float (&values)[W])
   for (int w = 0; w < W; ++w) out[w] = __float2bfloat16(values[w]);
   return row;
 }
-// Four neighbouring floats as store_split's pairs, their hi and lo parts stored 8 bytes at a time
-// (at + hi and at + lo 8-byte aligned): four 2-byte stores a part put a warp's lanes 8 bytes apart,
-// on 2-way bank conflicts.
+// Four neighbouring floats as store_split's pairs: their hi parts and their lo parts.
 static __device__ __forceinline__ void split_quad(const float4& x, Bf16Row<4>& hi, Bf16Row<4>& lo) {
   const float values[4] = {x.x, x.y, x.z, x.w};
   float high[4], low[4];
@@ -799,6 +797,8 @@ static __device__ __forceinline__ void split_quad(const float4& x, Bf16Row<4>& h
   hi = round_row<4>(high);
   lo = round_row<4>(low);
 }
+// split_quad's parts stored 8 bytes at a time (at + hi and at + lo 8-byte aligned): four 2-byte
+// stores a part put a warp's lanes 8 bytes apart, on 2-way bank conflicts.
 static __device__ __forceinline__ void store_split_quad(const float4& x, bf16* hi, bf16* lo,
                                                         int at) {
   Bf16Row<4> high, low;

@@ -27,7 +27,8 @@
 // per-token gradients (dl, dκ, dγ, dθ, dv) summed over the token's rows):
 // q̃_t = R(θ_t)(q_t + q_bias) and k̃_t likewise, rounded to bf16 once; l the chunk-local
 // cumulative ADT; weights W_ts = e^{l_t − l_s} κ_s (s < t), γ_t (s = t); E_c the chunk's entry
-// state (fp32, as the forward stores it); X = dL/d(exit state of c); last = C − 1:
+// state (as the forward leaves it: split into hi + lo, from its fp32 value); X = dL/d(exit state of
+// c); last = C − 1:
 //   o_t     = Σ_{s≤t} (q̃_t·k̃_s) W_ts v_s + e^{l_t} E_c q̃_t + D v_t      (v = PsiV)
 //   E_{c+1} = e^{l_last} E_c + Σ_s e^{l_last − l_s} κ_s v_s k̃_sᵀ
 // and, with dA_ts = dO_t·v_s, S_ts = q̃_t·k̃_s, G_ts = dA_ts S_ts W_ts (s < t):
@@ -88,9 +89,8 @@ constexpr int kRotationLd = kA + 4;  // fp32 row stride of cos θ and sin θ: 16
 // rows p, columns n: the forward leaves it split, Work::states); the split operands of X (rows p,
 // columns n) and e^{l} dO (rows t, columns p; each query warp splits the columns it reads), hi
 // and lo each; the head's mimo_x, and the parts that a chunk's warps leave for the next chunk to
-// finish (two
-// slots: dl's per token, the exit terms, <E, X>, dγ and dκ, dθ's q and k terms, mimo_x's column
-// sums of each key warp, and the column sums of each warp's dq or dk).
+// finish (two slots: dl's per token, the exit terms, <E, X>, dγ and dκ, dθ's q and k terms,
+// mimo_x's column sums of each key warp, and the column sums of each warp's dq or dk).
 template <int R>
 struct CoreSmem {
   static constexpr int kTokens = kC / R;
@@ -254,14 +254,14 @@ __global__ void __launch_bounds__(kPrepThreads, 3)
 //    shared memory; the key warps wait there before their first read of it;
 //  - a stage's ready barrier (2 + stage, the block): the operand warps arrive once the chunk's
 //    stage (q and k rotated, PsiV, and the copies they waited for, E's split among them) is
-//    complete; the compute warps
-//    wait there at the chunk's start (so it is also their barrier between chunks: every part a
-//    chunk's warps left is complete, and the one before it read);
-//  - a stage's free barrier (4 + stage, the block): the compute warps arrive at a chunk's end; the
-//    operand warps wait there before they overwrite its stage (the next chunk but one's copies).
-//    One a stage: the key warps can finish the next chunk before the query warps finish this one
-//    and the operand warps wait here, and on one barrier their arrival would meet this chunk's
-//    phase still open (one barrier measured 2% slower at MIMO, bench/RESULTS.md session 41);
+//    complete; the compute warps wait there at the chunk's start (so it is also their barrier
+//    between chunks: every part a chunk's warps left is complete, and the one before it read);
+//  - a stage's free barrier (4 + stage, the block): the compute warps arrive at the end of each
+//    chunk c > 1; the operand warps wait there before they overwrite its stage (with chunk
+//    c − 2's copies). One a stage: the operand warps arrive at chunk c − 1's ready barrier before
+//    they wait at chunk c's free one, so the compute warps can finish chunk c − 1 while chunk c's
+//    phase is still open, and on one barrier their arrival would meet it (one barrier measured 2%
+//    slower at MIMO, bench/RESULTS.md session 41);
 //  - the operand warps' own (7) and the compute warps' own (8).
 //
 // compute-sanitizer's racecheck does not model bar.arrive: it reports hazards between accesses
@@ -620,9 +620,10 @@ __device__ __forceinline__ void finish_rotated_gradient(float (&acc)[8][4], cons
 // place with their biases (rounded once; padded rows stay zero) and PsiV = v ⊙ mimo_x (as the
 // forward rounds it, PsivLoader: zeros for padded tokens, whose v is zero), then the stage's ready
 // barrier; and once the compute warps are done with the chunk the walk took before it (the free
-// barrier), the next chunk's copies started. A thread's copies are the same rows (token, rank) of
-// every chunk: rows thread / 8 + 16 i of each of q, k, v (the token's, at every rank), dO and E's
-// hi and lo parts, its 16-byte part thread % 8 (zeros past the sequence); cos θ's and sin θ's quads
+// barrier), the next chunk's copies started. A thread's copies are the same rows of every chunk:
+// rows (token, rank) thread / 8 + 16 i of each of q, k, v (the token's, at every rank) and dO, its
+// 16-byte part thread % 8 (zeros past the sequence); rows p of E's hi and lo parts likewise (all
+// of them, every chunk); cos θ's and sin θ's quads
 // thread + 128 i (of kTokens · 4); l, κ, γ by 3 kTokens / 4 threads. The item loops stay rolled:
 // unrolled, they spilled at 56 registers and the MIMO backward took 4% longer (bench/RESULTS.md
 // session 41).
@@ -745,9 +746,10 @@ __device__ __forceinline__ void make_operands(const Dims& d, const DevInputs& in
           pack_bf16(v01.x * x01.x, v01.y * x01.y), pack_bf16(v23.x * x23.x, v23.y * x23.y));
     }
   };
-  // The last chunk's stage first; then, for each chunk c before it (the compute warps at chunk
-  // c + 1), its stage made from the copies started at the last free barrier, and, once the compute
-  // warps are done with chunk c + 1 (whose stage chunk c − 1 takes), chunk c − 1's copies started.
+  // The last chunk's copies first; then, for each chunk c from the last (the compute warps at chunk
+  // c + 1), its stage made from its copies, and chunk c − 1's copies started, once the compute
+  // warps are done with chunk c + 1, whose stage it takes (the last chunk but one's at once: its
+  // stage was never used).
   load_stage(chunks - 1);
   for (int c = chunks - 1; c >= 0; --c) {
     wait_copies<0>();

@@ -280,6 +280,10 @@ struct Mamba3Scan {
       // 400 tokens: 7 chunks at SISO and 25 at MIMO, so the last group of the partials' (4 and 8
       // chunks) is partly filled.
       add(sized(64, 64, rank, chunk, 2, 400), sweep_or_not(), "_Sweep");
+      // Two and three chunks (the last one short): the walks where sweep_core's operand warps start
+      // the second chunk's copies without a free barrier, and the only free barrier is chunk 2's.
+      add(sized(64, 64, rank, chunk, 2, 2 * chunk - chunk / 4), sweep_or_not(), "_Sweep");
+      add(sized(64, 64, rank, chunk, 2, 3 * chunk - chunk / 4), sweep_or_not(), "_Sweep");
       s = sized(64, 64, rank, chunk, 2, 1000);
       s.groups = 2;
       add(s, sweep_or_not(), "_Sweep");
