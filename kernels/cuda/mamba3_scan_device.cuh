@@ -417,7 +417,7 @@ struct DevGrads {
 struct Work {
   float* theta0;   // [B, H, chunks, A] θ just before each chunk
   float* states;   // [B, H, chunks, P, N] chunk-local exit part, then entry states (chunk_forward:
-                   //   entry states only); where the sweep will run (sweep_rotation not null),
+                   //   entry states only); where the sweep will run (sweep_runs),
                    //   each chunk's block then leaves its entry state as the sweep reads it, split
                    //   in place: bf16 [P, N] hi parts, then lo parts (entry_split_of)
   float* decay;    // [B, H, chunks] e^{l_last}
@@ -450,6 +450,10 @@ struct Work {
   float* sweep_rotation;  // [2][B, H, chunks · C, A] cos θ, then sin θ (forward() keeps them)
   bf16* sweep_dq;         // [B, chunks · C · R, H, N] each head's dL/dq, then its dL/dk: both in
   bf16* sweep_dk;         //   gstates' space
+
+  // Whether the sweep backward will run: then the forward keeps what it reads (the per-token
+  // scalars, the rotation, each entry state split in place).
+  __host__ __device__ bool sweep_runs() const { return sweep_rotation != nullptr; }
 };
 
 // Work::order's length in ints: the ticket counter, then a ready flag per (batch, head, chunk).
@@ -798,13 +802,18 @@ static __device__ __forceinline__ void split_quad(const float4& x, Bf16Row<4>& h
   lo = round_row<4>(low);
 }
 // split_quad's parts stored 8 bytes at a time (at + hi and at + lo 8-byte aligned): four 2-byte
-// stores a part put a warp's lanes 8 bytes apart, on 2-way bank conflicts.
-static __device__ __forceinline__ void store_split_quad(const float4& x, bf16* hi, bf16* lo,
-                                                        int at) {
-  Bf16Row<4> high, low;
-  split_quad(x, high, low);
-  store_row(hi + at, high);
-  store_row(lo + at, low);
+// stores a part put a warp's lanes 8 bytes apart, on 2-way bank conflicts. The parts are returned
+// for a caller that stores them elsewhere too.
+struct SplitQuad {
+  Bf16Row<4> hi, lo;
+};
+static __device__ __forceinline__ SplitQuad store_split_quad(const float4& x, bf16* hi, bf16* lo,
+                                                             int at) {
+  SplitQuad parts;
+  split_quad(x, parts.hi, parts.lo);
+  store_row(hi + at, parts.hi);
+  store_row(lo + at, parts.lo);
+  return parts;
 }
 // Chunk bhc's entry state split in place of its fp32 copy (Work::states): hi parts [P, N], then lo
 // parts (the same bytes as the fp32 state).

@@ -161,13 +161,13 @@ static __device__ __forceinline__ void write_gated_output(const D& d, const DevI
   }
 }
 
-// Where the sweep backward will run (Work::sweep_rotation not null): the chunk's cos θ, sin θ, l,
+// Where the sweep backward will run (Work::sweep_runs): the chunk's cos θ, sin θ, l,
 // κ and γ as load_scalars made them, in the layouts Work gives, for sweep_core (which then reads
 // the values the forward used).
 template <class D>
 static __device__ void keep_sweep_scalars(const D& d, const Work& w, const ChunkPos& pos,
                                           const float* sc, const float* cosv, const float* sinv) {
-  if (w.sweep_rotation == nullptr) return;
+  if (!w.sweep_runs()) return;
   const int C = d.chunk, A = d.angles, ld_a = angles_stride(A);
   const size_t pairs = static_cast<size_t>(d.batch) * d.heads;
   const size_t padded = sweep_padded_tokens(d);
@@ -233,12 +233,13 @@ __global__ void __launch_bounds__(kOutputThreads)
   if constexpr (kTensor) {
     // Where the sweep will run, E_c's split in place of its fp32 copy, as the sweep reads it (the
     // block's reads of that copy were before the barrier, and no other block reads it).
-    if (w.sweep_rotation != nullptr) {
+    if (w.sweep_runs()) {
+      // Four elements a copy (N a multiple of 16 on the tensor cores, ld_split of 8).
       bf16* split_out = entry_split_of(w, bhc, P * N);
-      for (int idx = threadIdx.x; idx < P * N; idx += blockDim.x) {
+      for (int idx = 4 * threadIdx.x; idx < P * N; idx += 4 * blockDim.x) {
         const int at = d.by_state.div(idx) * ld_split + d.by_state.mod(idx);
-        split_out[idx] = entry_hi[at];
-        split_out[P * N + idx] = entry_lo[at];
+        store_row(split_out + idx, load_row<4>(entry_hi + at));
+        store_row(split_out + P * N + idx, load_row<4>(entry_lo + at));
       }
     }
   }
@@ -434,7 +435,7 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
   float4 entry[kPerThread];
   const float decay = sc[kEntryDecay * C + (pos.len - 1)];
   const bool has_next = pos.c + 1 < d.chunks;
-  const bool keeps_split = w.sweep_rotation != nullptr;
+  const bool keeps_split = w.sweep_runs();
 #pragma unroll
   for (int u = 0; u < kPerThread; ++u) {
     const int quad = threadIdx.x + u * kOutputThreads;
@@ -458,13 +459,10 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
     const int quad = threadIdx.x + u * kOutputThreads;
     if (quad >= quads) continue;
     const int at = d.by_state.div(4 * quad) * ld_split + d.by_state.mod(4 * quad);
-    Bf16Row<4> hi, lo;
-    split_quad(entry[u], hi, lo);
-    store_row(entry_hi + at, hi);
-    store_row(entry_lo + at, lo);
+    const SplitQuad parts = store_split_quad(entry[u], entry_hi, entry_lo, at);
     if (keeps_split) {
-      __stcg(reinterpret_cast<uint2*>(split_out) + quad, hi.raw);
-      __stcg(reinterpret_cast<uint2*>(split_out + matrix) + quad, lo.raw);
+      __stcg(reinterpret_cast<uint2*>(split_out) + quad, parts.hi.raw);
+      __stcg(reinterpret_cast<uint2*>(split_out + matrix) + quad, parts.lo.raw);
     }
   }
   __syncthreads();
