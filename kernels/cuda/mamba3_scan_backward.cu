@@ -622,17 +622,17 @@ __global__ void __launch_bounds__(kBackwardThreads)
       // Four elements of a row a thread.
       if (split) {
         entry_split = true;
-        const auto split_quad = [&](int p, int n, const float4& x) {
+        const auto store_entry_quad = [&](int p, int n, const float4& x) {
           store_split_quad(x, state_hi, state_lo, p * ld_split + n);
         };
         if (entry_ahead) {
           wait_copies<0>();  // this thread's quads (with the staged tokens)
           for (int quad = threadIdx.x; quad < P * N / 4; quad += blockDim.x) {
-            split_quad(d.by_state.div(4 * quad), d.by_state.mod(4 * quad),
-                       reinterpret_cast<const float4*>(entry_stage)[quad]);
+            store_entry_quad(d.by_state.div(4 * quad), d.by_state.mod(4 * quad),
+                             reinterpret_cast<const float4*>(entry_stage)[quad]);
           }
         } else {
-          for_each_state_quad(d, w.states + bhc * matrix, split_quad);
+          for_each_state_quad(d, w.states + bhc * matrix, store_entry_quad);
         }
       }
     }

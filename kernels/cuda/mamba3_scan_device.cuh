@@ -417,9 +417,9 @@ struct DevGrads {
 struct Work {
   float* theta0;   // [B, H, chunks, A] θ just before each chunk
   float* states;   // [B, H, chunks, P, N] chunk-local exit part, then entry states (chunk_forward:
-                   //   entry states only); where the sweep will run (sweep_runs),
-                   //   each chunk's block then leaves its entry state as the sweep reads it, split
-                   //   in place: bf16 [P, N] hi parts, then lo parts (entry_split_of)
+                   //   entry states only); where the sweep will run (sweep_runs), each chunk's
+                   //   block then leaves its entry state as the sweep reads it, split in place:
+                   //   bf16 [P, N] hi parts, then lo parts (entry_split_of)
   float* decay;    // [B, H, chunks] e^{l_last}
   float* gstates;  // [B, H, chunks, P, N] dL/d(entry), then dL/d(exit state) (the fused
                    //   chunk_dstate: dL/d(exit state) only)
