@@ -71,6 +71,114 @@ static __device__ __forceinline__ void wait_copies() {
 #endif
 }
 
+// The tensor memory accelerator (TMA, sm_90 and newer): one thread starts a copy of a whole tile
+// (a box of a tensor map, cuTensorMapEncodeTiled, or a contiguous run of bytes) into shared
+// memory, and the bytes land on an mbarrier there: the issuing thread arrives with the bytes its
+// copies will bring (mbarrier_expect_bytes, before them), and a waiter sees the phase complete
+// once every arrival is in and every byte has landed. Box elements past the tensor's bounds land
+// as zeros. Built for an older architecture these trap: their callers run only where the kernel
+// was built for sm_90 (its cudaFuncAttributes::ptxVersion).
+static __device__ __forceinline__ unsigned shared_address(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+static __device__ __forceinline__ void mbarrier_init(uint64_t* barrier, unsigned arrivals) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(shared_address(barrier)),
+               "r"(arrivals)
+               : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#else
+  (void)barrier, (void)arrivals;
+  __trap();
+#endif
+}
+static __device__ __forceinline__ void mbarrier_expect_bytes(uint64_t* barrier, unsigned bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_address(barrier)),
+      "r"(bytes)
+      : "memory");
+#else
+  (void)barrier, (void)bytes;
+  __trap();
+#endif
+}
+// Orders this thread's earlier accesses of shared memory before the copies that the tensor memory
+// accelerator makes next (they write through the async proxy).
+static __device__ __forceinline__ void fence_before_tile_copies() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+// `bytes` (a multiple of 16; both ends 16-byte aligned) from `src` to `dst`.
+static __device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src,
+                                                           unsigned bytes, uint64_t* barrier) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
+          "r"(shared_address(dst)),
+      "l"(src), "r"(bytes), "r"(shared_address(barrier))
+      : "memory");
+#else
+  (void)dst, (void)src, (void)bytes, (void)barrier;
+  __trap();
+#endif
+}
+// The box of `map` (a __grid_constant__ kernel parameter) at `at` (its coordinates, innermost
+// first; as many as the map has dimensions, 2 to 5) to `dst` (128-byte aligned), dense in the
+// box's order.
+template <int kDims>
+static __device__ __forceinline__ void tile_copy_to_shared(void* dst, const void* map,
+                                                           const int (&at)[kDims],
+                                                           uint64_t* barrier) {
+  static_assert(kDims >= 2 && kDims <= 5);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const auto m = reinterpret_cast<uint64_t>(map);
+  const unsigned to = shared_address(dst), bar = shared_address(barrier);
+  if constexpr (kDims == 2) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(to),
+        "l"(m), "r"(at[0]), "r"(at[1]), "r"(bar)
+        : "memory");
+  } else if constexpr (kDims == 4) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(to),
+        "l"(m), "r"(at[0]), "r"(at[1]), "r"(at[2]), "r"(at[3]), "r"(bar)
+        : "memory");
+  } else {
+    static_assert(kDims == 5, "2, 4 or 5 dimensions");
+    asm volatile(
+        "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4, %5, %6}], [%7];\n" ::"r"(to),
+        "l"(m), "r"(at[0]), "r"(at[1]), "r"(at[2]), "r"(at[3]), "r"(at[4]), "r"(bar)
+        : "memory");
+  }
+#else
+  (void)dst, (void)map, (void)at, (void)barrier;
+  __trap();
+#endif
+}
+// Waits until the barrier's phase of parity `parity` is complete.
+static __device__ __forceinline__ void mbarrier_wait(uint64_t* barrier, unsigned parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  unsigned done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred complete;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 complete, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, complete;\n}\n"
+        : "=r"(done)
+        : "r"(shared_address(barrier)), "r"(parity)
+        : "memory");
+  } while (done == 0);
+#else
+  (void)barrier, (void)parity;
+  __trap();
+#endif
+}
+
 // A butterfly sum: every lane ends with the same bits (each step adds a pair in both orders, and
 // addition commutes exactly), so no broadcast is needed.
 static __device__ __forceinline__ float warp_sum(float v) {

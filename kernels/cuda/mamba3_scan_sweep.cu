@@ -52,7 +52,12 @@
 // sums over tokens take the fp32 values). The decays e^{l} are exp_flushed's: __expf's bits, but 0
 // where those would be subnormal (below 1.2e−38, far under every tolerance), for three
 // instructions fewer each.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
 #include <algorithm>
+#include <array>
+#include <limits>
 
 #include "kernels/cuda/mamba3_scan_device.cuh"
 
@@ -82,22 +87,29 @@ template <int R>
 constexpr int kOperandRegisters = 3 * kEntryRegisters - 2 * kComputeRegisters<R>;
 constexpr int kQueryThreads = kCoreThreads / 2;  // warps 0-3, the query side
 constexpr int kAngleLd = kA + 1;                 // fp32 row stride of the dθ parts
-constexpr int kRotationLd = kA + 4;  // fp32 row stride of cos θ and sin θ: 16-byte copies
+// fp32 row stride of cos θ and sin θ: the tile copy's box is 20 floats wide (a multiple of 16
+// bytes; the 4 past a row's 16 land as zeros).
+constexpr int kRotationLd = kA + 4;
 
-// Shared memory: two stages of the chunk's q and k (rotated in place once in), v (as it came in),
-// dO (bf16 [C][kLd]), cos θ, sin θ, l, κ and γ, PsiV = v ⊙ mimo_x, and E_c's split (hi and lo,
+// Shared memory: two stages of the chunk's q and k (rotated in place once in), dO (bf16 [C][kLd]),
+// v as it came in (a token's row once: [C / R][kLd]), cos θ, sin θ, l, κ and γ,
+// PsiV = v ⊙ mimo_x, and E_c's split (hi and lo,
 // rows p, columns n: the forward leaves it split, Work::states); the split operands of X (rows p,
 // columns n) and e^{l} dO (rows t, columns p; each query warp splits the columns it reads), hi
 // and lo each; the head's mimo_x, and the parts that a chunk's warps leave for the next chunk to
 // finish (two slots: dl's per token, the exit terms, <E, X>, dγ and dκ, dθ's q and k terms,
-// mimo_x's column sums of each key warp, and the column sums of each warp's dq or dk).
+// mimo_x's column sums of each key warp, and the column sums of each warp's dq or dk). The tile
+// copies' targets are 128-byte aligned (the tensor memory accelerator's rule), and each stage's
+// copies land on its mbarrier (stage_full).
 template <int R>
 struct CoreSmem {
   static constexpr int kTokens = kC / R;
-  bf16 q[2][kTile], k[2][kTile], v[2][kTile], d_out[2][kTile], psiv[2][kTile];
-  float cos_theta[2][kTokens * kRotationLd], sin_theta[2][kTokens * kRotationLd];
-  float log_decay[2][kTokens], kappa[2][kTokens], gamma[2][kTokens];
-  bf16 e_hi[2][kTile], e_lo[2][kTile];  // E_c's split, a stage's, as the forward left it
+  alignas(128) bf16 q[2][kTile], k[2][kTile], d_out[2][kTile], psiv[2][kTile];
+  alignas(128) bf16 v[2][kTokens * kLd];
+  alignas(128) float cos_theta[2][kTokens * kRotationLd], sin_theta[2][kTokens * kRotationLd];
+  alignas(16) float log_decay[2][kTokens], kappa[2][kTokens], gamma[2][kTokens];
+  alignas(128) bf16 e_hi[2][kTile],
+      e_lo[2][kTile];  // E_c's split, a stage's, as the forward left it
   bf16 x_hi[kTile], x_lo[kTile], ds_hi[kTile], ds_lo[kTile];
   alignas(16) float mimo_x[R * kP];
   float dl_query[2][kTokens], dl_key[2][kTokens], exit_terms[2][kC];
@@ -107,6 +119,28 @@ struct CoreSmem {
   alignas(16) float bias_parts[2][2][4][R * kN];  // [slot][q, k][the side's warp][rank, column]
   float group_parts[2 * R * kN + R * kP];         // the biases' and mimo_x's over a group of chunks
   float dot_parts[2][4];                          // [slot][query warp]: <E_c, X>'s parts
+  uint64_t stage_full[2];
+};
+
+// The bytes of a stage's tile copies: q, k and dO (C rows of kLd), v (C / R rows), E's split (two
+// [P][kLd]), cos θ and sin θ, l, κ and γ. A box's bytes count whole, its zeros past a tensor's
+// bounds among them.
+template <int R>
+constexpr unsigned kStageBytes = sizeof(bf16) * (3 * kC * kLd + kC / R * kLd + 2 * kP * kLd) +
+                                 sizeof(float) * (2 * kC / R * kRotationLd + 3 * kC / R);
+
+// sweep_core's tile copies (the tensor memory accelerator's maps, sweep_copies makes them for one
+// backward). Every bf16 box is kLd = 72 elements wide: the 8 past a row's 64 are past the map's
+// innermost dimension and land as zeros in the row's padding, so a dense box fills the padded
+// rows that ldmatrix reads without bank conflicts. Coordinates, innermost first:
+//   q, k   (n, group, rank, token, batch): a chunk's box is its C rows (token, rank) in order;
+//   v      (p, head, token, batch): C / R rows, a token's once;
+//   d_out  (p, rank, head, token, batch), Work::sweep_d_out;
+//   entry  (n, row) over Work::states as bf16 [B·H·chunks·2·P][N] (entry_split_of);
+//   cos_theta, sin_theta (pair, row) over [B·H·Tp][A] fp32 (Work::sweep_rotation).
+// Tokens past the sequence are past the token dimension: zeros, as the padded rows need.
+struct SweepCopies {
+  CUtensorMap q, k, v, d_out, entry, cos_theta, sin_theta;
 };
 
 // A pair of bf16 packed as pack_bf16 packs them (common.cuh), as floats.
@@ -262,7 +296,7 @@ __global__ void __launch_bounds__(kPrepThreads, 3)
 //    they wait at chunk c's free one, so the compute warps can finish chunk c − 1 while chunk c's
 //    phase is still open, and on one barrier their arrival would meet it (one barrier measured 2%
 //    slower at MIMO, bench/RESULTS.md session 41);
-//  - the operand warps' own (7) and the compute warps' own (8).
+//  - the compute warps' own (8).
 //
 // compute-sanitizer's racecheck does not model bar.arrive: it reports hazards between accesses
 // that a __syncthreads orders once a named barrier's producers only arrive, on a minimal kernel as
@@ -270,8 +304,7 @@ __global__ void __launch_bounds__(kPrepThreads, 3)
 // -DMEGACPP_RACECHECK_NAMED_BARRIERS the query warps wait at the X barrier as well (the same
 // order, slower); the operand warps' hand-overs cannot be waits on both sides (each side waits for
 // the other's next one), so racecheck sees those as hazards.
-constexpr int kXBarrier = 1, kReadyBarrier = 2, kFreeBarrier = 4, kOperandBarrier = 7,
-              kComputeBarrier = 8;
+constexpr int kXBarrier = 1, kReadyBarrier = 2, kFreeBarrier = 4, kComputeBarrier = 8;
 __device__ __forceinline__ void barrier_wait(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
@@ -616,72 +649,44 @@ __device__ __forceinline__ void finish_rotated_gradient(float (&acc)[8][4], cons
 }
 
 // The operand warps (a warpgroup, 128 threads) of sweep_core: for each chunk, walking the chunks in
-// reverse a chunk ahead of the compute warps, its stage copied in (cp.async), q and k rotated in
-// place with their biases (rounded once; padded rows stay zero) and PsiV = v ⊙ mimo_x (as the
-// forward rounds it, PsivLoader: zeros for padded tokens, whose v is zero), then the stage's ready
-// barrier; and once the compute warps are done with the chunk the walk took before it (the free
-// barrier), the next chunk's copies started. A thread's copies are the same rows of every chunk:
-// rows (token, rank) thread / 8 + 16 i of each of q, k, v (the token's, at every rank) and dO, its
-// 16-byte part thread % 8 (zeros past the sequence); rows p of E's hi and lo parts likewise (all
-// of them, every chunk); cos θ's and sin θ's quads
-// thread + 128 i (of kTokens · 4); l, κ, γ by 3 kTokens / 4 threads. The item loops stay rolled:
-// unrolled, they spilled at 56 registers and the MIMO backward took 4% longer (bench/RESULTS.md
-// session 41).
+// reverse a chunk ahead of the compute warps, its stage copied in (the tensor memory accelerator's
+// copies, eleven a chunk, started by the warpgroup's first thread), q and k rotated in place with
+// their biases (rounded once; padded rows stay zero) and PsiV = v ⊙ mimo_x (as the forward rounds
+// it, PsivLoader: zeros for padded tokens, whose v is zero), then the stage's ready barrier; and
+// once the compute warps are done with the chunk the walk took before it (the free barrier), the
+// next chunk's copies started. The tile copies replaced cp.async's 16-byte copies, 26 or 27 a
+// thread a chunk at MIMO, whose issue took a quarter of the operand warps' chunk step: forward +
+// backward 0.5% faster at MIMO, 2.6% at SISO (bench/RESULTS.md sessions 43 and 44).
 template <int R>
 __device__ __forceinline__ void make_operands(const Dims& d, const DevInputs& in, const Work& w,
-                                              CoreSmem<R>& sm, int h, int b, int thread) {
+                                              const SweepCopies& copies, CoreSmem<R>& sm, int h,
+                                              int b, int thread) {
   constexpr int kTokens = kC / R;
   const int T = d.seqlen, chunks = d.chunks, pwarp = thread / 32, lane = thread % 32;
   const size_t Tp = static_cast<size_t>(chunks) * kTokens;
   const size_t pairs = static_cast<size_t>(d.batch) * d.heads;
   const size_t bh = static_cast<size_t>(b) * d.heads + h;
-  const int copy_row = thread / 8, copy_part = thread % 8, copy_rank = copy_row % R;
-  static_assert(kOperandThreads / 8 % R == 0);  // every row a thread copies is of its rank
+  // By thread 0 alone. The coordinates fit in int: sweep_copies checks the maps' extents.
   const auto load_stage = [&](int c) {
-    const int stage = c % 2;
-    const int qk_row_stride = R * d.groups * kN;
-    const size_t qk_column = static_cast<size_t>(copy_rank) * d.groups * kN +
-                             (h / d.heads_per_group) * kN + copy_part * 8;
-    const size_t v_column = static_cast<size_t>(h) * kP + copy_part * 8;
-    const size_t o_column = (static_cast<size_t>(h) * R + copy_rank) * kP + copy_part * 8;
+    const int stage = c % 2, t0 = c * kTokens, group = h / d.heads_per_group;
+    uint64_t* full = &sm.stage_full[stage];
+    mbarrier_expect_bytes(full, kStageBytes<R>);
+    tile_copy_to_shared<5>(sm.q[stage], &copies.q, {0, group, 0, t0, b}, full);
+    tile_copy_to_shared<5>(sm.k[stage], &copies.k, {0, group, 0, t0, b}, full);
+    tile_copy_to_shared<4>(sm.v[stage], &copies.v, {0, h, t0, b}, full);
+    tile_copy_to_shared<5>(sm.d_out[stage], &copies.d_out, {0, 0, h, t0, b}, full);
+    const int entry_row = static_cast<int>((bh * chunks + c) * 2 * kP);
+    tile_copy_to_shared<2>(sm.e_hi[stage], &copies.entry, {0, entry_row}, full);
+    tile_copy_to_shared<2>(sm.e_lo[stage], &copies.entry, {0, entry_row + kP}, full);
+    const int rotation_row = static_cast<int>(bh * Tp + t0);
+    tile_copy_to_shared<2>(sm.cos_theta[stage], &copies.cos_theta, {0, rotation_row}, full);
+    tile_copy_to_shared<2>(sm.sin_theta[stage], &copies.sin_theta, {0, rotation_row}, full);
+    float* const targets[3] = {sm.log_decay[stage], sm.kappa[stage], sm.gamma[stage]};
 #pragma unroll
-    for (int i = 0; i < kC / (kOperandThreads / 8); ++i) {
-      const int row = copy_row + kOperandThreads / 8 * i, t = c * kTokens + row / R;
-      const bool valid = t < T;
-      const size_t token = static_cast<size_t>(b) * T + (valid ? t : 0);
-      const int to = row * kLd + copy_part * 8;
-      copy_16_async(sm.q[stage] + to, in.q + token * qk_row_stride + qk_column, valid);
-      copy_16_async(sm.k[stage] + to, in.k + token * qk_row_stride + qk_column, valid);
-      copy_16_async(sm.v[stage] + to, in.v + token * in.zv_stride + v_column, valid);
-      copy_16_async(sm.d_out[stage] + to, w.sweep_d_out + token * d.heads * R * kP + o_column,
-                    valid);
+    for (int which = 0; which < 3; ++which) {
+      bulk_copy_to_shared(targets[which], w.sweep_scalars + which * pairs * Tp + bh * Tp + t0,
+                          kTokens * sizeof(float), full);
     }
-    const bf16* entry_hi = entry_split_of(w, bh * chunks + c, kP * kN);
-#pragma unroll
-    for (int i = 0; i < kP / (kOperandThreads / 8); ++i) {
-      const int row = copy_row + kOperandThreads / 8 * i;
-      const int from = row * kN + copy_part * 8, to = row * kLd + copy_part * 8;
-      copy_16_async(sm.e_hi[stage] + to, entry_hi + from, true);
-      copy_16_async(sm.e_lo[stage] + to, entry_hi + kP * kN + from, true);
-    }
-    const float* cos_source = w.sweep_rotation + bh * Tp * kA;
-    const float* sin_source = cos_source + pairs * Tp * kA;
-    for (int quad = thread; quad < kTokens * (kA / 4); quad += kOperandThreads) {
-      const int row = quad / (kA / 4), col = quad % (kA / 4) * 4;
-      const size_t from = (static_cast<size_t>(c) * kTokens + row) * kA + col;
-      copy_16_async(sm.cos_theta[stage] + row * kRotationLd + col, cos_source + from, true);
-      copy_16_async(sm.sin_theta[stage] + row * kRotationLd + col, sin_source + from, true);
-    }
-    constexpr int kScalarQuads = kTokens / 4;
-    if (thread < 3 * kScalarQuads) {
-      const int which = thread / kScalarQuads, part = thread % kScalarQuads;
-      float* target = which == 0   ? sm.log_decay[stage]
-                      : which == 1 ? sm.kappa[stage]
-                                   : sm.gamma[stage];
-      copy_16_async(target + part * 4,
-                    w.sweep_scalars + which * pairs * Tp + bh * Tp + c * kTokens + part * 4, true);
-    }
-    commit_copies();
   };
   // q and k rotated in place, lane (row = lane / 16, m = lane % 16) columns n = 2m and 2m + 1 and
   // their partners n + N/2; then PsiV, four columns an item. A lane's rows are R-periodic in its
@@ -739,7 +744,8 @@ __device__ __forceinline__ void make_operands(const Dims& d, const DevInputs& in
 #pragma unroll 1
     for (int i = 0; i < kC / kPsivRowStep; ++i) {
       const int row = psiv_row + i * kPsivRowStep, at = row * kLd + psiv_column;
-      const uint2 v_raw = *reinterpret_cast<const uint2*>(sm.v[stage] + at);
+      const uint2 v_raw =
+          *reinterpret_cast<const uint2*>(sm.v[stage] + row / R * kLd + psiv_column);
       const float2 v01 = unpack_bf16(v_raw.x), v23 = unpack_bf16(v_raw.y);
       const float2 x01 = unpack_bf16(mimo_x.x), x23 = unpack_bf16(mimo_x.y);
       *reinterpret_cast<uint2*>(sm.psiv[stage] + at) = make_uint2(
@@ -749,16 +755,19 @@ __device__ __forceinline__ void make_operands(const Dims& d, const DevInputs& in
   // The last chunk's copies first; then, for each chunk c from the last (the compute warps at chunk
   // c + 1), its stage made from its copies, and chunk c − 1's copies started, once the compute
   // warps are done with chunk c + 1, whose stage it takes (the last chunk but one's at once: its
-  // stage was never used).
-  load_stage(chunks - 1);
+  // stage was never used). A stage's mbarrier completes a phase a use: chunk c's copies are the
+  // ((chunks − 1 − c) / 2)-th of its stage. Each thread's rotation writes q and k in place, which
+  // the copies will overwrite: its proxy fence orders them first (the free barrier then orders
+  // the fence before thread 0's next copies).
+  if (thread == 0) load_stage(chunks - 1);
   for (int c = chunks - 1; c >= 0; --c) {
-    wait_copies<0>();
-    barrier_wait(kOperandBarrier, kOperandThreads);  // every operand thread's copies are in
+    mbarrier_wait(&sm.stage_full[c % 2], static_cast<unsigned>((chunks - 1 - c) / 2 % 2));
     rotate_and_weight(c);
+    fence_before_tile_copies();
     barrier_arrive(kReadyBarrier + c % 2, kCoreBlockThreads);
     if (c == 0) break;
     if (c + 1 < chunks) barrier_wait(kFreeBarrier + (c + 1) % 2, kCoreBlockThreads);
-    load_stage(c - 1);
+    if (thread == 0) load_stage(c - 1);
   }
 }
 
@@ -769,20 +778,27 @@ __device__ __forceinline__ void make_operands(const Dims& d, const DevInputs& in
 // bench/RESULTS.md session 32).
 template <int R>
 __global__ void __launch_bounds__(kCoreBlockThreads, 1)
-    sweep_core_kernel(Dims d, DevInputs in, Work w, DevGrads grads) {
+    sweep_core_kernel(Dims d, DevInputs in, Work w, DevGrads grads,
+                      const __grid_constant__ SweepCopies copies) {
   constexpr int kTokens = kC / R;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  extern __shared__ __align__(128) unsigned char smem_raw[];
   CoreSmem<R>& sm = *reinterpret_cast<CoreSmem<R>*>(smem_raw);
   const int h = blockIdx.x, b = blockIdx.y;
   for (int i = threadIdx.x; i < R * kP; i += kCoreBlockThreads) {
     sm.mimo_x[i] = to_f(in.mimo_x[h * R * kP + i]);
+  }
+  if (threadIdx.x == kCoreThreads) {
+    // The tile copies' targets are aligned only if the block's shared memory is.
+    if (shared_address(smem_raw) % 128 != 0) __trap();
+    mbarrier_init(&sm.stage_full[0], 1);
+    mbarrier_init(&sm.stage_full[1], 1);
   }
   __syncthreads();
   if (threadIdx.x >= kCoreThreads) {
 #ifdef __CUDA_ARCH_FEAT_SM90_ALL
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kOperandRegisters<R>));
 #endif
-    make_operands<R>(d, in, w, sm, h, b, static_cast<int>(threadIdx.x) - kCoreThreads);
+    make_operands<R>(d, in, w, copies, sm, h, b, static_cast<int>(threadIdx.x) - kCoreThreads);
     return;
   }
 #ifdef __CUDA_ARCH_FEAT_SM90_ALL
@@ -1152,8 +1168,8 @@ __global__ void __launch_bounds__(kCoreBlockThreads, 1)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int s_row = r0 + g + 8 * half;
-          const float2 raw =
-              __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(v_in + s_row * kLd + p));
+          const float2 raw = __bfloat1622float2(
+              *reinterpret_cast<const __nv_bfloat162*>(v_in + s_row / R * kLd + p));
           column_sums[2 * j] += acc[j][2 * half] * raw.x;
           column_sums[2 * j + 1] += acc[j][2 * half + 1] * raw.y;
           dv_terms[half][j][0] = acc[j][2 * half] * mimo_x.x;
@@ -1299,12 +1315,107 @@ __global__ void __launch_bounds__(kFinishThreads)
   sweep_token_terms(d, in, w, grads, b, t0, len);
 }
 
+// sweep_core's copies are the tensor memory accelerator's (sm_90 and newer): where the device
+// would run the kernel as built for an older architecture (compute_80's PTX compiled at load on a
+// newer GPU), it would trap, so there the sweep does not apply.
+bool sweep_core_copies_run() {
+  static const bool run = [] {
+    cudaFuncAttributes attributes{};
+    if (cudaFuncGetAttributes(&attributes, sweep_core_kernel<1>) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    return attributes.ptxVersion >= 90;
+  }();
+  return run;
+}
+
+// cuTensorMapEncodeTiled, a driver function (the runtime's entry point finds it; nothing links
+// libcuda).
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* function = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    MEGACPP_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &function, 12000,
+                                                        cudaEnableDefault, &found));
+    if (found != cudaDriverEntryPointSuccess || function == nullptr) {
+      detail::refuse(ErrorKind::kFailedPrecondition,
+                     "the scan's sweep needs the driver's cuTensorMapEncodeTiled (CUDA 12 or "
+                     "newer), which this driver does not offer (query result {})",
+                     static_cast<int>(found));
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(function);
+  }();
+  return encode;
+}
+
+// A tiled map of `base`: extents and box innermost first, strides in bytes (every dimension's but
+// the innermost). Every coordinate of a box's corner must fit in int (the copy's operands).
+template <size_t kDims>
+CUtensorMap tile_map(const char* what, CUtensorMapDataType type, const void* base,
+                     const std::array<uint64_t, kDims>& extents,
+                     const std::array<uint64_t, kDims - 1>& strides,
+                     const std::array<uint32_t, kDims>& box) {
+  for (size_t i = 0; i < kDims; ++i) {
+    if (extents[i] > static_cast<uint64_t>(std::numeric_limits<int>::max())) {
+      detail::refuse(ErrorKind::kInvalidArgument,
+                     "the scan's sweep: {}'s dimension {} has {} elements, more than a tile "
+                     "copy's int coordinates reach",
+                     what, i, extents[i]);
+    }
+  }
+  std::array<uint32_t, kDims> element_strides;
+  element_strides.fill(1);
+  CUtensorMap map;
+  const CUresult result = tensor_map_encoder()(
+      &map, type, kDims, const_cast<void*>(base), extents.data(), strides.data(), box.data(),
+      element_strides.data(), CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (result != CUDA_SUCCESS) {
+    detail::refuse(ErrorKind::kInternal,
+                   "the scan's sweep: cuTensorMapEncodeTiled refused the map of {} (CUresult {}; "
+                   "base {}, 16-byte aligned strides needed)",
+                   what, static_cast<int>(result), base);
+  }
+  return map;
+}
+
+template <int R>
+SweepCopies sweep_copies(const Dims& d, const DevInputs& in, const Work& w) {
+  constexpr uint32_t kTokens = kC / R, kRow = kLd;
+  const uint64_t B = d.batch, T = d.seqlen, H = d.heads, G = d.groups, e = sizeof(bf16);
+  const uint64_t pairs = B * H, Tp = sweep_padded_tokens(d);
+  SweepCopies copies;
+  const auto qk = [&](const char* what, const bf16* base) {
+    return tile_map<5>(what, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, base, {kN, G, R, T, B},
+                       {kN * e, G * kN * e, R * G * kN * e, T * R * G * kN * e},
+                       {kRow, 1, R, kTokens, 1});
+  };
+  copies.q = qk("q", in.q);
+  copies.k = qk("k", in.k);
+  copies.v = tile_map<4>("v", CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, in.v, {kP, H, T, B},
+                         {kP * e, in.zv_stride * e, T * in.zv_stride * e}, {kRow, 1, kTokens, 1});
+  copies.d_out = tile_map<5>(
+      "dO", CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, w.sweep_d_out, {kP, R, H, T, B},
+      {kP * e, R * kP * e, H * R * kP * e, T * H * R * kP * e}, {kRow, R, 1, kTokens, 1});
+  copies.entry = tile_map<2>("the entry states' split", CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, w.states,
+                             {kN, pairs * d.chunks * 2 * kP}, {kN * e}, {kRow, kP});
+  const float* sin_theta = w.sweep_rotation + pairs * Tp * kA;
+  const auto rotation = [&](const char* what, const float* base) {
+    return tile_map<2>(what, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, base, {kA, pairs * Tp},
+                       {kA * sizeof(float)}, {kRotationLd, kTokens});
+  };
+  copies.cos_theta = rotation("cos θ", w.sweep_rotation);
+  copies.sin_theta = rotation("sin θ", sin_theta);
+  return copies;
+}
+
 }  // namespace
 
 bool sweep_applies(const Dims& d, bool tensor_cores, size_t shared_per_block) {
   return tensor_cores && d.state == kN && d.headdim == kP && (d.rank == 1 || d.rank == 4) &&
          d.chunk * d.rank == kC && d.angles == kA && d.heads <= kTermRows &&
-         shared_per_block >= sweep_core_shared_bytes();
+         shared_per_block >= sweep_core_shared_bytes() && sweep_core_copies_run();
 }
 
 size_t sweep_core_shared_bytes() {
@@ -1360,7 +1471,8 @@ void run_sweep_at(const SweepLaunches& launches, const Dims& d, const DevInputs&
   }
   {
     const Launch& l = launches.core;
-    sweep_core_kernel<R><<<l.grid, l.block, l.smem.total, stream>>>(d, in, w, grads);
+    sweep_core_kernel<R>
+        <<<l.grid, l.block, l.smem.total, stream>>>(d, in, w, grads, sweep_copies<R>(d, in, w));
     MEGACPP_CUDA_CHECK_LAUNCH(l.name);
   }
   {

@@ -919,9 +919,11 @@ TEST(Mamba3ScanCudaShapes, ReportsEveryKernelItLaunches) {
 }
 
 // The sweep runs at the fixed SISO and MIMO shapes (64 rows a chunk) with 16 rotation pairs and at
-// most 256 heads on the tensor cores of a GPU that has its shared memory, from kSweepLeastPairs
-// pairs where paying; nowhere else (ReportsEveryKernelItLaunches checks the head limit), and never
-// when forced off. Its parts are among the workspace's where the tensor-core variant would sweep.
+// most 256 heads on the tensor cores of a GPU that has its shared memory (and runs it as built for
+// sm_90: its copies are the tensor memory accelerator's; every such GPU here), from
+// kSweepLeastPairs pairs where paying; nowhere else (ReportsEveryKernelItLaunches checks the head
+// limit), and never when forced off. Its parts are among the workspace's where the tensor-core
+// variant would sweep.
 TEST(Mamba3ScanCudaShapes, SweepsTheBackwardWhereItApplies) {
   MEGACPP_REQUIRE_GPU();
   using megacpp::cuda::ScanChains;
