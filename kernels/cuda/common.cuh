@@ -76,8 +76,8 @@ static __device__ __forceinline__ void wait_copies() {
 // memory, and the bytes land on an mbarrier there: the issuing thread arrives with the bytes its
 // copies will bring (mbarrier_expect_bytes, before them), and a waiter sees the phase complete
 // once every arrival is in and every byte has landed. Box elements past the tensor's bounds land
-// as zeros. Built for an older architecture these trap: their callers run only where the kernel
-// was built for sm_90 (its cudaFuncAttributes::ptxVersion).
+// as zeros. Built for an older architecture these trap (the proxy fence is then nothing): their
+// callers run only where the kernel runs as built for sm_90 (its cudaFuncAttributes::ptxVersion).
 static __device__ __forceinline__ unsigned shared_address(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
@@ -125,7 +125,7 @@ static __device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void
 #endif
 }
 // The box of `map` (a __grid_constant__ kernel parameter) at `at` (its coordinates, innermost
-// first; as many as the map has dimensions, 2 to 5) to `dst` (128-byte aligned), dense in the
+// first; as many as the map has dimensions: 2, 4 or 5) to `dst` (128-byte aligned), dense in the
 // box's order.
 template <int kDims>
 static __device__ __forceinline__ void tile_copy_to_shared(void* dst, const void* map,

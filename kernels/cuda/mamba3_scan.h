@@ -113,7 +113,8 @@ enum class ScanChains { kWherePaying, kAlways, kNever };
 enum class ScanHeadSplit { kWherePaying, kAlways, kNever };
 // At the fixed SISO and MIMO shapes (state 64, headdim 64, rank 1 and chunk 64 or rank 4 and chunk
 // 16: 64 rows (token, rank) a chunk) with 16 rotation pairs and at most 256 heads, on the tensor
-// cores, where a block may have about 221 KiB of shared memory (Hopper), the backward can run as a
+// cores, where a block may have about 210 KiB of shared memory and the kernels run as built for
+// sm_90 (Hopper: the sweep's copies are the tensor memory accelerator's), the backward can run as a
 // sweep (kernels/cuda/mamba3_scan_sweep.cu): a block per (batch, head) walks its chunks in reverse
 // with dL/d(state) on chip, the official SISO kernels' structure, instead of chunk_dstate, the
 // reverse state pass and chunk_backward (a block per chunk), and finishes dθ's sums and the

@@ -551,7 +551,8 @@ struct SweepFloats {
 };
 // Whether the sweep computes `d`'s backward: the fixed SISO or MIMO shape (64 rows a chunk) with 16
 // rotation pairs, on the tensor cores, where a block may have sweep_core's shared memory (the
-// larger of its two instances; Hopper: about 221 KiB).
+// larger of its two instances; Hopper: about 210 KiB) and the device runs sweep_core as built for
+// sm_90 (its copies are the tensor memory accelerator's) with a driver that makes tensor maps.
 bool sweep_applies(const Dims& d, bool tensor_cores, size_t shared_per_block);
 size_t sweep_core_shared_bytes();
 SweepFloats sweep_floats(const Dims& d);

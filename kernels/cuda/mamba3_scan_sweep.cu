@@ -1,7 +1,8 @@
 // The backward as a sweep (ScanSweep, mamba3_scan.h): at the fixed SISO and MIMO shapes (N = P =
 // 64, A = 16 rotation pairs; R = 1 and chunk 64, or R = 4 and chunk 16: either way a chunk is 64
-// rows (token, rank)) on the tensor cores, where a block may have the core's shared memory
-// (Hopper), three kernels replace chunk_dstate, the reverse state pass, chunk_backward,
+// rows (token, rank)) on the tensor cores, where a block may have the core's shared memory and
+// the kernels run as built for sm_90 (Hopper: sweep_core's copies are the tensor memory
+// accelerator's), three kernels replace chunk_dstate, the reverse state pass, chunk_backward,
 // dtheta_offsets and finish_tokens. Each is a template on R; the tiles are the chunk's 64 rows at
 // either rank, and what is per token (l, κ, γ, θ, dt, trap, z, dy, x) is indexed by row / R:
 //   sweep_prep    a block per (chunk, batch, head): dO = dy ⊙ silu(z ⊙ mimo_z) ⊙ mimo_o (bf16)
@@ -58,6 +59,9 @@
 #include <algorithm>
 #include <array>
 #include <limits>
+#include <map>
+#include <mutex>
+#include <string>
 
 #include "kernels/cuda/mamba3_scan_device.cuh"
 
@@ -654,7 +658,7 @@ __device__ __forceinline__ void finish_rotated_gradient(float (&acc)[8][4], cons
 // their biases (rounded once; padded rows stay zero) and PsiV = v ⊙ mimo_x (as the forward rounds
 // it, PsivLoader: zeros for padded tokens, whose v is zero), then the stage's ready barrier; and
 // once the compute warps are done with the chunk the walk took before it (the free barrier), the
-// next chunk's copies started. The tile copies replaced cp.async's 16-byte copies, 26 or 27 a
+// next chunk's copies started. The tile copies replaced cp.async's 16-byte copies, up to 27 a
 // thread a chunk at MIMO, whose issue took a quarter of the operand warps' chunk step: forward +
 // backward 0.5% faster at MIMO, 2.6% at SISO (bench/RESULTS.md sessions 43 and 44).
 template <int R>
@@ -666,7 +670,12 @@ __device__ __forceinline__ void make_operands(const Dims& d, const DevInputs& in
   const size_t Tp = static_cast<size_t>(chunks) * kTokens;
   const size_t pairs = static_cast<size_t>(d.batch) * d.heads;
   const size_t bh = static_cast<size_t>(b) * d.heads + h;
-  // By thread 0 alone. The coordinates fit in int: sweep_copies checks the maps' extents.
+  // Each box fills its stage array exactly (sweep_copies' boxes), and the bytes they bring are
+  // what the stage's mbarrier expects: a count that never completed would hang the block.
+  static_assert(kStageBytes<R> == 3 * sizeof(sm.q[0]) + sizeof(sm.v[0]) + 2 * sizeof(sm.e_hi[0]) +
+                                      2 * sizeof(sm.cos_theta[0]) + 3 * sizeof(sm.log_decay[0]));
+  static_assert(kStageBytes<R> < (1u << 20), "an mbarrier's transaction count is below 2^20");
+  // By thread 0 alone. The coordinates fit in int (sweep_applies: sweep_copy_rows_fit).
   const auto load_stage = [&](int c) {
     const int stage = c % 2, t0 = c * kTokens, group = h / d.heads_per_group;
     uint64_t* full = &sm.stage_full[stage];
@@ -1315,67 +1324,84 @@ __global__ void __launch_bounds__(kFinishThreads)
   sweep_token_terms(d, in, w, grads, b, t0, len);
 }
 
-// sweep_core's copies are the tensor memory accelerator's (sm_90 and newer): where the device
-// would run the kernel as built for an older architecture (compute_80's PTX compiled at load on a
-// newer GPU), it would trap, so there the sweep does not apply.
-bool sweep_core_copies_run() {
-  static const bool run = [] {
-    cudaFuncAttributes attributes{};
-    if (cudaFuncGetAttributes(&attributes, sweep_core_kernel<1>) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return false;
-    }
-    return attributes.ptxVersion >= 90;
-  }();
-  return run;
-}
-
 // cuTensorMapEncodeTiled, a driver function (the runtime's entry point finds it; nothing links
-// libcuda).
+// libcuda), or null where the driver does not offer it.
 PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
     void* function = nullptr;
     cudaDriverEntryPointQueryResult found{};
-    MEGACPP_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &function, 12000,
-                                                        cudaEnableDefault, &found));
-    if (found != cudaDriverEntryPointSuccess || function == nullptr) {
-      detail::refuse(ErrorKind::kFailedPrecondition,
-                     "the scan's sweep needs the driver's cuTensorMapEncodeTiled (CUDA 12 or "
-                     "newer), which this driver does not offer (query result {})",
-                     static_cast<int>(found));
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &function, 12000,
+                                         cudaEnableDefault, &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      function = nullptr;
     }
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(function);
   }();
   return encode;
 }
 
+// sweep_core's copies are the tensor memory accelerator's (sm_90 and newer), from tensor maps the
+// driver makes: where the current device would run the kernel as built for an older architecture
+// (compute_80's PTX compiled at load on a newer GPU) it would trap, so there, or without the
+// driver's encoder, the sweep does not apply. Known once a device (a failed query is not kept).
+bool sweep_core_copies_run() {
+  if (tensor_map_encoder() == nullptr) return false;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  static std::mutex mutex;
+  static std::map<int, bool> runs;
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (const auto known = runs.find(device); known != runs.end()) return known->second;
+  cudaFuncAttributes attributes{};
+  if (cudaFuncGetAttributes(&attributes, sweep_core_kernel<1>) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return runs[device] = attributes.ptxVersion >= 90;
+}
+
+// The tile copies' coordinates are ints: the rows of the entry states' split and of cos θ and
+// sin θ (the maps' largest dimensions; the others are Dims' ints) must fit.
+bool sweep_copy_rows_fit(const Dims& d) {
+  const uint64_t pairs = static_cast<uint64_t>(d.batch) * d.heads;
+  const uint64_t rows = std::max(pairs * d.chunks * 2 * kP, pairs * sweep_padded_tokens(d));
+  return rows <= static_cast<uint64_t>(std::numeric_limits<int>::max());
+}
+
 // A tiled map of `base`: extents and box innermost first, strides in bytes (every dimension's but
-// the innermost). Every coordinate of a box's corner must fit in int (the copy's operands).
+// the innermost). sweep_applies has checked what can fail here (the encoder, the extents), so a
+// failure is the code's.
 template <size_t kDims>
 CUtensorMap tile_map(const char* what, CUtensorMapDataType type, const void* base,
                      const std::array<uint64_t, kDims>& extents,
                      const std::array<uint64_t, kDims - 1>& strides,
                      const std::array<uint32_t, kDims>& box) {
-  for (size_t i = 0; i < kDims; ++i) {
-    if (extents[i] > static_cast<uint64_t>(std::numeric_limits<int>::max())) {
-      detail::refuse(ErrorKind::kInvalidArgument,
-                     "the scan's sweep: {}'s dimension {} has {} elements, more than a tile "
-                     "copy's int coordinates reach",
-                     what, i, extents[i]);
-    }
-  }
+  const auto listed = [](const auto& values) {
+    std::string out;
+    for (const auto value : values) out += (out.empty() ? "" : ", ") + std::to_string(value);
+    return out;
+  };
   std::array<uint32_t, kDims> element_strides;
   element_strides.fill(1);
   CUtensorMap map;
-  const CUresult result = tensor_map_encoder()(
-      &map, type, kDims, const_cast<void*>(base), extents.data(), strides.data(), box.data(),
-      element_strides.data(), CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
-      CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  const CUresult result =
+      encode == nullptr
+          ? CUDA_ERROR_NOT_SUPPORTED
+          : encode(&map, type, kDims, const_cast<void*>(base), extents.data(), strides.data(),
+                   box.data(), element_strides.data(), CU_TENSOR_MAP_INTERLEAVE_NONE,
+                   CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (result != CUDA_SUCCESS) {
     detail::refuse(ErrorKind::kInternal,
                    "the scan's sweep: cuTensorMapEncodeTiled refused the map of {} (CUresult {}; "
-                   "base {}, 16-byte aligned strides needed)",
-                   what, static_cast<int>(result), base);
+                   "base {}, extents [{}], byte strides [{}], box [{}], innermost first)",
+                   what, static_cast<int>(result), base, listed(extents), listed(strides),
+                   listed(box));
   }
   return map;
 }
@@ -1415,7 +1441,8 @@ SweepCopies sweep_copies(const Dims& d, const DevInputs& in, const Work& w) {
 bool sweep_applies(const Dims& d, bool tensor_cores, size_t shared_per_block) {
   return tensor_cores && d.state == kN && d.headdim == kP && (d.rank == 1 || d.rank == 4) &&
          d.chunk * d.rank == kC && d.angles == kA && d.heads <= kTermRows &&
-         shared_per_block >= sweep_core_shared_bytes() && sweep_core_copies_run();
+         shared_per_block >= sweep_core_shared_bytes() && sweep_copy_rows_fit(d) &&
+         sweep_core_copies_run();
 }
 
 size_t sweep_core_shared_bytes() {
@@ -1464,6 +1491,8 @@ SweepLaunches sweep_launches_at(const Dims& d) {
 template <int R>
 void run_sweep_at(const SweepLaunches& launches, const Dims& d, const DevInputs& in, const Work& w,
                   const bf16* dy, const DevGrads& grads, cudaStream_t stream) {
+  // The maps first: nothing is launched if one cannot be made.
+  const SweepCopies copies = sweep_copies<R>(d, in, w);
   {
     const Launch& l = launches.prep;
     sweep_prep_kernel<R><<<l.grid, l.block, l.smem.total, stream>>>(d, in, w, dy, grads);
@@ -1471,8 +1500,7 @@ void run_sweep_at(const SweepLaunches& launches, const Dims& d, const DevInputs&
   }
   {
     const Launch& l = launches.core;
-    sweep_core_kernel<R>
-        <<<l.grid, l.block, l.smem.total, stream>>>(d, in, w, grads, sweep_copies<R>(d, in, w));
+    sweep_core_kernel<R><<<l.grid, l.block, l.smem.total, stream>>>(d, in, w, grads, copies);
     MEGACPP_CUDA_CHECK_LAUNCH(l.name);
   }
   {
