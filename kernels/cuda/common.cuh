@@ -29,13 +29,17 @@ static __device__ __forceinline__ float to_f(bf16 x) {
   return __bfloat162float(x);
 }
 
+// The 32-bit shared-memory address that PTX's .shared operands take.
+static __device__ __forceinline__ unsigned shared_address(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
 // Asynchronous copies into shared memory (cp.async, sm_80 and later), 16 bytes each: a kernel
 // starts a copy, computes, and waits for it (wait_copies, then a barrier) only where it needs the
 // data. A source size of 0 (valid false) reads nothing and fills the 16 bytes with zeros.
 static __device__ __forceinline__ void copy_16_async(void* dst, const void* src, bool valid) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
-                   static_cast<unsigned>(__cvta_generic_to_shared(dst))),
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(dst)),
                "l"(src), "r"(valid ? 16 : 0));
 #else
   (void)dst, (void)src, (void)valid;
@@ -47,9 +51,7 @@ static __device__ __forceinline__ void copy_16_async(void* dst, const void* src,
 // once, as wait_copies makes it on sm_80).
 static __device__ __forceinline__ void copy_4_async(float* dst, const float* src) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(
-                   static_cast<unsigned>(__cvta_generic_to_shared(dst))),
-               "l"(src));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(shared_address(dst)), "l"(src));
 #else
   *dst = *src;
 #endif
@@ -78,9 +80,6 @@ static __device__ __forceinline__ void wait_copies() {
 // once every arrival is in and every byte has landed. Box elements past the tensor's bounds land
 // as zeros. Built for an older architecture these trap (the proxy fence is then nothing): their
 // callers run only where the kernel runs as built for sm_90 (its cudaFuncAttributes::ptxVersion).
-static __device__ __forceinline__ unsigned shared_address(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
 static __device__ __forceinline__ void mbarrier_init(uint64_t* barrier, unsigned arrivals) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(shared_address(barrier)),
@@ -380,7 +379,7 @@ static __device__ __forceinline__ void block_mma_split(int m, int n, int k, FA a
 template <bool kTrans>
 static __device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const bf16* row) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  const unsigned address = shared_address(row);
   if constexpr (kTrans) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])

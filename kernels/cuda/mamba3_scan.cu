@@ -302,6 +302,10 @@ size_t scan_sweep_shared_bytes() {
   return scan_detail::sweep_core_shared_bytes();
 }
 
+bool scan_sweep_rows_fit(const ops::ScanShape& shape) {
+  return scan_detail::sweep_copy_rows_fit(scan_detail::dims_of(shape));
+}
+
 size_t scan_shared_bytes_needed(const ops::ScanShape& shape) {
   return scan_detail::least_backward_bytes(scan_detail::dims_of(shape));
 }

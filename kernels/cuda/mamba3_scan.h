@@ -124,14 +124,19 @@ enum class ScanHeadSplit { kWherePaying, kAlways, kNever };
 // kSweepLeastPairs (batch, head) pairs: a block each walks all its chunks, so with fewer the SMs
 // idle (on an H200 at seqlen 8192 and 16 heads, SISO: the backward 40% faster at 128 pairs, 7% at
 // 64, 72% slower at 32, bench/RESULTS.md session 33; MIMO forward+backward: 37% faster at 128, 11%
-// at 64, 43% slower at 32, session 36); kAlways wherever it applies; kNever nowhere. Other shapes
-// and devices have no sweep. The two ways round differently (the sweep's dO is bf16), so each is
-// held to the oracle, not to the other's bits.
+// at 64, 43% slower at 32, session 36); kAlways wherever it applies (elsewhere the scan plans the
+// backward without it, as kNever would: the choice of a faster path, not a gate; sweeps() says
+// which); kNever nowhere. Other shapes and devices have no sweep. The two ways round differently
+// (the sweep's dO is bf16), so each is held to the oracle, not to the other's bits.
 enum class ScanSweep { kWherePaying, kAlways, kNever };
 inline constexpr long kSweepLeastPairs = 64;
 // Dynamic shared memory (bytes) of the sweep's core kernel a block: where the device allows less
 // a block, the sweep does not run.
 size_t scan_sweep_shared_bytes();
+// Whether the sweep's tile copies, whose coordinates are ints, reach every row of `shape`'s
+// entry states and rotation tables (one of the conditions under which the sweep applies; the
+// others depend on the device).
+bool scan_sweep_rows_fit(const ops::ScanShape& shape);
 
 // kWherePaying's choice: of `units` units of `heads_per_group` heads where `slots` blocks of
 // chunk_backward run at once (SMs × blocks an SM), the leftover ones (units mod slots) when the

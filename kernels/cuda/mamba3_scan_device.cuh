@@ -554,6 +554,9 @@ struct SweepFloats {
 // larger of its two instances; Hopper: about 210 KiB) and the device runs sweep_core as built for
 // sm_90 (its copies are the tensor memory accelerator's) with a driver that makes tensor maps.
 bool sweep_applies(const Dims& d, bool tensor_cores, size_t shared_per_block);
+// One of sweep_applies' conditions, a pure one: the tile copies' int coordinates reach every row
+// of the entry states' split and of the rotation's tables.
+bool sweep_copy_rows_fit(const Dims& d);
 size_t sweep_core_shared_bytes();
 SweepFloats sweep_floats(const Dims& d);
 // The sweep's partial slots a batch (Work::partials, for reduce_params): one a group of chunks

@@ -112,8 +112,8 @@ struct CoreSmem {
   alignas(128) bf16 v[2][kTokens * kLd];
   alignas(128) float cos_theta[2][kTokens * kRotationLd], sin_theta[2][kTokens * kRotationLd];
   alignas(16) float log_decay[2][kTokens], kappa[2][kTokens], gamma[2][kTokens];
-  alignas(128) bf16 e_hi[2][kTile],
-      e_lo[2][kTile];  // E_c's split, a stage's, as the forward left it
+  // E_c's split, a stage's, as the forward left it.
+  alignas(128) bf16 e_hi[2][kTile], e_lo[2][kTile];
   bf16 x_hi[kTile], x_lo[kTile], ds_hi[kTile], ds_lo[kTile];
   alignas(16) float mimo_x[R * kP];
   float dl_query[2][kTokens], dl_key[2][kTokens], exit_terms[2][kC];
@@ -1364,14 +1364,6 @@ bool sweep_core_copies_run() {
   return runs[device] = attributes.ptxVersion >= 90;
 }
 
-// The tile copies' coordinates are ints: the rows of the entry states' split and of cos θ and
-// sin θ (the maps' largest dimensions; the others are Dims' ints) must fit.
-bool sweep_copy_rows_fit(const Dims& d) {
-  const uint64_t pairs = static_cast<uint64_t>(d.batch) * d.heads;
-  const uint64_t rows = std::max(pairs * d.chunks * 2 * kP, pairs * sweep_padded_tokens(d));
-  return rows <= static_cast<uint64_t>(std::numeric_limits<int>::max());
-}
-
 // A tiled map of `base`: extents and box innermost first, strides in bytes (every dimension's but
 // the innermost). sweep_applies has checked what can fail here (the encoder, the extents), so a
 // failure is the code's.
@@ -1437,6 +1429,14 @@ SweepCopies sweep_copies(const Dims& d, const DevInputs& in, const Work& w) {
 }
 
 }  // namespace
+
+// The tile copies' coordinates are ints: the rows of the entry states' split and of cos θ and
+// sin θ (the maps' largest dimensions; the others are Dims' ints) must fit.
+bool sweep_copy_rows_fit(const Dims& d) {
+  const uint64_t pairs = static_cast<uint64_t>(d.batch) * d.heads;
+  const uint64_t rows = std::max(pairs * d.chunks * 2 * kP, pairs * sweep_padded_tokens(d));
+  return rows <= static_cast<uint64_t>(std::numeric_limits<int>::max());
+}
 
 bool sweep_applies(const Dims& d, bool tensor_cores, size_t shared_per_block) {
   return tensor_cores && d.state == kN && d.headdim == kP && (d.rank == 1 || d.rank == 4) &&

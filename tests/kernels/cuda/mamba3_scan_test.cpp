@@ -967,6 +967,30 @@ TEST(Mamba3ScanCudaShapes, SweepsTheBackwardWhereItApplies) {
   }
 }
 
+// The sweep's tile copies address the entry states' split (2P = 128 rows a chunk of a (batch,
+// head) pair) and the rotation's tables (one row a token) with int coordinates: a shape past
+// INT_MAX rows does not sweep (one of the sweep's conditions, testable without a GPU).
+TEST(Mamba3ScanCudaShapes, SweepsOnlyWhereTheTileCopiesReachEveryRow) {
+  using megacpp::cuda::scan_sweep_rows_fit;
+  EXPECT_TRUE(scan_sweep_rows_fit(grid_shape(64, 64, 4, 16)));
+  EXPECT_TRUE(scan_sweep_rows_fit(grid_shape(64, 64, 1, 64)));
+  for (const int chunk : {16, 64}) {
+    ScanShape s = grid_shape(64, 64, chunk == 16 ? 4 : 1, chunk);
+    s.batch = 256;
+    s.heads = 256;
+    s.seqlen = 255 * chunk;  // 2^16 pairs × 255 chunks × 128 rows = 2^31 − 2^23
+    EXPECT_TRUE(scan_sweep_rows_fit(s)) << chunk;
+    s.seqlen = 256 * chunk;  // 2^31 rows: one past INT_MAX
+    EXPECT_FALSE(scan_sweep_rows_fit(s)) << chunk;
+    s.batch = 1;
+    s.heads = 1;
+    s.seqlen = ((1 << 24) - 1) * chunk;  // 2^31 − 128 rows in one pair
+    EXPECT_TRUE(scan_sweep_rows_fit(s)) << chunk;
+    s.seqlen = (1 << 24) * chunk - (chunk - 1);  // a partial last chunk counts whole
+    EXPECT_FALSE(scan_sweep_rows_fit(s)) << chunk;
+  }
+}
+
 // kWherePaying splits the units left over after the last whole wave where the wave of a block per
 // head they make takes at most half a unit's time; M3-ref on an H100 or H200 (132 SMs, one
 // chunk_backward block each) leaves 4 of 4096 units.
