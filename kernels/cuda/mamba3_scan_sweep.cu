@@ -175,23 +175,29 @@ __host__ __device__ inline int partial_groups(const Dims& d) {
   return (d.chunks + group - 1) / group;
 }
 
-// sweep_prep's shared memory: a step's dy and z rows (64 tokens) and its 64 R rows of o, copied in
-// together (cp.async): loaded into registers, two rows a thread left DRAM 39% busy at M3-ref MIMO
-// (ncu, session 36), where a warp's dy and z rows are one token's.
-constexpr int kPrepStepTokens = 64;
+// sweep_prep's shared memory: two steps' dy and z rows and their R rows of o a token, copied in
+// (cp.async) a step ahead of the one computed, so a block's copies stay in flight while it
+// computes (at M3-ref MIMO forward+backward 0.8% faster than a step at a time, the same shared
+// memory; with the column sums over the step buffers and 4 blocks an SM at 64 registers it
+// spilled and was 3.4% slower, bench/RESULTS.md session 45). Loaded into registers, two rows a
+// thread left DRAM 39% busy at M3-ref MIMO (ncu, session 36), where a warp's dy and z rows are
+// one token's.
+template <int R>
+constexpr int kPrepStepTokens = R == 1 ? 64 : 32;
 template <int R>
 struct PrepSmem {
-  bf16 dy[kPrepStepTokens * kP], z[kPrepStepTokens * kP], o[kPrepStepTokens * R * kP];
+  static constexpr int kStepTokens = kPrepStepTokens<R>;
+  bf16 dy[2][kStepTokens * kP], z[2][kStepTokens * kP], o[2][kStepTokens * R * kP];
   float sums[2][kPrepThreads / 32][R * kP];
 };
 
-// A block per (group of chunks, batch, head), a step of 64 tokens at a time.
+// A block per (group of chunks, batch, head), a step of kPrepStepTokens tokens at a time.
 template <int R>
 __global__ void __launch_bounds__(kPrepThreads, 3)
     sweep_prep_kernel(Dims d, DevInputs in, Work w, const bf16* dy, DevGrads grads) {
-  constexpr int kTokens = kC / R, kStepRows = kPrepStepTokens * R;
+  constexpr int kTokens = kC / R, kStepTokens = kPrepStepTokens<R>, kStepRows = kStepTokens * R;
   constexpr int kParts = kP / 8;  // 16-byte parts of a row
-  static_assert((kPartialGroupChunks<R> * kTokens) % kPrepStepTokens == 0);
+  static_assert((kPartialGroupChunks<R> * kTokens) % kStepTokens == 0);
   extern __shared__ __align__(16) unsigned char smem_raw[];
   PrepSmem<R>& sm = *reinterpret_cast<PrepSmem<R>*>(smem_raw);
   const int group = blockIdx.x, bh = blockIdx.y, b = bh / d.heads, h = bh % d.heads;
@@ -207,33 +213,47 @@ __global__ void __launch_bounds__(kPrepThreads, 3)
   const Bf16Row<W> mimo_z = load_row<W>(in.mimo_z + wr), mimo_o = load_row<W>(in.mimo_o + wr);
   float sum_z[W] = {}, sum_o[W] = {};
   const int group_tokens = kPartialGroupChunks<R> * kTokens;
-  const int group_end = min((group + 1) * group_tokens, d.seqlen);
-#pragma unroll 1
-  for (int t0 = group * group_tokens; t0 < group_end; t0 += kPrepStepTokens) {
-    for (int item = threadIdx.x; item < kPrepStepTokens * kParts; item += kPrepThreads) {
+  const int group_begin = group * group_tokens;
+  const int group_end = min(group_begin + group_tokens, d.seqlen);
+  // The copies of the step from token t0 into buffer `buffer`, as one group.
+  const auto copy_step = [&](int t0, int buffer) {
+    for (int item = threadIdx.x; item < kStepTokens * kParts; item += kPrepThreads) {
       const int i = item / kParts, part = item % kParts * 8, t = t0 + i;
       const bool valid = t < d.seqlen;
       const size_t th = token_head(d, b, valid ? t : t0, h);
-      copy_16_async(sm.dy + i * kP + part, dy + th * kP + part, valid);
-      copy_16_async(sm.z + i * kP + part, in.z + zv_row(d, in, b, valid ? t : t0, h) + part, valid);
+      copy_16_async(sm.dy[buffer] + i * kP + part, dy + th * kP + part, valid);
+      copy_16_async(sm.z[buffer] + i * kP + part, in.z + zv_row(d, in, b, valid ? t : t0, h) + part,
+                    valid);
     }
     for (int item = threadIdx.x; item < kStepRows * kParts; item += kPrepThreads) {
       const int i = item / kParts, part = item % kParts * 8, t = t0 + i / R;
       const bool valid = t < d.seqlen;
       const size_t th = token_head(d, b, valid ? t : t0, h);
-      copy_16_async(sm.o + i * kP + part, w.gate_in + (th * R + i % R) * kP + part, valid);
+      copy_16_async(sm.o[buffer] + i * kP + part, w.gate_in + (th * R + i % R) * kP + part, valid);
     }
     commit_copies();
-    wait_copies<0>();
+  };
+  copy_step(group_begin, 0);
+#pragma unroll 1
+  for (int t0 = group_begin, buffer = 0; t0 < group_end; t0 += kStepTokens, buffer ^= 1) {
+    // The next step's copies into the other buffer (read at the step before, and the barrier
+    // at its end passed), then this step's wait.
+    if (t0 + kStepTokens < group_end) {
+      copy_step(t0 + kStepTokens, buffer ^ 1);
+      wait_copies<1>();
+    } else {
+      wait_copies<0>();
+    }
     __syncthreads();
+    const bf16 *step_dy = sm.dy[buffer], *step_z = sm.z[buffer], *step_o = sm.o[buffer];
 #pragma unroll 2
     for (int step_row = row; step_row < kStepRows; step_row += 32) {
       const int i = step_row / R, t = t0 + i;  // a warp's rows are whole tokens
       if (t >= d.seqlen) break;
       const size_t th = token_head(d, b, t, h);
-      const Bf16Row<W> dy_row = load_row<W>(sm.dy + i * kP + p);
-      const Bf16Row<W> z_row = load_row<W>(sm.z + i * kP + p);
-      const Bf16Row<W> o_row = load_row<W>(sm.o + step_row * kP + p);
+      const Bf16Row<W> dy_row = load_row<W>(step_dy + i * kP + p);
+      const Bf16Row<W> z_row = load_row<W>(step_z + i * kP + p);
+      const Bf16Row<W> o_row = load_row<W>(step_o + step_row * kP + p);
       float d_out[W], dz[W];
 #pragma unroll
       for (int e = 0; e < W; ++e) {
@@ -256,7 +276,7 @@ __global__ void __launch_bounds__(kPrepThreads, 3)
       }
       if (rank == 0) store_row(grads.z + th * kP + p, round_row<W>(dz));
     }
-    __syncthreads();  // the step's rows are read before the next step's copies land
+    __syncthreads();  // the step's rows are read before the copies two steps on overwrite them
   }
 #pragma unroll
   for (int e = 0; e < W; ++e) {
