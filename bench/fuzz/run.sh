@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer targets (cmake/fuzz.cmake) in build-fuzz with clang, ASan and UBSan, and
 # runs each for SECONDS (default 20) from a scratch copy of its seed corpus in
-# bench/fuzz/corpus/<target>/, so the committed corpus never grows. Fails on the first crash,
-# leak, timeout or sanitizer report, leaving the input in build-fuzz/fuzz-artifacts/.
+# bench/fuzz/corpus/<target>/, so the committed corpus never grows. The targets run side by side;
+# the script fails if any of them met a crash, leak, timeout or sanitizer report, leaving the
+# input in build-fuzz/fuzz-artifacts/.
 #
 #   bash bench/fuzz/run.sh [SECONDS] [TARGET...]     targets: all by default
 #   MEGACPP_FUZZ_RUNS=1000000 bash bench/fuzz/run.sh 0 safetensors    a fixed number of inputs
 #
-# MEGACPP_FUZZ_JOBS sets the build parallelism (default: nproc); CXX_FUZZ the compiler
+# MEGACPP_FUZZ_JOBS sets the build parallelism and how many targets run at once (default: nproc);
+# CXX_FUZZ the compiler
 # (default clang++-14).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -41,16 +43,16 @@ mkdir -p "$artifacts"
 limit=(-max_total_time="$seconds")
 if [ -n "${MEGACPP_FUZZ_RUNS:-}" ]; then limit+=(-runs="$MEGACPP_FUZZ_RUNS"); fi
 
-failed=()
-for t in "${targets[@]}"; do
-  binary="$PWD/build-fuzz/fuzz/${t}_fuzz"
-  seeds="bench/fuzz/corpus/$t"
-  [ -d "$seeds" ] || { echo "fuzz: no seed corpus $seeds" >&2; exit 2; }
+# One target's run: its summary line in $work/$t/summary, its status in $work/$t/status.
+fuzz_one() {
+  local t=$1
+  local binary="$PWD/build-fuzz/fuzz/${t}_fuzz"
+  local seeds="bench/fuzz/corpus/$t"
   mkdir -p "$work/$t"
   cp -r "$seeds" "$work/$t/corpus"
-  dict=()
+  local dict=()
   if [ -f "bench/fuzz/$t.dict" ]; then dict=(-dict="$PWD/bench/fuzz/$t.dict"); fi
-  log="$work/$t/log"
+  local log="$work/$t/log" status started elapsed execs rate corpus
   # -timeout: one input running this long is a hang, not a slow machine (inputs take
   # milliseconds). -rss_limit_mb also caps single allocations: a parser sized by a hostile
   # header must not reach for gigabytes.
@@ -60,17 +62,41 @@ for t in "${targets[@]}"; do
     status=ok
   else
     status=FAILED
-    failed+=("$t")
   fi
   elapsed=$(($(date +%s) - started))
   execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log")
   rate=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$log")
   corpus=$(find "$work/$t/corpus" -type f | wc -l)
   printf 'fuzz %-16s %s: %s execs, %s exec/s, %s s, corpus %s -> %s files\n' "$t" "$status" \
-    "${execs:-?}" "${rate:-?}" "$elapsed" "$(find "$seeds" -type f | wc -l)" "$corpus"
-  if [ "$status" != ok ]; then
-    grep -E 'fuzz: BUG|ERROR|runtime error|SUMMARY|Test unit written' "$log" | head -20 >&2 || true
-    tail -40 "$log" >&2
+    "${execs:-?}" "${rate:-?}" "$elapsed" "$(find "$seeds" -type f | wc -l)" "$corpus" \
+    >"$work/$t/summary"
+  echo "$status" >"$work/$t/status"
+}
+
+for t in "${targets[@]}"; do
+  [ -d "bench/fuzz/corpus/$t" ] || { echo "fuzz: no seed corpus bench/fuzz/corpus/$t" >&2; exit 2; }
+done
+# The targets run side by side, one a core (MEGACPP_FUZZ_JOBS): each is one process, and a
+# time-limited run does as much on a loaded machine, only with fewer inputs.
+parallel=${MEGACPP_FUZZ_JOBS:-$(nproc)}
+running=0
+for t in "${targets[@]}"; do
+  if [ "$running" -ge "$parallel" ]; then
+    wait -n
+    running=$((running - 1))
+  fi
+  fuzz_one "$t" &
+  running=$((running + 1))
+done
+wait
+
+failed=()
+for t in "${targets[@]}"; do
+  cat "$work/$t/summary"
+  if [ "$(cat "$work/$t/status")" != ok ]; then
+    failed+=("$t")
+    grep -E 'fuzz: BUG|ERROR|runtime error|SUMMARY|Test unit written' "$work/$t/log" | head -20 >&2 || true
+    tail -40 "$work/$t/log" >&2
   fi
 done
 
