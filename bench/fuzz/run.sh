@@ -21,6 +21,12 @@ if [ ${#targets[@]} -eq 0 ]; then
   targets=(job_spec daemon_config safetensors indexed_dataset event_stream plan_cache)
 fi
 
+parallel=${MEGACPP_FUZZ_JOBS:-$(nproc)}
+if ! [[ "$parallel" =~ ^[0-9]+$ ]] || [ "$parallel" -lt 1 ]; then
+  echo "fuzz: MEGACPP_FUZZ_JOBS must be a whole number of at least 1, not '$parallel'" >&2
+  exit 2
+fi
+
 launcher=()
 if command -v ccache >/dev/null; then launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache); fi
 # -O1 with line tables: fast enough to fuzz, quick to compile, stack traces with lines. Not
@@ -31,13 +37,20 @@ cmake -S . -B build-fuzz -G Ninja -DCMAKE_CXX_COMPILER="${CXX_FUZZ:-clang++-14}"
   "${launcher[@]}" >/dev/null
 build_targets=()
 for t in "${targets[@]}"; do build_targets+=("${t}_fuzz"); done
-cmake --build build-fuzz --target "${build_targets[@]}" -j "${MEGACPP_FUZZ_JOBS:-$(nproc)}"
+cmake --build build-fuzz --target "${build_targets[@]}" -j "$parallel"
 
 work=$(mktemp -d)
 # The harnesses' scratch files, in memory where possible (see fuzz_support.h).
 scratch=$(mktemp -d -p /dev/shm megacpp-fuzz-run.XXXXXX 2>/dev/null || mktemp -d)
 export MEGACPP_FUZZ_SCRATCH="$scratch"
-trap 'rm -rf "$work" "$scratch"' EXIT
+# The targets' runs, each a process group of its own (set -m below): on any exit the trap stops
+# whichever still run, fuzzer and all, before their scratch goes.
+running_groups=()
+stop_and_clean() {
+  for group in "${running_groups[@]}"; do kill -- "-$group" 2>/dev/null || true; done
+  rm -rf "$work" "$scratch"
+}
+trap stop_and_clean EXIT
 artifacts="$PWD/build-fuzz/fuzz-artifacts"
 mkdir -p "$artifacts"
 limit=(-max_total_time="$seconds")
@@ -77,26 +90,32 @@ for t in "${targets[@]}"; do
   [ -d "bench/fuzz/corpus/$t" ] || { echo "fuzz: no seed corpus bench/fuzz/corpus/$t" >&2; exit 2; }
 done
 # The targets run side by side, one a core (MEGACPP_FUZZ_JOBS): each is one process, and a
-# time-limited run does as much on a loaded machine, only with fewer inputs.
-parallel=${MEGACPP_FUZZ_JOBS:-$(nproc)}
+# time-limited run does as much on a loaded machine, only with fewer inputs. A run's result is
+# its status file (a run that stopped before writing it failed), not its exit status.
+set -m
 running=0
 for t in "${targets[@]}"; do
   if [ "$running" -ge "$parallel" ]; then
-    wait -n
+    wait -n || true
     running=$((running - 1))
   fi
   fuzz_one "$t" &
+  running_groups+=("$!")
   running=$((running + 1))
 done
-wait
+wait || true
+running_groups=()
+set +m
 
 failed=()
 for t in "${targets[@]}"; do
-  cat "$work/$t/summary"
-  if [ "$(cat "$work/$t/status")" != ok ]; then
+  status=$(cat "$work/$t/status" 2>/dev/null || echo FAILED)
+  cat "$work/$t/summary" 2>/dev/null || echo "fuzz $t: stopped before its summary"
+  if [ "$status" != ok ]; then
     failed+=("$t")
-    grep -E 'fuzz: BUG|ERROR|runtime error|SUMMARY|Test unit written' "$work/$t/log" | head -20 >&2 || true
-    tail -40 "$work/$t/log" >&2
+    grep -E 'fuzz: BUG|ERROR|runtime error|SUMMARY|Test unit written' "$work/$t/log" 2>/dev/null |
+      head -20 >&2 || true
+    tail -40 "$work/$t/log" >&2 2>/dev/null || true
   fi
 done
 

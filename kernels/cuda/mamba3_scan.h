@@ -112,15 +112,16 @@ enum class ScanChains { kWherePaying, kAlways, kNever };
 // that both ways give the same bits, and the benchmark); kNever splits none.
 enum class ScanHeadSplit { kWherePaying, kAlways, kNever };
 // At the fixed SISO and MIMO shapes (state 64, headdim 64, rank 1 and chunk 64 or rank 4 and chunk
-// 16: 64 rows (token, rank) a chunk) with 16 rotation pairs and at most 256 heads, on the tensor
-// cores, where a block may have about 210 KiB of shared memory and the kernels run as built for
-// sm_90 (Hopper: the sweep's copies are the tensor memory accelerator's), the backward can run as a
+// 16: 64 rows (token, rank) a chunk) with 16 rotation pairs, at most 256 heads and at most INT_MAX
+// rows of entry states (B·H·chunks·2P, scan_sweep_rows_fit), on the tensor cores, where a block
+// may have about 210 KiB of shared memory and the kernels run as built for sm_90 (Hopper: the
+// sweep's copies are the tensor memory accelerator's), the backward can run as a
 // sweep (kernels/cuda/mamba3_scan_sweep.cu): a block per (batch, head) walks its chunks in reverse
 // with dL/d(state) on chip, the official SISO kernels' structure, instead of chunk_dstate, the
 // reverse state pass and chunk_backward (a block per chunk), and finishes dθ's sums and the
 // per-token terms itself (no dtheta_offsets or finish_tokens). The forward then also keeps for the
 // backward its output before the gating (bf16, B·L·H·R·P), the per-token scalars and the
-// rotation's cos θ and sin θ (fp32, B·H·chunks·C·(3 + 2A)). kWherePaying runs it from
+// rotation's cos θ and sin θ (fp32, B·H·chunks·chunk·(3 + 2A)). kWherePaying runs it from
 // kSweepLeastPairs (batch, head) pairs: a block each walks all its chunks, so with fewer the SMs
 // idle (on an H200 at seqlen 8192 and 16 heads, SISO: the backward 40% faster at 128 pairs, 7% at
 // 64, 72% slower at 32, bench/RESULTS.md session 33; MIMO forward+backward: 37% faster at 128, 11%
@@ -134,8 +135,8 @@ inline constexpr long kSweepLeastPairs = 64;
 // a block, the sweep does not run.
 size_t scan_sweep_shared_bytes();
 // Whether the sweep's tile copies, whose coordinates are ints, reach every row of `shape`'s
-// entry states and rotation tables (one of the conditions under which the sweep applies; the
-// others depend on the device).
+// entry states and rotation tables: B·H·chunks·2P ≤ INT_MAX (one of the conditions under which
+// the sweep applies; the others are the shape's dimensions, the variant and the device's).
 bool scan_sweep_rows_fit(const ops::ScanShape& shape);
 
 // kWherePaying's choice: of `units` units of `heads_per_group` heads where `slots` blocks of
