@@ -9,8 +9,7 @@
 #   MEGACPP_FUZZ_RUNS=1000000 bash bench/fuzz/run.sh 0 safetensors    a fixed number of inputs
 #
 # MEGACPP_FUZZ_JOBS sets the build parallelism and how many targets run at once (default: nproc);
-# CXX_FUZZ the compiler
-# (default clang++-14).
+# CXX_FUZZ the compiler (default clang++-14).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 

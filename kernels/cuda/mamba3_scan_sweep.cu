@@ -180,9 +180,8 @@ __host__ __device__ inline int partial_groups(const Dims& d) {
 // computes (at M3-ref MIMO forward+backward 0.7% faster than a step at a time, in the same
 // shared memory, 64 KB a block; SISO's block grew to 52 KB and is unchanged; with the column sums
 // over the step buffers and 4 blocks an SM at 64 registers it spilled and was 3.4% slower,
-// bench/RESULTS.md session 45). Loaded into registers, two rows a
-// thread left DRAM 39% busy at M3-ref MIMO (ncu, session 36), where a warp's dy and z rows are
-// one token's.
+// bench/RESULTS.md session 45). Loaded into registers, two rows a thread left DRAM 39% busy at
+// M3-ref MIMO (ncu, session 36), where a warp's dy and z rows are one token's.
 template <int R>
 constexpr int kPrepStepTokens = R == 1 ? 64 : 32;
 template <int R>
