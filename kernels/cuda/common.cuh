@@ -102,9 +102,9 @@ static __device__ __forceinline__ void mbarrier_expect_bytes(uint64_t* barrier, 
   __trap();
 #endif
 }
-// Orders this thread's earlier accesses of shared memory before the copies that the tensor memory
-// accelerator makes next (they write through the async proxy).
-static __device__ __forceinline__ void fence_before_tile_copies() {
+// Orders this thread's earlier accesses of shared memory before what the async proxy does with it
+// next: the tensor memory accelerator's copies into it, wgmma's reads of it.
+static __device__ __forceinline__ void fence_shared_for_async_proxy() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #endif
@@ -373,6 +373,97 @@ static __device__ __forceinline__ void block_mma_split(int m, int n, int k, FA a
   block_gemm(m, n, k, a, b, out);
 #endif
 }
+
+// Hopper's warpgroup products (wgmma, sm_90a only: __CUDA_ARCH_FEAT_SM90_ALL). A warpgroup (four
+// consecutive warps from a multiple of four) issues each one together; warp w % 4 of it owns rows
+// 16 (w % 4) … + 15 of the 64, and its 32 accumulators a thread are the mma.sync m16n8 C fragments
+// of those rows' eight column tiles: acc[j][e] is row lane / 4 (+ 8 where e ≥ 2), column
+// 8 j + 2 (lane % 4) + e % 2, so the code around a product does not depend on which made it.
+//
+// The shared-memory matrix descriptor of a [rows][64] bf16 tile held with the 128-byte swizzle
+// (16-byte chunk c of row r at c ^ (r % 8); the tile 1024-byte aligned), 8-row groups 1024 bytes
+// apart. Read K-major (rows m or n, columns k), its k16 slice kk is the descriptor plus 2 kk (32
+// bytes, in units of 16); read transposed (rows k, columns m or n), plus 128 kk (16 rows).
+static __device__ __forceinline__ uint64_t swizzled_tile_descriptor(const void* tile) {
+  constexpr uint64_t kGroupStride = 1024 >> 4, kSwizzle128 = 1;
+  return static_cast<uint64_t>((shared_address(tile) & 0x3ffff) >> 4) | (uint64_t{1} << 16) |
+         (kGroupStride << 32) | (kSwizzle128 << 62);
+}
+// Orders the registers' earlier writes (accumulators, A operands) before the products issued next.
+static __device__ __forceinline__ void wgmma_fence() {
+#ifdef __CUDA_ARCH_FEAT_SM90_ALL
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+// Closes the products issued since the last commit into a group.
+static __device__ __forceinline__ void wgmma_commit() {
+#ifdef __CUDA_ARCH_FEAT_SM90_ALL
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+// Waits until at most kPending groups are in flight (their accumulators are then readable).
+template <int kPending>
+static __device__ __forceinline__ void wgmma_wait() {
+#ifdef __CUDA_ARCH_FEAT_SM90_ALL
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+#endif
+}
+// acc (= or, with kAccumulate, +=) A B for the warpgroup's 64 rows and 64 columns, k = 16, bf16
+// operands through their descriptors, fp32 accumulation: A held [m][k] (K-major) or, with
+// kTransposedA, [k][m]; B held [n][k] (K-major) or, with kTransposedB, [k][n]. Without kAccumulate
+// the accumulators are outputs only (wgmma's scale-d = 0), so nothing zeroes them first.
+#define MEGACPP_WGMMA_ACCUMULATORS(mode)                                                   \
+  mode(acc[0][0]), mode(acc[0][1]), mode(acc[0][2]), mode(acc[0][3]), mode(acc[1][0]),     \
+      mode(acc[1][1]), mode(acc[1][2]), mode(acc[1][3]), mode(acc[2][0]), mode(acc[2][1]), \
+      mode(acc[2][2]), mode(acc[2][3]), mode(acc[3][0]), mode(acc[3][1]), mode(acc[3][2]), \
+      mode(acc[3][3]), mode(acc[4][0]), mode(acc[4][1]), mode(acc[4][2]), mode(acc[4][3]), \
+      mode(acc[5][0]), mode(acc[5][1]), mode(acc[5][2]), mode(acc[5][3]), mode(acc[6][0]), \
+      mode(acc[6][1]), mode(acc[6][2]), mode(acc[6][3]), mode(acc[7][0]), mode(acc[7][1]), \
+      mode(acc[7][2]), mode(acc[7][3])
+#define MEGACPP_WGMMA_OUT(x) "=f"(x)
+#define MEGACPP_WGMMA_INOUT(x) "+f"(x)
+#define MEGACPP_WGMMA_64X64X16(scale_d, a, rest)                                                  \
+  "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, " scale_d                                   \
+  ", 0;\n"                                                                                        \
+  "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "                                         \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                       \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, " a ", " rest \
+  ";\n}\n"
+template <bool kAccumulate, bool kTransposedA = false, bool kTransposedB = false>
+static __device__ __forceinline__ void wgmma_64x64x16(float (&acc)[8][4], uint64_t a, uint64_t b) {
+#ifdef __CUDA_ARCH_FEAT_SM90_ALL
+  if constexpr (kAccumulate) {
+    asm volatile(MEGACPP_WGMMA_64X64X16("1", "%32", "%33, accumulate, 1, 1, %34, %35")
+                 : MEGACPP_WGMMA_ACCUMULATORS(MEGACPP_WGMMA_INOUT)
+                 : "l"(a), "l"(b), "n"(kTransposedA ? 1 : 0), "n"(kTransposedB ? 1 : 0));
+  } else {
+    asm volatile(MEGACPP_WGMMA_64X64X16("0", "%32", "%33, accumulate, 1, 1, %34, %35")
+                 : MEGACPP_WGMMA_ACCUMULATORS(MEGACPP_WGMMA_OUT)
+                 : "l"(a), "l"(b), "n"(kTransposedA ? 1 : 0), "n"(kTransposedB ? 1 : 0));
+  }
+#else
+  (void)acc, (void)a, (void)b;
+#endif
+}
+// acc += A B as above, A from registers: each warp's 16 rows × 16 as the mma.sync m16n8k16 A
+// fragments (a[0] row lane / 4, k 2 (lane % 4) and + 1; a[1] the row 8 below; a[2] and a[3] the
+// same at k + 8), which must not change until the product's group has been waited for.
+template <bool kTransposedB>
+static __device__ __forceinline__ void wgmma_64x64x16_registers(float (&acc)[8][4],
+                                                                const uint32_t (&a)[4],
+                                                                uint64_t b) {
+#ifdef __CUDA_ARCH_FEAT_SM90_ALL
+  asm volatile(MEGACPP_WGMMA_64X64X16("1", "{%32, %33, %34, %35}", "%36, accumulate, 1, 1, %37")
+               : MEGACPP_WGMMA_ACCUMULATORS(MEGACPP_WGMMA_INOUT)
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(kTransposedB ? 1 : 0));
+#else
+  (void)acc, (void)a, (void)b;
+#endif
+}
+#undef MEGACPP_WGMMA_64X64X16
+#undef MEGACPP_WGMMA_INOUT
+#undef MEGACPP_WGMMA_OUT
+#undef MEGACPP_WGMMA_ACCUMULATORS
 
 // Four 8×8 bf16 matrices from shared memory into mma operand registers; lane l gives the
 // address of row l % 8 of matrix l / 8 (16-byte aligned). kTrans: each matrix transposed.

@@ -45,14 +45,15 @@
 // Padded tokens of a last, shorter chunk arrive as zeros (q, k, v, dO; κ = γ = 0, adt = 0), so
 // they add nothing anywhere.
 //
-// Precision: chunk_backward_kernel's note holds here too. The rotated q and k are rounded once and
-// used by both sides; every product with the state (E, X, e^{l} dO) takes split hi + lo operands.
-// dO is rounded to bf16 once (as the official kernels do), and every product reads that one value,
-// so the angle gradient's cancelling terms still see the same numbers (<E_c, X> reads E's split
-// too). Each head's dq and dk are rounded to bf16 before the sums over heads (dθ and the biases'
-// sums over tokens take the fp32 values). The decays e^{l} are exp_flushed's: __expf's bits, but 0
-// where those would be subnormal (below 1.2e−38, far under every tolerance), for three
-// instructions fewer each.
+// Precision: chunk_backward_kernel's note holds here too (wgmma may sum a product's fp32 terms in
+// another order than mma.sync: the bits are its own, and repeat run to run). The rotated q
+// and k are rounded once and used by both sides; every product with the state (E, X, e^{l} dO)
+// takes split hi + lo operands. dO is rounded to bf16 once (as the official kernels do), and every
+// product reads that one value, so the angle gradient's cancelling terms still see the same numbers
+// (<E_c, X> reads E's split too). Each head's dq and dk are rounded to bf16 before the sums over
+// heads (dθ and the biases' sums over tokens take the fp32 values). The decays e^{l} are
+// exp_flushed's: __expf's bits, but 0 where those would be subnormal (below 1.2e−38, far under
+// every tolerance), for three instructions fewer each.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
@@ -70,9 +71,14 @@ namespace {
 
 // kC: a chunk's rows (token, rank), C · R: 64 tokens at R = 1 (SISO), 16 at R = 4 (MIMO).
 constexpr int kC = 64, kN = 64, kP = 64, kA = 16;
-// bf16 row stride of every [64][64] operand: ldmatrix rows on distinct banks.
+// The [64][64] bf16 operands of the products (q, k, dO, PsiV, and the splits of E, X and e^{l} dO)
+// are held dense and swizzled: 128-byte rows whose 16-byte chunk c is stored at c ^ (row % 8), the
+// tensor memory accelerator's 128-byte swizzle (it writes q, k, dO and E so), which wgmma reads
+// through a descriptor and which keeps ldmatrix's rows (below sm_90a) on distinct banks. Each tile
+// starts on a 1024-byte boundary, so that row % 8 is the address's bits 7-9, as both units take it.
+constexpr int kSwizzledTile = kC * kN;
+// bf16 row stride of v as it came in (read by rows, not by the products): padded.
 constexpr int kLd = 72;
-constexpr int kTile = kC * kLd;
 // sweep_core's block: 8 compute warps (0-3 the query side, 4-7 the key side) and a warpgroup of
 // operand warps (8-11) that makes each chunk's operands a chunk ahead of them (in the reverse
 // walk's order). Registers (setmaxnreg): 168 a thread at entry (65,536 / 384), then the compute
@@ -95,26 +101,28 @@ constexpr int kAngleLd = kA + 1;                 // fp32 row stride of the dθ p
 // bytes; the 4 past a row's 16 land as zeros).
 constexpr int kRotationLd = kA + 4;
 
-// Shared memory: two stages of the chunk's q and k (rotated in place once in), dO (bf16 [C][kLd]),
-// v as it came in (a token's row once: [C / R][kLd]), cos θ, sin θ, l, κ and γ,
-// PsiV = v ⊙ mimo_x, and E_c's split (hi and lo,
-// rows p, columns n: the forward leaves it split, Work::states); the split operands of X (rows p,
-// columns n) and e^{l} dO (rows t, columns p; each query warp splits the columns it reads), hi
-// and lo each; the head's mimo_x, and the parts that a chunk's warps leave for the next chunk to
-// finish (two slots: dl's per token, the exit terms, <E, X>, dγ and dκ, dθ's q and k terms,
-// mimo_x's column sums of each key warp, and the column sums of each warp's dq or dk). The tile
-// copies' targets are 128-byte aligned (the tensor memory accelerator's rule), and each stage's
-// copies land on its mbarrier (stage_full).
+// Shared memory: two stages of the chunk's q and k (rotated in place once in), dO ([C][P]), v as
+// it came in (a token's row once: [C / R][kLd]), cos θ, sin θ, l, κ and γ, PsiV = v ⊙ mimo_x, and
+// E_c's split (hi and lo, rows p, columns n: the forward leaves it split, Work::states); the split
+// operands of X (rows p, columns n) and e^{l} dO (rows t, columns p; each query warp splits the
+// columns of its rows of X), hi and lo each; the head's mimo_x, and the parts that a chunk's warps
+// leave for the next chunk to finish (two slots: dl's per token, the exit terms, <E, X>, dγ and
+// dκ, dθ's q and k terms, mimo_x's column sums of each key warp, and the column sums of each
+// warp's dq or dk). The operand tiles are swizzled (kSwizzledTile); the tile copies' other targets
+// are 128-byte aligned (the tensor memory accelerator's rule), and each stage's copies land on
+// its mbarrier (stage_full).
 template <int R>
 struct CoreSmem {
   static constexpr int kTokens = kC / R;
-  alignas(128) bf16 q[2][kTile], k[2][kTile], d_out[2][kTile], psiv[2][kTile];
+  alignas(1024) bf16 q[2][kSwizzledTile], k[2][kSwizzledTile], d_out[2][kSwizzledTile],
+      psiv[2][kSwizzledTile];
   alignas(128) bf16 v[2][kTokens * kLd];
   alignas(128) float cos_theta[2][kTokens * kRotationLd], sin_theta[2][kTokens * kRotationLd];
   alignas(16) float log_decay[2][kTokens], kappa[2][kTokens], gamma[2][kTokens];
   // E_c's split, a stage's, as the forward left it.
-  alignas(128) bf16 e_hi[2][kTile], e_lo[2][kTile];
-  bf16 x_hi[kTile], x_lo[kTile], ds_hi[kTile], ds_lo[kTile];
+  alignas(1024) bf16 e_hi[2][kSwizzledTile], e_lo[2][kSwizzledTile];
+  alignas(1024) bf16 x_hi[kSwizzledTile], x_lo[kSwizzledTile], ds_hi[kSwizzledTile],
+      ds_lo[kSwizzledTile];
   alignas(16) float mimo_x[R * kP];
   float dl_query[2][kTokens], dl_key[2][kTokens], exit_terms[2][kC];
   float d_gamma[2][kTokens], d_kappa[2][kTokens];
@@ -126,17 +134,17 @@ struct CoreSmem {
   uint64_t stage_full[2];
 };
 
-// The bytes of a stage's tile copies: q, k and dO (C rows of kLd), v (C / R rows), E's split (two
-// [P][kLd]), cos θ and sin θ, l, κ and γ. A box's bytes count whole, its zeros past a tensor's
+// The bytes of a stage's tile copies: q, k, dO and E's two parts (64 rows of 64), v (C / R rows of
+// kLd), cos θ and sin θ, l, κ and γ. A box's bytes count whole, its zeros past a tensor's
 // bounds among them.
 template <int R>
-constexpr unsigned kStageBytes = sizeof(bf16) * (3 * kC * kLd + kC / R * kLd + 2 * kP * kLd) +
+constexpr unsigned kStageBytes = sizeof(bf16) * (5 * kSwizzledTile + kC / R * kLd) +
                                  sizeof(float) * (2 * kC / R * kRotationLd + 3 * kC / R);
 
 // sweep_core's tile copies (the tensor memory accelerator's maps, sweep_copies makes them for one
-// backward). Every bf16 box is kLd = 72 elements wide: the 8 past a row's 64 are past the map's
-// innermost dimension and land as zeros in the row's padding, so a dense box fills the padded
-// rows that ldmatrix reads without bank conflicts. Coordinates, innermost first:
+// backward). The operands' boxes (q, k, dO, E) are 64 elements (128 bytes) wide and written with
+// the 128-byte swizzle (kSwizzledTile); v's box is kLd = 72 wide, its 8 past a row's 64 past the
+// map's innermost dimension (zeros in the row's padding). Coordinates, innermost first:
 //   q, k   (n, group, rank, token, batch): a chunk's box is its C rows (token, rank) in order;
 //   v      (p, head, token, batch): C / R rows, a token's once;
 //   d_out  (p, rank, head, token, batch), Work::sweep_d_out;
@@ -320,6 +328,8 @@ __global__ void __launch_bounds__(kPrepThreads, 3)
 //    they wait at chunk c's free one, so the compute warps can finish chunk c − 1 while chunk c's
 //    phase is still open, and on one barrier their arrival would meet it (one barrier measured 2%
 //    slower at MIMO, bench/RESULTS.md session 41);
+//  - the query warps' own (6): each has split its columns of e^{l} dO, which X's update reads
+//    whole (a warpgroup's product);
 //  - the compute warps' own (8).
 //
 // compute-sanitizer's racecheck does not model bar.arrive: it reports hazards between accesses
@@ -328,7 +338,8 @@ __global__ void __launch_bounds__(kPrepThreads, 3)
 // -DMEGACPP_RACECHECK_NAMED_BARRIERS the query warps wait at the X barrier as well (the same
 // order, slower); the operand warps' hand-overs cannot be waits on both sides (each side waits for
 // the other's next one), so racecheck sees those as hazards.
-constexpr int kXBarrier = 1, kReadyBarrier = 2, kFreeBarrier = 4, kComputeBarrier = 8;
+constexpr int kXBarrier = 1, kReadyBarrier = 2, kFreeBarrier = 4, kQueryBarrier = 6;
+constexpr int kComputeBarrier = 8;
 __device__ __forceinline__ void barrier_wait(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
@@ -394,6 +405,13 @@ struct LaneAddress {
   }
 };
 
+// Where a [64][64] operand tile holds its element (row, col) (kSwizzledTile's note).
+__device__ __forceinline__ int swizzled(int row, int col) {
+  return row * kN + (col ^ ((row & 7) << 3));
+}
+
+// The products by mma.sync and ldmatrix, where wgmma is not built (below sm_90a).
+#ifndef __CUDA_ARCH_FEAT_SM90_ALL
 // acc[8][4] += the A fragments af (16 rows, k0 … k0 + 15) × B's rows k0 … k0 + 15, all 64
 // columns: B held as [n][k] (rows n), or with kTransposedB as [k][n] (transposed by ldmatrix).
 template <bool kTransposedB>
@@ -402,8 +420,8 @@ __device__ __forceinline__ void times_b_rows(float (&acc)[8][4], const uint32_t 
 #pragma unroll
   for (int n0 = 0; n0 < 64; n0 += 16) {
     uint32_t bf[4];
-    ldmatrix_x4<kTransposedB>(bf, kTransposedB ? b + (k0 + at.bt_row) * kLd + n0 + at.bt_col
-                                               : b + (n0 + at.bn_row) * kLd + k0 + at.bn_col);
+    ldmatrix_x4<kTransposedB>(bf, b + (kTransposedB ? swizzled(k0 + at.bt_row, n0 + at.bt_col)
+                                                    : swizzled(n0 + at.bn_row, k0 + at.bn_col)));
     mma_bf16_16816(acc[n0 / 8], af, bf[0], bf[1]);
     mma_bf16_16816(acc[n0 / 8 + 1], af, bf[2], bf[3]);
   }
@@ -416,37 +434,51 @@ __device__ __forceinline__ void rows_times_rows(float (&acc)[8][4], const bf16* 
 #pragma unroll
   for (int k0 = 0; k0 < 64; k0 += 16) {
     uint32_t af[4];
-    ldmatrix_x4<false>(af, a + (r0 + at.a_row) * kLd + k0 + at.a_col);
+    ldmatrix_x4<false>(af, a + swizzled(r0 + at.a_row, k0 + at.a_col));
     times_b_rows<false>(acc, af, b, k0, at);
   }
 }
 
 // acc[8][4] += A(16 rows from r0) × B, B held as [k][n] (`b`): B transposed by ldmatrix, k = 64.
 // `a` holds A as [m][k], or with kTransposedA as [k][m] (A's rows are then its columns r0 …).
-template <bool kTransposedA = false>
+template <bool kTransposedA>
 __device__ __forceinline__ void rows_times_cols(float (&acc)[8][4], const bf16* a, int r0,
                                                 const bf16* b, const LaneAddress& at) {
 #pragma unroll
   for (int k0 = 0; k0 < 64; k0 += 16) {
     uint32_t af[4];
-    ldmatrix_x4<kTransposedA>(af, kTransposedA ? a + (k0 + at.at_row) * kLd + r0 + at.at_col
-                                               : a + (r0 + at.a_row) * kLd + k0 + at.a_col);
+    ldmatrix_x4<kTransposedA>(af, a + (kTransposedA ? swizzled(k0 + at.at_row, r0 + at.at_col)
+                                                    : swizzled(r0 + at.a_row, k0 + at.a_col)));
     times_b_rows<true>(acc, af, b, k0, at);
   }
 }
 
+#endif
+
 // acc[8][4] += F × B where F (16 × 64, k = the chunk's tokens) is in registers as C fragments
-// (f[8][4], rounded to bf16 here) and B is held as [k][n] (`b`): transposed by ldmatrix.
+// (f[8][4], rounded to bf16 here) and B is held as [k][n] (`b`, swizzled): transposed by ldmatrix.
 __device__ __forceinline__ void frags_times_cols(float (&acc)[8][4], const float (&f)[8][4],
                                                  const bf16* b, const LaneAddress& at) {
+  uint32_t af[4][4];
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) {
-    const uint32_t af[4] = {pack_bf16(f[2 * kk][0], f[2 * kk][1]),
-                            pack_bf16(f[2 * kk][2], f[2 * kk][3]),
-                            pack_bf16(f[2 * kk + 1][0], f[2 * kk + 1][1]),
-                            pack_bf16(f[2 * kk + 1][2], f[2 * kk + 1][3])};
-    times_b_rows<true>(acc, af, b, 16 * kk, at);
+    af[kk][0] = pack_bf16(f[2 * kk][0], f[2 * kk][1]);
+    af[kk][1] = pack_bf16(f[2 * kk][2], f[2 * kk][3]);
+    af[kk][2] = pack_bf16(f[2 * kk + 1][0], f[2 * kk + 1][1]);
+    af[kk][3] = pack_bf16(f[2 * kk + 1][2], f[2 * kk + 1][3]);
   }
+#ifdef __CUDA_ARCH_FEAT_SM90_ALL
+  (void)at;
+  const uint64_t b_tile = swizzled_tile_descriptor(b);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) wgmma_64x64x16_registers<true>(acc, af[kk], b_tile + 128 * kk);
+  wgmma_commit();
+  wgmma_wait<0>();
+#else
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) times_b_rows<true>(acc, af[kk], b, 16 * kk, at);
+#endif
 }
 
 __device__ __forceinline__ void zero(float (&acc)[8][4]) {
@@ -454,15 +486,71 @@ __device__ __forceinline__ void zero(float (&acc)[8][4]) {
   for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
 }
 
+// acc = A0 B0 + A1 B1 (a split operand's two parts, hi first) for the warp's 16 rows from r0, k =
+// 64: A held [m][k] or, with kTransposedA, [k][m]; B held [n][k] or, with kTransposedB, [k][n].
+// Built for sm_90a, the warpgroup's 64 rows by wgmma.
+template <bool kTransposedA, bool kTransposedB>
+__device__ __forceinline__ void product_sum(float (&acc)[8][4], const bf16* a0, const bf16* b0,
+                                            const bf16* a1, const bf16* b1, int r0,
+                                            const LaneAddress& at) {
+#ifdef __CUDA_ARCH_FEAT_SM90_ALL
+  (void)r0, (void)at;
+  constexpr uint64_t kStepA = kTransposedA ? 128 : 2, kStepB = kTransposedB ? 128 : 2;
+  const uint64_t a0_tile = swizzled_tile_descriptor(a0), b0_tile = swizzled_tile_descriptor(b0);
+  const uint64_t a1_tile = swizzled_tile_descriptor(a1), b1_tile = swizzled_tile_descriptor(b1);
+  wgmma_fence();
+  wgmma_64x64x16<false, kTransposedA, kTransposedB>(acc, a0_tile, b0_tile);
+#pragma unroll
+  for (int kk = 1; kk < 4; ++kk) {
+    wgmma_64x64x16<true, kTransposedA, kTransposedB>(acc, a0_tile + kStepA * kk,
+                                                     b0_tile + kStepB * kk);
+  }
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    wgmma_64x64x16<true, kTransposedA, kTransposedB>(acc, a1_tile + kStepA * kk,
+                                                     b1_tile + kStepB * kk);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+#else
+  zero(acc);
+  if constexpr (kTransposedB) {
+    rows_times_cols<kTransposedA>(acc, a0, r0, b0, at);
+    rows_times_cols<kTransposedA>(acc, a1, r0, b1, at);
+  } else {
+    static_assert(!kTransposedA, "A transposed is read only with B transposed");
+    rows_times_rows(acc, a0, r0, b0, at);
+    rows_times_rows(acc, a1, r0, b1, at);
+  }
+#endif
+}
+
 // One side's two score tiles for its 16 rows from r0: scores = A Bᵀ (rotated q and k, one way or
-// the other) and d_scores = C Dᵀ (dO and PsiV, the same way), unweighted.
+// the other) and d_scores = C Dᵀ (dO and PsiV, the same way), unweighted; all four swizzled tiles.
+// Built for sm_90a, the side's warpgroup makes its 64 rows with wgmma (each warp's 16 are r0's):
+// eight instructions a warp where mma.sync and ldmatrix took 104.
 __device__ __forceinline__ void score_tiles(float (&scores)[8][4], float (&d_scores)[8][4],
                                             const bf16* a, const bf16* b, const bf16* c,
                                             const bf16* d, int r0, const LaneAddress& at) {
+#ifdef __CUDA_ARCH_FEAT_SM90_ALL
+  (void)r0, (void)at;
+  const uint64_t a_tile = swizzled_tile_descriptor(a), b_tile = swizzled_tile_descriptor(b);
+  const uint64_t c_tile = swizzled_tile_descriptor(c), d_tile = swizzled_tile_descriptor(d);
+  wgmma_fence();
+  wgmma_64x64x16<false>(scores, a_tile, b_tile);
+#pragma unroll
+  for (int kk = 1; kk < 4; ++kk) wgmma_64x64x16<true>(scores, a_tile + 2 * kk, b_tile + 2 * kk);
+  wgmma_64x64x16<false>(d_scores, c_tile, d_tile);
+#pragma unroll
+  for (int kk = 1; kk < 4; ++kk) wgmma_64x64x16<true>(d_scores, c_tile + 2 * kk, d_tile + 2 * kk);
+  wgmma_commit();
+  wgmma_wait<0>();
+#else
   zero(scores);
   zero(d_scores);
   rows_times_rows(scores, a, r0, b, at);
   rows_times_rows(d_scores, c, r0, d, at);
+#endif
 }
 
 // The four lanes of a quad hold one row's columns: their sum, in every lane of the quad.
@@ -584,9 +672,7 @@ __device__ __forceinline__ float rank_sum(float x) {
 __device__ __forceinline__ void state_product(float (&acc)[8][4], float (&dots)[2], const bf16* a,
                                               const bf16* hi, const bf16* lo, const bf16* rows,
                                               int r0, int g, int c4, const LaneAddress& at) {
-  zero(acc);
-  rows_times_cols(acc, a, r0, hi, at);
-  rows_times_cols(acc, a, r0, lo, at);
+  product_sum<false, true>(acc, a, hi, a, lo, r0, at);
   dots[0] = dots[1] = 0.f;
   // A thread's columns come in pairs (n, n + 1): one 4-byte read each (as in the loops below).
 #pragma unroll
@@ -594,7 +680,7 @@ __device__ __forceinline__ void state_product(float (&acc)[8][4], float (&dots)[
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int t = r0 + g + 8 * half, n = 8 * j + 2 * c4;
-      const float2 row = unpack_bf16(*reinterpret_cast<const uint32_t*>(rows + t * kLd + n));
+      const float2 row = unpack_bf16(*reinterpret_cast<const uint32_t*>(rows + swizzled(t, n)));
       dots[half] += acc[j][2 * half] * row.x;
       dots[half] += acc[j][2 * half + 1] * row.y;
     }
@@ -614,9 +700,10 @@ __device__ __forceinline__ void unrotate(float (&acc)[8][4], const bf16* rotated
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int t = r0 + g + 8 * half, n = 8 * j + 2 * c4;
-      const float2 firsts = unpack_bf16(*reinterpret_cast<const uint32_t*>(rotated + t * kLd + n));
+      const float2 firsts =
+          unpack_bf16(*reinterpret_cast<const uint32_t*>(rotated + swizzled(t, n)));
       const float2 seconds =
-          unpack_bf16(*reinterpret_cast<const uint32_t*>(rotated + t * kLd + n + kN / 2));
+          unpack_bf16(*reinterpret_cast<const uint32_t*>(rotated + swizzled(t, n + kN / 2)));
       const float2 cs = *reinterpret_cast<const float2*>(cos_theta + t / R * kRotationLd + n);
       const float2 sn = *reinterpret_cast<const float2*>(sin_theta + t / R * kRotationLd + n);
 #pragma unroll
@@ -756,23 +843,25 @@ __device__ __forceinline__ void make_operands(const Dims& d, const DevInputs& in
       const float cs[2] = {c_.x, c_.y}, sn[2] = {s_.x, s_.y};
 #pragma unroll
       for (int which = 0; which < 2; ++which) {
-        bf16* row = (which == 0 ? sm.q[stage] : sm.k[stage]) + t * kLd + n;
-        const float2 first = unpack_bf16(*reinterpret_cast<const uint32_t*>(row));
-        const float2 second = unpack_bf16(*reinterpret_cast<const uint32_t*>(row + kN / 2));
+        bf16* tile = which == 0 ? sm.q[stage] : sm.k[stage];
+        uint32_t* const lead_at = reinterpret_cast<uint32_t*>(tile + swizzled(t, n));
+        uint32_t* const partner_at = reinterpret_cast<uint32_t*>(tile + swizzled(t, n + kN / 2));
+        const float2 first = unpack_bf16(*lead_at);
+        const float2 second = unpack_bf16(*partner_at);
         // Padded tokens loaded zeros and take no bias, so they store zeros.
         const float2 lead_add = unpack_bf16(token ? lead_bias[which] : 0u);
         const float2 partner_add = unpack_bf16(token ? partner_bias[which] : 0u);
         const float lead[2] = {first.x + lead_add.x, first.y + lead_add.y};
         const float partner[2] = {second.x + partner_add.x, second.y + partner_add.y};
-        *reinterpret_cast<uint32_t*>(row) =
+        *lead_at =
             pack_bf16(lead[0] * cs[0] - partner[0] * sn[0], lead[1] * cs[1] - partner[1] * sn[1]);
-        *reinterpret_cast<uint32_t*>(row + kN / 2) =
+        *partner_at =
             pack_bf16(lead[0] * sn[0] + partner[0] * cs[0], lead[1] * sn[1] + partner[1] * cs[1]);
       }
     }
 #pragma unroll 1
     for (int i = 0; i < kC / kPsivRowStep; ++i) {
-      const int row = psiv_row + i * kPsivRowStep, at = row * kLd + psiv_column;
+      const int row = psiv_row + i * kPsivRowStep, at = swizzled(row, psiv_column);
       const uint2 v_raw =
           *reinterpret_cast<const uint2*>(sm.v[stage] + row / R * kLd + psiv_column);
       const float2 v01 = unpack_bf16(v_raw.x), v23 = unpack_bf16(v_raw.y);
@@ -792,7 +881,7 @@ __device__ __forceinline__ void make_operands(const Dims& d, const DevInputs& in
   for (int c = chunks - 1; c >= 0; --c) {
     mbarrier_wait(&sm.stage_full[c % 2], static_cast<unsigned>((chunks - 1 - c) / 2 % 2));
     rotate_and_weight(c);
-    fence_before_tile_copies();
+    fence_shared_for_async_proxy();
     barrier_arrive(kReadyBarrier + c % 2, kCoreBlockThreads);
     if (c == 0) break;
     if (c + 1 < chunks) barrier_wait(kFreeBarrier + (c + 1) % 2, kCoreBlockThreads);
@@ -802,15 +891,19 @@ __device__ __forceinline__ void make_operands(const Dims& d, const DevInputs& in
 
 // The compute warps: 0-3 are the query side (16 rows (token, rank) each: dq and dγ, and X's 16
 // rows), 4-7 the key side (dk, dv, dκ): a scheduler (warp % 4) holds query block i, whose causal
-// work grows with i, key block i, whose work shrinks with it, and an operand warp. Every score
-// block is computed (the causal mask's zero blocks too: skipping them measured no gain,
+// work grows with i, key block i, whose work shrinks with it, and an operand warp. Each side is a
+// warpgroup, and built for sm_90a its eleven 64 × 64 × 64 products a chunk (five on the query
+// side, six on the key side) are wgmma's, the side's 64 rows at once, with the operands in shared
+// memory or (the weighted score tiles) in registers: at M3-ref forward + backward 2.6% faster
+// (MIMO) and 4.4% (SISO) than mma.sync and ldmatrix, warp by warp (bench/RESULTS.md session 46).
+// Every score block is computed (the causal mask's zero blocks too: skipping them measured no gain,
 // bench/RESULTS.md session 32).
 template <int R>
 __global__ void __launch_bounds__(kCoreBlockThreads, 1)
     sweep_core_kernel(Dims d, DevInputs in, Work w, DevGrads grads,
                       const __grid_constant__ SweepCopies copies) {
   constexpr int kTokens = kC / R;
-  extern __shared__ __align__(128) unsigned char smem_raw[];
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
   CoreSmem<R>& sm = *reinterpret_cast<CoreSmem<R>*>(smem_raw);
   const int h = blockIdx.x, b = blockIdx.y;
   for (int i = threadIdx.x; i < R * kP; i += kCoreBlockThreads) {
@@ -818,7 +911,7 @@ __global__ void __launch_bounds__(kCoreBlockThreads, 1)
   }
   if (threadIdx.x == kCoreThreads) {
     // The tile copies' targets are aligned only if the block's shared memory is.
-    if (shared_address(smem_raw) % 128 != 0) __trap();
+    if (shared_address(smem_raw) % 1024 != 0) __trap();
     mbarrier_init(&sm.stage_full[0], 1);
     mbarrier_init(&sm.stage_full[1], 1);
   }
@@ -1007,10 +1100,11 @@ __global__ void __launch_bounds__(kCoreBlockThreads, 1)
           const int row = r0 + g + 8 * half;
           uint32_t hi, lo;
           split_bf16(x[j][2 * half], x[j][2 * half + 1], hi, lo);
-          *reinterpret_cast<uint32_t*>(sm.x_hi + row * kLd + col) = hi;
-          *reinterpret_cast<uint32_t*>(sm.x_lo + row * kLd + col) = lo;
+          *reinterpret_cast<uint32_t*>(sm.x_hi + swizzled(row, col)) = hi;
+          *reinterpret_cast<uint32_t*>(sm.x_lo + swizzled(row, col)) = lo;
         }
       }
+      fence_shared_for_async_proxy();  // the key warps' products read X through the async proxy
       arrive_x_split();
       // Chunk c + 1's parts are complete (the ready barrier); the query warps, with the lighter
       // share of the causal work, finish them.
@@ -1071,7 +1165,7 @@ __global__ void __launch_bounds__(kCoreBlockThreads, 1)
         const int col = 8 * j + 2 * c4;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const int at_e = (r0 + g + 8 * half) * kLd + col;
+          const int at_e = swizzled(r0 + g + 8 * half, col);
           const float2 hi = unpack_bf16(*reinterpret_cast<const uint32_t*>(sm.e_hi[stage] + at_e));
           const float2 lo = unpack_bf16(*reinterpret_cast<const uint32_t*>(sm.e_lo[stage] + at_e));
           dot += x[j][2 * half] * (hi.x + lo.x) + x[j][2 * half + 1] * (hi.y + lo.y);
@@ -1086,19 +1180,20 @@ __global__ void __launch_bounds__(kCoreBlockThreads, 1)
 #pragma unroll
         for (int i = 0; i < kC / 8; ++i) {
           const int t = lane / 4 + 8 * i, col = r0 + 4 * (lane % 4);
-          const uint2 o_raw = *reinterpret_cast<const uint2*>(d_out + t * kLd + col);
+          const uint2 o_raw = *reinterpret_cast<const uint2*>(d_out + swizzled(t, col));
           const float row_scale = exp_flushed(l[t / R]);
           const float2 o01 = unpack_bf16(o_raw.x), o23 = unpack_bf16(o_raw.y);
           store_split_quad(make_float4(o01.x * row_scale, o01.y * row_scale, o23.x * row_scale,
                                        o23.y * row_scale),
-                           sm.ds_hi, sm.ds_lo, t * kLd + col);
+                           sm.ds_hi, sm.ds_lo, swizzled(t, col));
         }
       }
-      __syncwarp();
+      // The product reads every query warp's columns (a warpgroup's wgmma), through the async
+      // proxy.
+      fence_shared_for_async_proxy();
+      barrier_wait(kQueryBarrier, kQueryThreads);
       float update[8][4];
-      zero(update);
-      rows_times_cols<true>(update, sm.ds_hi, r0, q, at);
-      rows_times_cols<true>(update, sm.ds_lo, r0, q, at);
+      product_sum<true, true>(update, sm.ds_hi, q, sm.ds_lo, q, r0, at);
       const float decay = exp_flushed(l_last);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
@@ -1159,17 +1254,16 @@ __global__ void __launch_bounds__(kCoreBlockThreads, 1)
                                  w.sweep_dk, first_row, H, sm.bias_parts[slot][1][warp - 4], r0,
                                  lane, at);
       // dL/dPsiV: X k̃'s part (X's rows p are B's rows n), the chunk's, and D's.
-      zero(acc);
-      rows_times_rows(acc, k, r0, x_hi, at);
-      rows_times_rows(acc, k, r0, x_lo, at);
+      product_sum<false, false>(acc, k, x_hi, k, x_lo, r0, at);
       float own[2] = {0.f, 0.f};
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int s_row = r0 + g + 8 * half, p = 8 * j + 2 * c4;
-          const float2 o = unpack_bf16(*reinterpret_cast<const uint32_t*>(d_out + s_row * kLd + p));
-          const float2 psiv = unpack_bf16(*reinterpret_cast<const uint32_t*>(v + s_row * kLd + p));
+          const int at_row = swizzled(s_row, p);
+          const float2 o = unpack_bf16(*reinterpret_cast<const uint32_t*>(d_out + at_row));
+          const float2 psiv = unpack_bf16(*reinterpret_cast<const uint32_t*>(v + at_row));
           own[half] += o.x * psiv.x;
           own[half] += o.y * psiv.y;
           acc[j][2 * half] = acc[j][2 * half] * scale[half] + skip * o.x;
@@ -1391,7 +1485,8 @@ template <size_t kDims>
 CUtensorMap tile_map(const char* what, CUtensorMapDataType type, const void* base,
                      const std::array<uint64_t, kDims>& extents,
                      const std::array<uint64_t, kDims - 1>& strides,
-                     const std::array<uint32_t, kDims>& box) {
+                     const std::array<uint32_t, kDims>& box,
+                     CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_NONE) {
   const auto listed = [](const auto& values) {
     std::string out;
     for (const auto value : values) out += (out.empty() ? "" : ", ") + std::to_string(value);
@@ -1405,9 +1500,8 @@ CUtensorMap tile_map(const char* what, CUtensorMapDataType type, const void* bas
       encode == nullptr
           ? CUDA_ERROR_NOT_SUPPORTED
           : encode(&map, type, kDims, const_cast<void*>(base), extents.data(), strides.data(),
-                   box.data(), element_strides.data(), CU_TENSOR_MAP_INTERLEAVE_NONE,
-                   CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+                   box.data(), element_strides.data(), CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+                   CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (result != CUDA_SUCCESS) {
     detail::refuse(ErrorKind::kInternal,
                    "the scan's sweep: cuTensorMapEncodeTiled refused the map of {} (CUresult {}; "
@@ -1427,17 +1521,19 @@ SweepCopies sweep_copies(const Dims& d, const DevInputs& in, const Work& w) {
   const auto qk = [&](const char* what, const bf16* base) {
     return tile_map<5>(what, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, base, {kN, G, R, T, B},
                        {kN * e, G * kN * e, R * G * kN * e, T * R * G * kN * e},
-                       {kRow, 1, R, kTokens, 1});
+                       {kN, 1, R, kTokens, 1}, CU_TENSOR_MAP_SWIZZLE_128B);
   };
   copies.q = qk("q", in.q);
   copies.k = qk("k", in.k);
   copies.v = tile_map<4>("v", CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, in.v, {kP, H, T, B},
                          {kP * e, in.zv_stride * e, T * in.zv_stride * e}, {kRow, 1, kTokens, 1});
-  copies.d_out = tile_map<5>(
-      "dO", CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, w.sweep_d_out, {kP, R, H, T, B},
-      {kP * e, R * kP * e, H * R * kP * e, T * H * R * kP * e}, {kRow, R, 1, kTokens, 1});
-  copies.entry = tile_map<2>("the entry states' split", CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, w.states,
-                             {kN, pairs * d.chunks * 2 * kP}, {kN * e}, {kRow, kP});
+  copies.d_out =
+      tile_map<5>("dO", CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, w.sweep_d_out, {kP, R, H, T, B},
+                  {kP * e, R * kP * e, H * R * kP * e, T * H * R * kP * e}, {kP, R, 1, kTokens, 1},
+                  CU_TENSOR_MAP_SWIZZLE_128B);
+  copies.entry =
+      tile_map<2>("the entry states' split", CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, w.states,
+                  {kN, pairs * d.chunks * 2 * kP}, {kN * e}, {kN, kP}, CU_TENSOR_MAP_SWIZZLE_128B);
   const float* sin_theta = w.sweep_rotation + pairs * Tp * kA;
   const auto rotation = [&](const char* what, const float* base) {
     return tile_map<2>(what, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, base, {kA, pairs * Tp},
