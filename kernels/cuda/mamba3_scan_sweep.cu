@@ -409,6 +409,14 @@ struct LaneAddress {
 __device__ __forceinline__ int swizzled(int row, int col) {
   return row * kN + (col ^ ((row & 7) << 3));
 }
+// Rows 8 apart have the same swizzle: their elements are 512 apart.
+constexpr int kEightRows = 8 * kN;
+// A lane's fragment element (row r0 + g + 8 half, columns 8 j + 2 c4 and + 1; r0 a multiple of 8)
+// from `lane_first` = swizzled(r0 + g, 2 c4): both rows are g mod 8, so column group j is
+// lane_first's bits 3-5 XOR j (one instruction, where swizzled() takes several).
+__device__ __forceinline__ int fragment_index(int lane_first, int j, int half) {
+  return (lane_first ^ (8 * j)) + kEightRows * half;
+}
 
 // The products by mma.sync and ldmatrix, where wgmma is not built (below sm_90a).
 #ifndef __CUDA_ARCH_FEAT_SM90_ALL
@@ -528,7 +536,9 @@ __device__ __forceinline__ void product_sum(float (&acc)[8][4], const bf16* a0, 
 // One side's two score tiles for its 16 rows from r0: scores = A Bᵀ (rotated q and k, one way or
 // the other) and d_scores = C Dᵀ (dO and PsiV, the same way), unweighted; all four swizzled tiles.
 // Built for sm_90a, the side's warpgroup makes its 64 rows with wgmma (each warp's 16 are r0's):
-// eight instructions a warp where mma.sync and ldmatrix took 104.
+// eight instructions a warp where mma.sync and ldmatrix took 104. Without kWait they are only
+// issued there, and the caller waits (wgmma_wait<0>) before it reads the tiles.
+template <bool kWait = true>
 __device__ __forceinline__ void score_tiles(float (&scores)[8][4], float (&d_scores)[8][4],
                                             const bf16* a, const bf16* b, const bf16* c,
                                             const bf16* d, int r0, const LaneAddress& at) {
@@ -544,7 +554,7 @@ __device__ __forceinline__ void score_tiles(float (&scores)[8][4], float (&d_sco
 #pragma unroll
   for (int kk = 1; kk < 4; ++kk) wgmma_64x64x16<true>(d_scores, c_tile + 2 * kk, d_tile + 2 * kk);
   wgmma_commit();
-  wgmma_wait<0>();
+  if constexpr (kWait) wgmma_wait<0>();
 #else
   zero(scores);
   zero(d_scores);
@@ -674,13 +684,14 @@ __device__ __forceinline__ void state_product(float (&acc)[8][4], float (&dots)[
                                               int r0, int g, int c4, const LaneAddress& at) {
   product_sum<false, true>(acc, a, hi, a, lo, r0, at);
   dots[0] = dots[1] = 0.f;
+  const int lane_first = swizzled(r0 + g, 2 * c4);
   // A thread's columns come in pairs (n, n + 1): one 4-byte read each (as in the loops below).
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int t = r0 + g + 8 * half, n = 8 * j + 2 * c4;
-      const float2 row = unpack_bf16(*reinterpret_cast<const uint32_t*>(rows + swizzled(t, n)));
+      const float2 row = unpack_bf16(
+          *reinterpret_cast<const uint32_t*>(rows + fragment_index(lane_first, j, half)));
       dots[half] += acc[j][2 * half] * row.x;
       dots[half] += acc[j][2 * half + 1] * row.y;
     }
@@ -695,15 +706,16 @@ template <int R>
 __device__ __forceinline__ void unrotate(float (&acc)[8][4], const bf16* rotated,
                                          const float* cos_theta, const float* sin_theta,
                                          float* d_theta_part, int r0, int g, int c4) {
+  const int lane_first = swizzled(r0 + g, 2 * c4);
 #pragma unroll
   for (int j = 0; j < kA / 8; ++j) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int t = r0 + g + 8 * half, n = 8 * j + 2 * c4;
-      const float2 firsts =
-          unpack_bf16(*reinterpret_cast<const uint32_t*>(rotated + swizzled(t, n)));
-      const float2 seconds =
-          unpack_bf16(*reinterpret_cast<const uint32_t*>(rotated + swizzled(t, n + kN / 2)));
+      const float2 firsts = unpack_bf16(
+          *reinterpret_cast<const uint32_t*>(rotated + fragment_index(lane_first, j, half)));
+      const float2 seconds = unpack_bf16(
+          *reinterpret_cast<const uint32_t*>(rotated + fragment_index(lane_first, j + 4, half)));
       const float2 cs = *reinterpret_cast<const float2*>(cos_theta + t / R * kRotationLd + n);
       const float2 sn = *reinterpret_cast<const float2*>(sin_theta + t / R * kRotationLd + n);
 #pragma unroll
@@ -812,7 +824,11 @@ __device__ __forceinline__ void make_operands(const Dims& d, const DevInputs& in
   constexpr int kRowStep = 2 * (kOperandThreads / 32);
   constexpr int kPsivRowStep = kOperandThreads / (kP / 4);
   static_assert(kRowStep % R == 0 && kPsivRowStep % R == 0);
+  // A lane's rows are 8 apart, so their swizzle is the first's.
+  static_assert(kRowStep % 8 == 0 && kPsivRowStep % 8 == 0);
   const int rotation_row = 2 * pwarp + lane / 16, rotation_column = 2 * (lane % 16);
+  const int lead_index = swizzled(rotation_row, rotation_column);
+  const int partner_index = swizzled(rotation_row, rotation_column + kN / 2);
   // As bf16 pairs, the parameters' own values (the operand warps have few registers).
   uint32_t lead_bias[2], partner_bias[2];  // [q or k]
   {
@@ -825,6 +841,7 @@ __device__ __forceinline__ void make_operands(const Dims& d, const DevInputs& in
     }
   }
   const int psiv_row = thread / (kP / 4), psiv_column = thread % (kP / 4) * 4;
+  const int psiv_index = swizzled(psiv_row, psiv_column);
   const uint2 mimo_x =
       *reinterpret_cast<const uint2*>(in.mimo_x + (h * R + psiv_row % R) * kP + psiv_column);
   const auto rotate_and_weight = [&](int c) {
@@ -833,7 +850,7 @@ __device__ __forceinline__ void make_operands(const Dims& d, const DevInputs& in
     const int n = rotation_column;
 #pragma unroll 1
     for (int i = 0; i < kC / kRowStep; ++i) {
-      const int t = rotation_row + i * kRowStep;
+      const int t = rotation_row + i * kRowStep, at = i * kRowStep * kN;
       const bool token = t0 + t / R < T;
       float2 c_ = make_float2(1.f, 1.f), s_ = make_float2(0.f, 0.f);
       if (n < kA) {
@@ -844,8 +861,8 @@ __device__ __forceinline__ void make_operands(const Dims& d, const DevInputs& in
 #pragma unroll
       for (int which = 0; which < 2; ++which) {
         bf16* tile = which == 0 ? sm.q[stage] : sm.k[stage];
-        uint32_t* const lead_at = reinterpret_cast<uint32_t*>(tile + swizzled(t, n));
-        uint32_t* const partner_at = reinterpret_cast<uint32_t*>(tile + swizzled(t, n + kN / 2));
+        uint32_t* const lead_at = reinterpret_cast<uint32_t*>(tile + lead_index + at);
+        uint32_t* const partner_at = reinterpret_cast<uint32_t*>(tile + partner_index + at);
         const float2 first = unpack_bf16(*lead_at);
         const float2 second = unpack_bf16(*partner_at);
         // Padded tokens loaded zeros and take no bias, so they store zeros.
@@ -861,7 +878,7 @@ __device__ __forceinline__ void make_operands(const Dims& d, const DevInputs& in
     }
 #pragma unroll 1
     for (int i = 0; i < kC / kPsivRowStep; ++i) {
-      const int row = psiv_row + i * kPsivRowStep, at = swizzled(row, psiv_column);
+      const int row = psiv_row + i * kPsivRowStep, at = psiv_index + i * kPsivRowStep * kN;
       const uint2 v_raw =
           *reinterpret_cast<const uint2*>(sm.v[stage] + row / R * kLd + psiv_column);
       const float2 v01 = unpack_bf16(v_raw.x), v23 = unpack_bf16(v_raw.y);
@@ -1094,25 +1111,28 @@ __global__ void __launch_bounds__(kCoreBlockThreads, 1)
       // barrier.
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        const int col = 8 * j + 2 * c4;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const int row = r0 + g + 8 * half;
+          const int at_x = fragment_index(swizzled(r0 + g, 2 * c4), j, half);
           uint32_t hi, lo;
           split_bf16(x[j][2 * half], x[j][2 * half + 1], hi, lo);
-          *reinterpret_cast<uint32_t*>(sm.x_hi + swizzled(row, col)) = hi;
-          *reinterpret_cast<uint32_t*>(sm.x_lo + swizzled(row, col)) = lo;
+          *reinterpret_cast<uint32_t*>(sm.x_hi + at_x) = hi;
+          *reinterpret_cast<uint32_t*>(sm.x_lo + at_x) = lo;
         }
       }
       fence_shared_for_async_proxy();  // the key warps' products read X through the async proxy
       arrive_x_split();
+      // S = Q̃ K̃ᵀ and dA = dO Vᵀ for the warp's 16 query rows, weighted by W; G's row sums and dγ.
+      // Issued first, so that the tensor cores make them while the query warps finish chunk c + 1
+      // (each wgmma waits for the whole warpgroup, and warp 0's share of finish_chunk is the
+      // largest).
+      float s[8][4], da[8][4];
+      score_tiles<false>(s, da, q, k, d_out, v, r0, at);
       // Chunk c + 1's parts are complete (the ready barrier); the query warps, with the lighter
       // share of the causal work, finish them.
       if (c + 1 < chunks) finish_chunk(c + 1, later_l_last);
       later_l_last = l_last;
-      // S = Q̃ K̃ᵀ and dA = dO Vᵀ for the warp's 16 query rows, weighted by W; G's row sums and dγ.
-      float s[8][4], da[8][4];
-      score_tiles(s, da, q, k, d_out, v, r0, at);
+      wgmma_wait<0>();
       float dl_rows[2] = {0.f, 0.f}, d_gamma[2] = {0.f, 0.f};
       // The lane's two rows' scalars, read once: read where selected, they were loads under
       // branches.
@@ -1162,10 +1182,9 @@ __global__ void __launch_bounds__(kCoreBlockThreads, 1)
       float dot = 0.f;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        const int col = 8 * j + 2 * c4;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const int at_e = swizzled(r0 + g + 8 * half, col);
+          const int at_e = fragment_index(swizzled(r0 + g, 2 * c4), j, half);
           const float2 hi = unpack_bf16(*reinterpret_cast<const uint32_t*>(sm.e_hi[stage] + at_e));
           const float2 lo = unpack_bf16(*reinterpret_cast<const uint32_t*>(sm.e_lo[stage] + at_e));
           dot += x[j][2 * half] * (hi.x + lo.x) + x[j][2 * half + 1] * (hi.y + lo.y);
@@ -1177,15 +1196,16 @@ __global__ void __launch_bounds__(kCoreBlockThreads, 1)
       // first splits the e^{l} dO its rows p read (columns r0 … r0 + 15, every row t): four
       // columns an item, rows lane / 4 + 8 i.
       {
+        const int split_first = swizzled(lane / 4, r0 + 4 * (lane % 4));
 #pragma unroll
         for (int i = 0; i < kC / 8; ++i) {
-          const int t = lane / 4 + 8 * i, col = r0 + 4 * (lane % 4);
-          const uint2 o_raw = *reinterpret_cast<const uint2*>(d_out + swizzled(t, col));
+          const int t = lane / 4 + 8 * i, split_at = split_first + i * kEightRows;
+          const uint2 o_raw = *reinterpret_cast<const uint2*>(d_out + split_at);
           const float row_scale = exp_flushed(l[t / R]);
           const float2 o01 = unpack_bf16(o_raw.x), o23 = unpack_bf16(o_raw.y);
           store_split_quad(make_float4(o01.x * row_scale, o01.y * row_scale, o23.x * row_scale,
                                        o23.y * row_scale),
-                           sm.ds_hi, sm.ds_lo, swizzled(t, col));
+                           sm.ds_hi, sm.ds_lo, split_at);
         }
       }
       // The product reads every query warp's columns (a warpgroup's wgmma), through the async
@@ -1260,8 +1280,7 @@ __global__ void __launch_bounds__(kCoreBlockThreads, 1)
       for (int j = 0; j < 8; ++j) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const int s_row = r0 + g + 8 * half, p = 8 * j + 2 * c4;
-          const int at_row = swizzled(s_row, p);
+          const int at_row = fragment_index(swizzled(r0 + g, 2 * c4), j, half);
           const float2 o = unpack_bf16(*reinterpret_cast<const uint32_t*>(d_out + at_row));
           const float2 psiv = unpack_bf16(*reinterpret_cast<const uint32_t*>(v + at_row));
           own[half] += o.x * psiv.x;
