@@ -496,8 +496,8 @@ __device__ __forceinline__ void zero(float (&acc)[8][4]) {
 
 // acc = A0 B0 + A1 B1 (a split operand's two parts, hi first) for the warp's 16 rows from r0, k =
 // 64: A held [m][k] or, with kTransposedA, [k][m]; B held [n][k] or, with kTransposedB, [k][n].
-// Built for sm_90a, the warpgroup's 64 rows by wgmma.
-template <bool kTransposedA, bool kTransposedB>
+// Built for sm_90a, the warpgroup's 64 rows by wgmma; without kWait only issued (as score_tiles').
+template <bool kTransposedA, bool kTransposedB, bool kWait = true>
 __device__ __forceinline__ void product_sum(float (&acc)[8][4], const bf16* a0, const bf16* b0,
                                             const bf16* a1, const bf16* b1, int r0,
                                             const LaneAddress& at) {
@@ -519,7 +519,7 @@ __device__ __forceinline__ void product_sum(float (&acc)[8][4], const bf16* a0, 
                                                      b1_tile + kStepB * kk);
   }
   wgmma_commit();
-  wgmma_wait<0>();
+  if constexpr (kWait) wgmma_wait<0>();
 #else
   zero(acc);
   if constexpr (kTransposedB) {
@@ -676,13 +676,18 @@ __device__ __forceinline__ float rank_sum(float x) {
   return x;
 }
 
-// acc = A (16 rows from r0 of `a`, [t][p]) × a state held as [p][n] (hi + lo parts), and each
-// row's dot with `rows` (the same tokens' rotated q or k): dl's state term for the row before its
-// scale.
-__device__ __forceinline__ void state_product(float (&acc)[8][4], float (&dots)[2], const bf16* a,
-                                              const bf16* hi, const bf16* lo, const bf16* rows,
-                                              int r0, int g, int c4, const LaneAddress& at) {
-  product_sum<false, true>(acc, a, hi, a, lo, r0, at);
+// acc = A (16 rows from r0 of `a`, [t][p]) × a state held as [p][n] (hi + lo parts), issued only
+// (sm_90a): the caller waits (wgmma_wait<0>) before state_dots or any other read of acc.
+__device__ __forceinline__ void issue_state_product(float (&acc)[8][4], const bf16* a,
+                                                    const bf16* hi, const bf16* lo, int r0,
+                                                    const LaneAddress& at) {
+  product_sum<false, true, false>(acc, a, hi, a, lo, r0, at);
+}
+
+// Each row's dot of a state product (acc) with `rows` (the same tokens' rotated q or k): dl's state
+// term for the row before its scale.
+__device__ __forceinline__ void state_dots(float (&dots)[2], const float (&acc)[8][4],
+                                           const bf16* rows, int r0, int g, int c4) {
   dots[0] = dots[1] = 0.f;
   const int lane_first = swizzled(r0 + g, 2 * c4);
   // A thread's columns come in pairs (n, n + 1): one 4-byte read each (as in the loops below).
@@ -1133,6 +1138,10 @@ __global__ void __launch_bounds__(kCoreBlockThreads, 1)
       if (c + 1 < chunks) finish_chunk(c + 1, later_l_last);
       later_l_last = l_last;
       wgmma_wait<0>();
+      // dq̃'s state part (its dot with q̃ is dl's inter term), made by the tensor cores while the
+      // warps weight the score tiles.
+      float acc[8][4];
+      issue_state_product(acc, d_out, sm.e_hi[stage], sm.e_lo[stage], r0, at);
       float dl_rows[2] = {0.f, 0.f}, d_gamma[2] = {0.f, 0.f};
       // The lane's two rows' scalars, read once: read where selected, they were loads under
       // branches.
@@ -1156,10 +1165,10 @@ __global__ void __launch_bounds__(kCoreBlockThreads, 1)
           da[j][e] *= weight;
         }
       }
-      // dq̃: the state's part first (its dot with q̃ is dl's inter term), then the chunk's.
-      float acc[8][4];
+      // dq̃: the state's part first, then the chunk's.
+      wgmma_wait<0>();
       float inter[2];
-      state_product(acc, inter, d_out, sm.e_hi[stage], sm.e_lo[stage], q, r0, g, c4, at);
+      state_dots(inter, acc, q, r0, g, c4);
       float scale[2];
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
@@ -1224,6 +1233,11 @@ __global__ void __launch_bounds__(kCoreBlockThreads, 1)
       // Sᵀ = K̃ Q̃ᵀ and dAᵀ = V dOᵀ for the warp's 16 key rows, weighted by Wᵀ; dκ's chunk part.
       float st[8][4], dat[8][4];
       score_tiles(st, dat, k, q, v, d_out, r0, at);
+      // dk̃'s part Xᵀ v (its dot with k̃ is dl's and dκ's exit term), made by the tensor cores
+      // while the warps weight the score tiles (the query warps hand X over at the chunk's start).
+      wait_x_split();
+      float acc[8][4];
+      issue_state_product(acc, v, x_hi, x_lo, r0, at);
       float dl_rows[2] = {0.f, 0.f}, d_kappa[2] = {0.f, 0.f};
       const RowScalars rows_of = row_scalars<R>(l, kappa, gamma, r0 + g);  // as the query side's
 #pragma unroll
@@ -1249,11 +1263,10 @@ __global__ void __launch_bounds__(kCoreBlockThreads, 1)
           dat[j][e] *= weight;
         }
       }
-      // dk̃: Xᵀ v's part first (its dot with k̃ is dl's and dκ's exit term), then the chunk's.
-      wait_x_split();
-      float acc[8][4];
+      // dk̃: the state's part first, then the chunk's.
+      wgmma_wait<0>();
       float exit_term[2];
-      state_product(acc, exit_term, v, x_hi, x_lo, k, r0, g, c4, at);
+      state_dots(exit_term, acc, k, r0, g, c4);
       float scale[2];
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
