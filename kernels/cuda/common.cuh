@@ -124,8 +124,9 @@ static __device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void
 #endif
 }
 // The box of `map` (a __grid_constant__ kernel parameter) at `at` (its coordinates, innermost
-// first; as many as the map has dimensions: 2, 4 or 5) to `dst` (128-byte aligned), dense in the
-// box's order.
+// first; as many as the map has dimensions: 2, 4 or 5) to `dst`, in the box's order: dense, or with
+// the map's swizzle applied to each row's 16-byte chunks. `dst` 128-byte aligned, 1024-byte for the
+// 128-byte swizzle (whose pattern the unit takes from the address's bits 7-9).
 template <int kDims>
 static __device__ __forceinline__ void tile_copy_to_shared(void* dst, const void* map,
                                                            const int (&at)[kDims],
@@ -383,7 +384,9 @@ static __device__ __forceinline__ void block_mma_split(int m, int n, int k, FA a
 // The shared-memory matrix descriptor of a [rows][64] bf16 tile held with the 128-byte swizzle
 // (16-byte chunk c of row r at c ^ (r % 8); the tile 1024-byte aligned), 8-row groups 1024 bytes
 // apart. Read K-major (rows m or n, columns k), its k16 slice kk is the descriptor plus 2 kk (32
-// bytes, in units of 16); read transposed (rows k, columns m or n), plus 128 kk (16 rows).
+// bytes, in units of 16); read transposed (rows k, columns m or n), plus 128 kk (16 rows). Only
+// for tiles 64 wide: a wider one read transposed would need its leading byte offset (the stride
+// between 64-column blocks), which this leaves at 1.
 static __device__ __forceinline__ uint64_t swizzled_tile_descriptor(const void* tile) {
   constexpr uint64_t kGroupStride = 1024 >> 4, kSwizzle128 = 1;
   return static_cast<uint64_t>((shared_address(tile) & 0x3ffff) >> 4) | (uint64_t{1} << 16) |
@@ -406,6 +409,18 @@ template <int kPending>
 static __device__ __forceinline__ void wgmma_wait() {
 #ifdef __CUDA_ARCH_FEAT_SM90_ALL
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+#endif
+}
+// Ties acc to the code around it: after a wait, no read of acc moves above the wait (a wait has
+// no register operands, and the compiler may move register arithmetic across volatile asm).
+static __device__ __forceinline__ void wgmma_fence_operands(float (&acc)[8][4]) {
+#ifdef __CUDA_ARCH_FEAT_SM90_ALL
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    asm volatile("" : "+f"(acc[j][0]), "+f"(acc[j][1]), "+f"(acc[j][2]), "+f"(acc[j][3])::"memory");
+  }
+#else
+  (void)acc;
 #endif
 }
 // acc (= or, with kAccumulate, +=) A B for the warpgroup's 64 rows and 64 columns, k = 16, bf16

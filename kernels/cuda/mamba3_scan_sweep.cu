@@ -77,7 +77,8 @@ constexpr int kC = 64, kN = 64, kP = 64, kA = 16;
 // through a descriptor and which keeps ldmatrix's rows (below sm_90a) on distinct banks. Each tile
 // starts on a 1024-byte boundary, so that row % 8 is the address's bits 7-9, as both units take it.
 constexpr int kSwizzledTile = kC * kN;
-// bf16 row stride of v as it came in (read by rows, not by the products): padded.
+// bf16 row stride of v as it came in (read by rows, not by the products): padded, so that the key
+// warps' reads of a row each (sweep_core's dv terms) fall on distinct banks at R = 1.
 constexpr int kLd = 72;
 // sweep_core's block: 8 compute warps (0-3 the query side, 4-7 the key side) and a warpgroup of
 // operand warps (8-11) that makes each chunk's operands a chunk ahead of them (in the reverse
@@ -206,8 +207,8 @@ __global__ void __launch_bounds__(kPrepThreads, 3)
   constexpr int kTokens = kC / R, kStepTokens = kPrepStepTokens<R>, kStepRows = kStepTokens * R;
   constexpr int kParts = kP / 8;  // 16-byte parts of a row
   static_assert((kPartialGroupChunks<R> * kTokens) % kStepTokens == 0);
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  PrepSmem<R>& sm = *reinterpret_cast<PrepSmem<R>*>(smem_raw);
+  extern __shared__ __align__(16) unsigned char prep_smem[];
+  PrepSmem<R>& sm = *reinterpret_cast<PrepSmem<R>*>(prep_smem);
   const int group = blockIdx.x, bh = blockIdx.y, b = bh / d.heads, h = bh % d.heads;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 
@@ -412,8 +413,11 @@ __device__ __forceinline__ int swizzled(int row, int col) {
 // Rows 8 apart have the same swizzle: their elements are 512 apart.
 constexpr int kEightRows = 8 * kN;
 // A lane's fragment element (row r0 + g + 8 half, columns 8 j + 2 c4 and + 1; r0 a multiple of 8)
-// from `lane_first` = swizzled(r0 + g, 2 c4): both rows are g mod 8, so column group j is
+// from `lane_first` = fragment_first(r0, g, c4): both rows are g mod 8, so column group j is
 // lane_first's bits 3-5 XOR j (one instruction, where swizzled() takes several).
+__device__ __forceinline__ int fragment_first(int r0, int g, int c4) {
+  return swizzled(r0 + g, 2 * c4);
+}
 __device__ __forceinline__ int fragment_index(int lane_first, int j, int half) {
   return (lane_first ^ (8 * j)) + kEightRows * half;
 }
@@ -464,7 +468,8 @@ __device__ __forceinline__ void rows_times_cols(float (&acc)[8][4], const bf16* 
 #endif
 
 // acc[8][4] += F × B where F (16 × 64, k = the chunk's tokens) is in registers as C fragments
-// (f[8][4], rounded to bf16 here) and B is held as [k][n] (`b`, swizzled): transposed by ldmatrix.
+// (f[8][4], rounded to bf16 here: the A fragments of mma.sync and of wgmma alike) and B is held as
+// [k][n] (`b`, swizzled).
 __device__ __forceinline__ void frags_times_cols(float (&acc)[8][4], const float (&f)[8][4],
                                                  const bf16* b, const LaneAddress& at) {
   uint32_t af[4][4];
@@ -483,6 +488,7 @@ __device__ __forceinline__ void frags_times_cols(float (&acc)[8][4], const float
   for (int kk = 0; kk < 4; ++kk) wgmma_64x64x16_registers<true>(acc, af[kk], b_tile + 128 * kk);
   wgmma_commit();
   wgmma_wait<0>();
+  wgmma_fence_operands(acc);
 #else
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) times_b_rows<true>(acc, af[kk], b, 16 * kk, at);
@@ -519,7 +525,10 @@ __device__ __forceinline__ void product_sum(float (&acc)[8][4], const bf16* a0, 
                                                      b1_tile + kStepB * kk);
   }
   wgmma_commit();
-  if constexpr (kWait) wgmma_wait<0>();
+  if constexpr (kWait) {
+    wgmma_wait<0>();
+    wgmma_fence_operands(acc);
+  }
 #else
   zero(acc);
   if constexpr (kTransposedB) {
@@ -554,7 +563,11 @@ __device__ __forceinline__ void score_tiles(float (&scores)[8][4], float (&d_sco
 #pragma unroll
   for (int kk = 1; kk < 4; ++kk) wgmma_64x64x16<true>(d_scores, c_tile + 2 * kk, d_tile + 2 * kk);
   wgmma_commit();
-  if constexpr (kWait) wgmma_wait<0>();
+  if constexpr (kWait) {
+    wgmma_wait<0>();
+    wgmma_fence_operands(scores);
+    wgmma_fence_operands(d_scores);
+  }
 #else
   zero(scores);
   zero(d_scores);
@@ -689,7 +702,7 @@ __device__ __forceinline__ void issue_state_product(float (&acc)[8][4], const bf
 __device__ __forceinline__ void state_dots(float (&dots)[2], const float (&acc)[8][4],
                                            const bf16* rows, int r0, int g, int c4) {
   dots[0] = dots[1] = 0.f;
-  const int lane_first = swizzled(r0 + g, 2 * c4);
+  const int lane_first = fragment_first(r0, g, c4);
   // A thread's columns come in pairs (n, n + 1): one 4-byte read each (as in the loops below).
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
@@ -711,7 +724,7 @@ template <int R>
 __device__ __forceinline__ void unrotate(float (&acc)[8][4], const bf16* rotated,
                                          const float* cos_theta, const float* sin_theta,
                                          float* d_theta_part, int r0, int g, int c4) {
-  const int lane_first = swizzled(r0 + g, 2 * c4);
+  const int lane_first = fragment_first(r0, g, c4);
 #pragma unroll
   for (int j = 0; j < kA / 8; ++j) {
 #pragma unroll
@@ -925,15 +938,18 @@ __global__ void __launch_bounds__(kCoreBlockThreads, 1)
     sweep_core_kernel(Dims d, DevInputs in, Work w, DevGrads grads,
                       const __grid_constant__ SweepCopies copies) {
   constexpr int kTokens = kC / R;
-  extern __shared__ __align__(1024) unsigned char smem_raw[];
-  CoreSmem<R>& sm = *reinterpret_cast<CoreSmem<R>*>(smem_raw);
+  // Named apart from sweep_prep's: one name declared twice in a file must keep one alignment.
+  extern __shared__ __align__(1024) unsigned char core_smem[];
+  CoreSmem<R>& sm = *reinterpret_cast<CoreSmem<R>*>(core_smem);
   const int h = blockIdx.x, b = blockIdx.y;
   for (int i = threadIdx.x; i < R * kP; i += kCoreBlockThreads) {
     sm.mimo_x[i] = to_f(in.mimo_x[h * R * kP + i]);
   }
   if (threadIdx.x == kCoreThreads) {
-    // The tile copies' targets are aligned only if the block's shared memory is.
-    if (shared_address(smem_raw) % 1024 != 0) __trap();
+    // The swizzled tiles are 1024-byte aligned (the tensor memory accelerator's 128-byte swizzle,
+    // wgmma's descriptors and swizzled() all take row % 8 from the address's bits 7-9) only if the
+    // block's shared memory is.
+    if (shared_address(core_smem) % 1024 != 0) __trap();
     mbarrier_init(&sm.stage_full[0], 1);
     mbarrier_init(&sm.stage_full[1], 1);
   }
@@ -1118,7 +1134,7 @@ __global__ void __launch_bounds__(kCoreBlockThreads, 1)
       for (int j = 0; j < 8; ++j) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const int at_x = fragment_index(swizzled(r0 + g, 2 * c4), j, half);
+          const int at_x = fragment_index(fragment_first(r0, g, c4), j, half);
           uint32_t hi, lo;
           split_bf16(x[j][2 * half], x[j][2 * half + 1], hi, lo);
           *reinterpret_cast<uint32_t*>(sm.x_hi + at_x) = hi;
@@ -1137,6 +1153,9 @@ __global__ void __launch_bounds__(kCoreBlockThreads, 1)
       // share of the causal work, finish them.
       if (c + 1 < chunks) finish_chunk(c + 1, later_l_last);
       later_l_last = l_last;
+      // Not followed by wgmma_fence_operands(s) and (da), unlike the other waits: here the pin
+      // moves sweep_core<4>'s register allocation, and the code was measured without it (its SASS
+      // reads neither before this wait; bench/RESULTS.md session 46).
       wgmma_wait<0>();
       // dq̃'s state part (its dot with q̃ is dl's inter term), made by the tensor cores while the
       // warps weight the score tiles.
@@ -1167,6 +1186,7 @@ __global__ void __launch_bounds__(kCoreBlockThreads, 1)
       }
       // dq̃: the state's part first, then the chunk's.
       wgmma_wait<0>();
+      wgmma_fence_operands(acc);
       float inter[2];
       state_dots(inter, acc, q, r0, g, c4);
       float scale[2];
@@ -1193,7 +1213,7 @@ __global__ void __launch_bounds__(kCoreBlockThreads, 1)
       for (int j = 0; j < 8; ++j) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const int at_e = fragment_index(swizzled(r0 + g, 2 * c4), j, half);
+          const int at_e = fragment_index(fragment_first(r0, g, c4), j, half);
           const float2 hi = unpack_bf16(*reinterpret_cast<const uint32_t*>(sm.e_hi[stage] + at_e));
           const float2 lo = unpack_bf16(*reinterpret_cast<const uint32_t*>(sm.e_lo[stage] + at_e));
           dot += x[j][2 * half] * (hi.x + lo.x) + x[j][2 * half + 1] * (hi.y + lo.y);
@@ -1265,6 +1285,7 @@ __global__ void __launch_bounds__(kCoreBlockThreads, 1)
       }
       // dk̃: the state's part first, then the chunk's.
       wgmma_wait<0>();
+      wgmma_fence_operands(acc);
       float exit_term[2];
       state_dots(exit_term, acc, k, r0, g, c4);
       float scale[2];
@@ -1293,7 +1314,7 @@ __global__ void __launch_bounds__(kCoreBlockThreads, 1)
       for (int j = 0; j < 8; ++j) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const int at_row = fragment_index(swizzled(r0 + g, 2 * c4), j, half);
+          const int at_row = fragment_index(fragment_first(r0, g, c4), j, half);
           const float2 o = unpack_bf16(*reinterpret_cast<const uint32_t*>(d_out + at_row));
           const float2 psiv = unpack_bf16(*reinterpret_cast<const uint32_t*>(v + at_row));
           own[half] += o.x * psiv.x;
@@ -1546,7 +1567,7 @@ CUtensorMap tile_map(const char* what, CUtensorMapDataType type, const void* bas
 
 template <int R>
 SweepCopies sweep_copies(const Dims& d, const DevInputs& in, const Work& w) {
-  constexpr uint32_t kTokens = kC / R, kRow = kLd;
+  constexpr uint32_t kTokens = kC / R;
   const uint64_t B = d.batch, T = d.seqlen, H = d.heads, G = d.groups, e = sizeof(bf16);
   const uint64_t pairs = B * H, Tp = sweep_padded_tokens(d);
   SweepCopies copies;
@@ -1558,7 +1579,7 @@ SweepCopies sweep_copies(const Dims& d, const DevInputs& in, const Work& w) {
   copies.q = qk("q", in.q);
   copies.k = qk("k", in.k);
   copies.v = tile_map<4>("v", CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, in.v, {kP, H, T, B},
-                         {kP * e, in.zv_stride * e, T * in.zv_stride * e}, {kRow, 1, kTokens, 1});
+                         {kP * e, in.zv_stride * e, T * in.zv_stride * e}, {kLd, 1, kTokens, 1});
   copies.d_out =
       tile_map<5>("dO", CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, w.sweep_d_out, {kP, R, H, T, B},
                   {kP * e, R * kP * e, H * R * kP * e, T * H * R * kP * e}, {kP, R, 1, kTokens, 1},
