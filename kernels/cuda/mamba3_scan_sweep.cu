@@ -500,6 +500,22 @@ __device__ __forceinline__ void zero(float (&acc)[8][4]) {
   for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
 }
 
+#ifdef __CUDA_ARCH_FEAT_SM90_ALL
+// acc (= or, with kAccumulate, +=) A B over k = 64 for the warpgroup's 64 rows: four wgmma k-slices
+// of the tiles' descriptors, issued only (layouts as product_sum's).
+template <bool kAccumulate, bool kTransposedA, bool kTransposedB>
+__device__ __forceinline__ void issue_product(float (&acc)[8][4], uint64_t a_tile,
+                                              uint64_t b_tile) {
+  constexpr uint64_t kStepA = kTransposedA ? 128 : 2, kStepB = kTransposedB ? 128 : 2;
+  wgmma_64x64x16<kAccumulate, kTransposedA, kTransposedB>(acc, a_tile, b_tile);
+#pragma unroll
+  for (int kk = 1; kk < 4; ++kk) {
+    wgmma_64x64x16<true, kTransposedA, kTransposedB>(acc, a_tile + kStepA * kk,
+                                                     b_tile + kStepB * kk);
+  }
+}
+#endif
+
 // acc = A0 B0 + A1 B1 (a split operand's two parts, hi first) for the warp's 16 rows from r0, k =
 // 64: A held [m][k] or, with kTransposedA, [k][m]; B held [n][k] or, with kTransposedB, [k][n].
 // Built for sm_90a, the warpgroup's 64 rows by wgmma; without kWait only issued (as score_tiles').
@@ -509,21 +525,11 @@ __device__ __forceinline__ void product_sum(float (&acc)[8][4], const bf16* a0, 
                                             const LaneAddress& at) {
 #ifdef __CUDA_ARCH_FEAT_SM90_ALL
   (void)r0, (void)at;
-  constexpr uint64_t kStepA = kTransposedA ? 128 : 2, kStepB = kTransposedB ? 128 : 2;
   const uint64_t a0_tile = swizzled_tile_descriptor(a0), b0_tile = swizzled_tile_descriptor(b0);
   const uint64_t a1_tile = swizzled_tile_descriptor(a1), b1_tile = swizzled_tile_descriptor(b1);
   wgmma_fence();
-  wgmma_64x64x16<false, kTransposedA, kTransposedB>(acc, a0_tile, b0_tile);
-#pragma unroll
-  for (int kk = 1; kk < 4; ++kk) {
-    wgmma_64x64x16<true, kTransposedA, kTransposedB>(acc, a0_tile + kStepA * kk,
-                                                     b0_tile + kStepB * kk);
-  }
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
-    wgmma_64x64x16<true, kTransposedA, kTransposedB>(acc, a1_tile + kStepA * kk,
-                                                     b1_tile + kStepB * kk);
-  }
+  issue_product<false, kTransposedA, kTransposedB>(acc, a0_tile, b0_tile);
+  issue_product<true, kTransposedA, kTransposedB>(acc, a1_tile, b1_tile);
   wgmma_commit();
   if constexpr (kWait) {
     wgmma_wait<0>();
@@ -556,12 +562,8 @@ __device__ __forceinline__ void score_tiles(float (&scores)[8][4], float (&d_sco
   const uint64_t a_tile = swizzled_tile_descriptor(a), b_tile = swizzled_tile_descriptor(b);
   const uint64_t c_tile = swizzled_tile_descriptor(c), d_tile = swizzled_tile_descriptor(d);
   wgmma_fence();
-  wgmma_64x64x16<false>(scores, a_tile, b_tile);
-#pragma unroll
-  for (int kk = 1; kk < 4; ++kk) wgmma_64x64x16<true>(scores, a_tile + 2 * kk, b_tile + 2 * kk);
-  wgmma_64x64x16<false>(d_scores, c_tile, d_tile);
-#pragma unroll
-  for (int kk = 1; kk < 4; ++kk) wgmma_64x64x16<true>(d_scores, c_tile + 2 * kk, d_tile + 2 * kk);
+  issue_product<false, false, false>(scores, a_tile, b_tile);
+  issue_product<false, false, false>(d_scores, c_tile, d_tile);
   wgmma_commit();
   if constexpr (kWait) {
     wgmma_wait<0>();
