@@ -104,14 +104,14 @@ constexpr int kRotationLd = kA + 4;
 
 // Shared memory: two stages of the chunk's q and k (rotated in place once in), dO ([C][P]), v as
 // it came in (a token's row once: [C / R][kLd]), cos θ, sin θ, l, κ and γ, PsiV = v ⊙ mimo_x, and
-// E_c's split (hi and lo, rows p, columns n: the forward leaves it split, Work::states); the split
-// operands of X (rows p, columns n) and e^{l} dO (rows t, columns p; each query warp splits the
-// columns of its rows of X), hi and lo each; the head's mimo_x, and the parts that a chunk's warps
-// leave for the next chunk to finish (two slots: dl's per token, the exit terms, <E, X>, dγ and
-// dκ, dθ's q and k terms, mimo_x's column sums of each key warp, and the column sums of each
-// warp's dq or dk). The operand tiles are swizzled (kSwizzledTile); the tile copies' other targets
-// are 128-byte aligned (the tensor memory accelerator's rule), and each stage's copies land on
-// its mbarrier (stage_full).
+// E_c's split (hi and lo, rows p, columns n: the forward leaves it split, Work::states) and
+// e^{l} dO's (rows t, columns p; the operand warps split it); the split operand of X (rows p,
+// columns n; each query warp splits its rows), hi and lo; the head's mimo_x, and the parts that a
+// chunk's warps leave for the next chunk to finish (two slots: dl's per token, the exit terms, <E,
+// X>, dγ and dκ, dθ's q and k terms, mimo_x's column sums of each key warp, and the column sums of
+// each warp's dq or dk). The operand tiles are swizzled (kSwizzledTile); the tile copies' other
+// targets are 128-byte aligned (the tensor memory accelerator's rule), and each stage's copies land
+// on its mbarriers (rotation_full, operands_full, entry_full).
 template <int R>
 struct CoreSmem {
   static constexpr int kTokens = kC / R;
@@ -122,8 +122,11 @@ struct CoreSmem {
   alignas(16) float log_decay[2][kTokens], kappa[2][kTokens], gamma[2][kTokens];
   // E_c's split, a stage's, as the forward left it.
   alignas(1024) bf16 e_hi[2][kSwizzledTile], e_lo[2][kSwizzledTile];
-  alignas(1024) bf16 x_hi[kSwizzledTile], x_lo[kSwizzledTile], ds_hi[kSwizzledTile],
-      ds_lo[kSwizzledTile];
+  alignas(1024) bf16 x_hi[kSwizzledTile], x_lo[kSwizzledTile];
+  // e^{l} dO's split, a stage's, made by the operand warps (the query warps' X update reads it;
+  // split by the query warps, each its columns, then a barrier among them, it was on their chunk
+  // step, the longest: bench/RESULTS.md session 47).
+  alignas(1024) bf16 ds_hi[2][kSwizzledTile], ds_lo[2][kSwizzledTile];
   alignas(16) float mimo_x[R * kP];
   float dl_query[2][kTokens], dl_key[2][kTokens], exit_terms[2][kC];
   float d_gamma[2][kTokens], d_kappa[2][kTokens];
@@ -132,15 +135,22 @@ struct CoreSmem {
   alignas(16) float bias_parts[2][2][4][R * kN];  // [slot][q, k][the side's warp][rank, column]
   float group_parts[2 * R * kN + R * kP];         // the biases' and mimo_x's over a group of chunks
   float dot_parts[2][4];                          // [slot][query warp]: <E_c, X>'s parts
-  uint64_t stage_full[2];
+  // A stage's copies land on three mbarriers, in the order they are needed: q, k, cos θ and sin θ
+  // (the rotation's), then v, dO, l, κ and γ (PsiV's and e^{l} dO's), then E's split (the query
+  // warps' alone, waited for by them).
+  uint64_t rotation_full[2], operands_full[2], entry_full[2];
 };
 
-// The bytes of a stage's tile copies: q, k, dO and E's two parts (64 rows of 64), v (C / R rows of
-// kLd), cos θ and sin θ, l, κ and γ. A box's bytes count whole, its zeros past a tensor's
-// bounds among them.
+// The bytes of a stage's tile copies, by mbarrier: q, k, cos θ and sin θ; dO, v (C / R rows of
+// kLd), l, κ and γ; E's two parts. A box's bytes count whole, its zeros past a tensor's bounds
+// among them.
 template <int R>
-constexpr unsigned kStageBytes = sizeof(bf16) * (5 * kSwizzledTile + kC / R * kLd) +
-                                 sizeof(float) * (2 * kC / R * kRotationLd + 3 * kC / R);
+constexpr unsigned kRotationBytes = sizeof(bf16) * 2 * kSwizzledTile +
+                                    sizeof(float) * 2 * kC / R* kRotationLd;
+template <int R>
+constexpr unsigned kOperandsBytes = sizeof(bf16) * (kSwizzledTile + kC / R * kLd) +
+                                    sizeof(float) * 3 * kC / R;
+constexpr unsigned kEntryBytes = sizeof(bf16) * 2 * kSwizzledTile;
 
 // sweep_core's tile copies (the tensor memory accelerator's maps, sweep_copies makes them for one
 // backward). The operands' boxes (q, k, dO, E) are 64 elements (128 bytes) wide and written with
@@ -329,8 +339,6 @@ __global__ void __launch_bounds__(kPrepThreads, 3)
 //    they wait at chunk c's free one, so the compute warps can finish chunk c − 1 while chunk c's
 //    phase is still open, and on one barrier their arrival would meet it (one barrier measured 2%
 //    slower at MIMO, bench/RESULTS.md session 41);
-//  - the query warps' own (6): each has split its columns of e^{l} dO, which X's update reads
-//    whole (a warpgroup's product);
 //  - the compute warps' own (8).
 //
 // compute-sanitizer's racecheck does not model bar.arrive: it reports hazards between accesses
@@ -339,7 +347,7 @@ __global__ void __launch_bounds__(kPrepThreads, 3)
 // -DMEGACPP_RACECHECK_NAMED_BARRIERS the query warps wait at the X barrier as well (the same
 // order, slower); the operand warps' hand-overs cannot be waits on both sides (each side waits for
 // the other's next one), so racecheck sees those as hazards.
-constexpr int kXBarrier = 1, kReadyBarrier = 2, kFreeBarrier = 4, kQueryBarrier = 6;
+constexpr int kXBarrier = 1, kReadyBarrier = 2, kFreeBarrier = 4;
 constexpr int kComputeBarrier = 8;
 __device__ __forceinline__ void barrier_wait(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
@@ -791,11 +799,60 @@ __device__ __forceinline__ void finish_rotated_gradient(float (&acc)[8][4], cons
   store_column_sums<R>(bias_part, acc, lane);
 }
 
+// The pair's partials of chunk c, from the parts its warps left in slot c % 2, by the key warps
+// (`thread` 0 … 127; an item is the same thread's at every chunk): q's and k's biases (the warps'
+// column sums added) and mimo_x's, summed over the chunk's group on chip and stored to the group's
+// slot at its first chunk, the walk's last of it; and a zero for dD but in group 0's slot (the
+// pair's whole dD goes there). The query warps' finish_chunk made them until the key warps,
+// which waited for the query warps at every chunk's start, took them (bench/RESULTS.md session 47).
+template <int R>
+__device__ __forceinline__ void add_group_partials(const Dims& d, const Work& w, CoreSmem<R>& sm,
+                                                   int h, int b, int c, int thread) {
+  constexpr int kThreads = kCoreThreads - kQueryThreads;
+  const int slot = c % 2, chunks = d.chunks;
+  const int group = c / kPartialGroupChunks<R>, groups = partial_groups(d);
+  const bool opens = c == min((group + 1) * kPartialGroupChunks<R>, chunks) - 1;
+  const bool closes = c % kPartialGroupChunks<R> == 0;
+  const size_t slots = static_cast<size_t>(d.batch) * groups;
+  float* partial =
+      w.partials +
+      (static_cast<size_t>(h) * slots + static_cast<size_t>(b) * groups + group) * d.partial_width;
+  const auto add = [&](int column, float value) {
+    float& sum = sm.group_parts[column];
+    sum = opens ? value : sum + value;
+    if (closes) partial[column] = sum;
+  };
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    const int item = thread + i * kThreads;
+    const int which = item / (R * kN), n = item % (R * kN);  // n: (rank, column)
+    const float* bias_parts = &sm.bias_parts[slot][which][0][n];
+    constexpr int kWarpParts = R * kN;
+    add(which * R * kN + n, bias_parts[0] + bias_parts[kWarpParts] + bias_parts[2 * kWarpParts] +
+                                bias_parts[3 * kWarpParts]);
+  }
+  for (int item = thread; item < R * kP; item += kThreads) {
+    const float* parts = &sm.mimo_x_parts[slot][0][item];
+    constexpr int kWarpParts = R * kP;
+    add(2 * R * kN + item,
+        parts[0] + parts[kWarpParts] + parts[2 * kWarpParts] + parts[3 * kWarpParts]);
+  }
+  if (thread == 0 && closes && group > 0) partial[d.partial_width - 1] = 0.f;
+}
+
+// The parity of a stage's mbarriers at chunk c's copies, the ((chunks − 1 − c) / 2)-th of the
+// stage.
+__device__ __forceinline__ unsigned stage_parity(int chunks, int c) {
+  return static_cast<unsigned>((chunks - 1 - c) / 2 % 2);
+}
+
 // The operand warps (a warpgroup, 128 threads) of sweep_core: for each chunk, walking the chunks in
 // reverse a chunk ahead of the compute warps, its stage copied in (the tensor memory accelerator's
-// copies, eleven a chunk, started by the warpgroup's first thread), q and k rotated in place with
-// their biases (rounded once; padded rows stay zero) and PsiV = v ⊙ mimo_x (as the forward rounds
-// it, PsivLoader: zeros for padded tokens, whose v is zero), then the stage's ready barrier; and
+// copies, eleven a chunk, started by the warpgroup's first thread, on three mbarriers), q and k
+// rotated in place with their biases (rounded once; padded rows stay zero) once theirs have
+// landed, then PsiV = v ⊙ mimo_x (as the forward rounds it, PsivLoader: zeros for padded tokens,
+// whose v is zero) and e^{l} dO's split once theirs have, then the stage's ready barrier (E's
+// split may land after it: the query warps wait for it themselves); and
 // once the compute warps are done with the chunk the walk took before it (the free barrier), the
 // next chunk's copies started. The tile copies replaced cp.async's 16-byte copies, up to 27 a
 // thread a chunk at MIMO, whose issue took a quarter of the operand warps' chunk step: forward +
@@ -811,30 +868,38 @@ __device__ __forceinline__ void make_operands(const Dims& d, const DevInputs& in
   const size_t bh = static_cast<size_t>(b) * d.heads + h;
   // Each box fills its stage array exactly (sweep_copies' boxes), and the bytes they bring are
   // what the stage's mbarrier expects: a count that never completed would hang the block.
-  static_assert(kStageBytes<R> == 3 * sizeof(sm.q[0]) + sizeof(sm.v[0]) + 2 * sizeof(sm.e_hi[0]) +
-                                      2 * sizeof(sm.cos_theta[0]) + 3 * sizeof(sm.log_decay[0]));
-  static_assert(kStageBytes<R> < (1u << 20), "an mbarrier's transaction count is below 2^20");
+  static_assert(kRotationBytes<R> == 2 * sizeof(sm.q[0]) + 2 * sizeof(sm.cos_theta[0]) &&
+                kOperandsBytes<R> ==
+                    sizeof(sm.d_out[0]) + sizeof(sm.v[0]) + 3 * sizeof(sm.log_decay[0]) &&
+                kEntryBytes == 2 * sizeof(sm.e_hi[0]));
+  static_assert(
+      kRotationBytes<R> < (1u << 20) && kOperandsBytes<R> < (1u << 20) && kEntryBytes < (1u << 20),
+      "an mbarrier's transaction count is below 2^20");
   // By thread 0 alone. The coordinates fit in int (sweep_applies: sweep_copy_rows_fit).
   const auto load_stage = [&](int c) {
     const int stage = c % 2, t0 = c * kTokens, group = h / d.heads_per_group;
-    uint64_t* full = &sm.stage_full[stage];
-    mbarrier_expect_bytes(full, kStageBytes<R>);
-    tile_copy_to_shared<5>(sm.q[stage], &copies.q, {0, group, 0, t0, b}, full);
-    tile_copy_to_shared<5>(sm.k[stage], &copies.k, {0, group, 0, t0, b}, full);
-    tile_copy_to_shared<4>(sm.v[stage], &copies.v, {0, h, t0, b}, full);
-    tile_copy_to_shared<5>(sm.d_out[stage], &copies.d_out, {0, 0, h, t0, b}, full);
-    const int entry_row = static_cast<int>((bh * chunks + c) * 2 * kP);
-    tile_copy_to_shared<2>(sm.e_hi[stage], &copies.entry, {0, entry_row}, full);
-    tile_copy_to_shared<2>(sm.e_lo[stage], &copies.entry, {0, entry_row + kP}, full);
+    uint64_t* rotation = &sm.rotation_full[stage];
+    mbarrier_expect_bytes(rotation, kRotationBytes<R>);
+    tile_copy_to_shared<5>(sm.q[stage], &copies.q, {0, group, 0, t0, b}, rotation);
+    tile_copy_to_shared<5>(sm.k[stage], &copies.k, {0, group, 0, t0, b}, rotation);
     const int rotation_row = static_cast<int>(bh * Tp + t0);
-    tile_copy_to_shared<2>(sm.cos_theta[stage], &copies.cos_theta, {0, rotation_row}, full);
-    tile_copy_to_shared<2>(sm.sin_theta[stage], &copies.sin_theta, {0, rotation_row}, full);
+    tile_copy_to_shared<2>(sm.cos_theta[stage], &copies.cos_theta, {0, rotation_row}, rotation);
+    tile_copy_to_shared<2>(sm.sin_theta[stage], &copies.sin_theta, {0, rotation_row}, rotation);
+    uint64_t* operands = &sm.operands_full[stage];
+    mbarrier_expect_bytes(operands, kOperandsBytes<R>);
+    tile_copy_to_shared<5>(sm.d_out[stage], &copies.d_out, {0, 0, h, t0, b}, operands);
+    tile_copy_to_shared<4>(sm.v[stage], &copies.v, {0, h, t0, b}, operands);
     float* const targets[3] = {sm.log_decay[stage], sm.kappa[stage], sm.gamma[stage]};
 #pragma unroll
     for (int which = 0; which < 3; ++which) {
       bulk_copy_to_shared(targets[which], w.sweep_scalars + which * pairs * Tp + bh * Tp + t0,
-                          kTokens * sizeof(float), full);
+                          kTokens * sizeof(float), operands);
     }
+    uint64_t* entry = &sm.entry_full[stage];
+    mbarrier_expect_bytes(entry, kEntryBytes);
+    const int entry_row = static_cast<int>((bh * chunks + c) * 2 * kP);
+    tile_copy_to_shared<2>(sm.e_hi[stage], &copies.entry, {0, entry_row}, entry);
+    tile_copy_to_shared<2>(sm.e_lo[stage], &copies.entry, {0, entry_row + kP}, entry);
   };
   // q and k rotated in place, lane (row = lane / 16, m = lane % 16) columns n = 2m and 2m + 1 and
   // their partners n + N/2; then PsiV, four columns an item. A lane's rows are R-periodic in its
@@ -864,7 +929,7 @@ __device__ __forceinline__ void make_operands(const Dims& d, const DevInputs& in
   const int psiv_index = swizzled(psiv_row, psiv_column);
   const uint2 mimo_x =
       *reinterpret_cast<const uint2*>(in.mimo_x + (h * R + psiv_row % R) * kP + psiv_column);
-  const auto rotate_and_weight = [&](int c) {
+  const auto rotate = [&](int c) {
     const int stage = c % 2, t0 = c * kTokens;
     const float *cos_theta = sm.cos_theta[stage], *sin_theta = sm.sin_theta[stage];
     const int n = rotation_column;
@@ -896,6 +961,11 @@ __device__ __forceinline__ void make_operands(const Dims& d, const DevInputs& in
             pack_bf16(lead[0] * sn[0] + partner[0] * cs[0], lead[1] * sn[1] + partner[1] * cs[1]);
       }
     }
+  };
+  // PsiV, and e^{l} dO as hi + lo pairs (the query warps' X update reads it): the same items.
+  const auto make_psiv_and_split = [&](int c) {
+    const int stage = c % 2;
+    const float* l = sm.log_decay[stage];
 #pragma unroll 1
     for (int i = 0; i < kC / kPsivRowStep; ++i) {
       const int row = psiv_row + i * kPsivRowStep, at = psiv_index + i * kPsivRowStep * kN;
@@ -905,19 +975,27 @@ __device__ __forceinline__ void make_operands(const Dims& d, const DevInputs& in
       const float2 x01 = unpack_bf16(mimo_x.x), x23 = unpack_bf16(mimo_x.y);
       *reinterpret_cast<uint2*>(sm.psiv[stage] + at) = make_uint2(
           pack_bf16(v01.x * x01.x, v01.y * x01.y), pack_bf16(v23.x * x23.x, v23.y * x23.y));
+      const uint2 o_raw = *reinterpret_cast<const uint2*>(sm.d_out[stage] + at);
+      const float row_scale = exp_flushed(l[row / R]);
+      const float2 o01 = unpack_bf16(o_raw.x), o23 = unpack_bf16(o_raw.y);
+      store_split_quad(
+          make_float4(o01.x * row_scale, o01.y * row_scale, o23.x * row_scale, o23.y * row_scale),
+          sm.ds_hi[stage], sm.ds_lo[stage], at);
     }
   };
   // The last chunk's copies first; then, for each chunk c from the last (the compute warps at chunk
   // c + 1), its stage made from its copies, and chunk c − 1's copies started, once the compute
   // warps are done with chunk c + 1, whose stage it takes (the last chunk but one's at once: its
-  // stage was never used). A stage's mbarrier completes a phase a use: chunk c's copies are the
-  // ((chunks − 1 − c) / 2)-th of its stage. Each thread's rotation writes q and k in place, which
-  // the copies will overwrite: its proxy fence orders them first (the free barrier then orders
-  // the fence before thread 0's next copies).
+  // stage was never used). A stage's mbarriers complete a phase a use (stage_parity). Each thread's
+  // rotation writes q and k in place, which the copies will overwrite: its proxy fence orders them
+  // first (the free barrier then orders the fence before thread 0's next copies).
   if (thread == 0) load_stage(chunks - 1);
   for (int c = chunks - 1; c >= 0; --c) {
-    mbarrier_wait(&sm.stage_full[c % 2], static_cast<unsigned>((chunks - 1 - c) / 2 % 2));
-    rotate_and_weight(c);
+    const unsigned parity = stage_parity(chunks, c);
+    mbarrier_wait(&sm.rotation_full[c % 2], parity);
+    rotate(c);
+    mbarrier_wait(&sm.operands_full[c % 2], parity);
+    make_psiv_and_split(c);
     fence_shared_for_async_proxy();
     barrier_arrive(kReadyBarrier + c % 2, kCoreBlockThreads);
     if (c == 0) break;
@@ -952,8 +1030,11 @@ __global__ void __launch_bounds__(kCoreBlockThreads, 1)
     // wgmma's descriptors and swizzled() all take row % 8 from the address's bits 7-9) only if the
     // block's shared memory is.
     if (shared_address(core_smem) % 1024 != 0) __trap();
-    mbarrier_init(&sm.stage_full[0], 1);
-    mbarrier_init(&sm.stage_full[1], 1);
+    for (int stage = 0; stage < 2; ++stage) {
+      mbarrier_init(&sm.rotation_full[stage], 1);
+      mbarrier_init(&sm.operands_full[stage], 1);
+      mbarrier_init(&sm.entry_full[stage], 1);
+    }
   }
   __syncthreads();
   if (threadIdx.x >= kCoreThreads) {
@@ -983,9 +1064,7 @@ __global__ void __launch_bounds__(kCoreBlockThreads, 1)
   //    4w … 4w + 3, lane (part, column 4w + lane % 4) a part of kAnglePart tokens, and the sums
   //    over later parts come from a suffix scan across the lanes; later_angles carries the sum
   //    over the chunks already finished (the later ones);
-  //  - the pair's partials: q's and k's biases (the warps' column sums added), mimo_x's (the key
-  //    warps'), summed over the chunk's group, and a zero for dD but in group 0's slot (the
-  //    pair's whole dD goes there);
+  //  - (the pair's partials are the key warps', add_group_partials);
   //  - dκ and the dt and trap terms of dγ and dκ (γ_t = τ_t DT_t, κ_t = τ_t DT_t + ...:
   //    sweep_token_terms adds κ_{t−1}'s and the angles');
   //  - dl, the last token's with the chunk's exit terms and e^{l_last} <E_c, X>, its suffix sums
@@ -1038,38 +1117,6 @@ __global__ void __launch_bounds__(kCoreBlockThreads, 1)
         const int i = (first + u) / R;
         if ((first + u) % R == 0 && i < len) w.dtheta[(bh * T + t0 + i) * kA + n] = suffix;
       }
-    }
-    {
-      // Summed over the chunk's group on chip (an item is the same thread's at every chunk), and
-      // stored to the group's slot at its first chunk, the walk's last of it.
-      const int group = c / kPartialGroupChunks<R>, groups = partial_groups(d);
-      const bool opens = c == min((group + 1) * kPartialGroupChunks<R>, chunks) - 1;
-      const bool closes = c % kPartialGroupChunks<R> == 0;
-      const size_t slots = static_cast<size_t>(d.batch) * groups;
-      float* partial =
-          w.partials + (static_cast<size_t>(h) * slots + static_cast<size_t>(b) * groups + group) *
-                           d.partial_width;
-      const auto add = [&](int column, float value) {
-        float& sum = sm.group_parts[column];
-        sum = opens ? value : sum + value;
-        if (closes) partial[column] = sum;
-      };
-#pragma unroll
-      for (int i = 0; i < R; ++i) {
-        const int item = threadIdx.x + i * kQueryThreads;
-        const int which = item / (R * kN), n = item % (R * kN);  // n: (rank, column)
-        const float* bias_parts = &sm.bias_parts[slot][which][0][n];
-        constexpr int kWarpParts = R * kN;
-        add(which * R * kN + n, bias_parts[0] + bias_parts[kWarpParts] +
-                                    bias_parts[2 * kWarpParts] + bias_parts[3 * kWarpParts]);
-      }
-      for (int item = threadIdx.x; item < R * kP; item += kQueryThreads) {
-        const float* parts = &sm.mimo_x_parts[slot][0][item];
-        constexpr int kWarpParts = R * kP;
-        add(2 * R * kN + item,
-            parts[0] + parts[kWarpParts] + parts[2 * kWarpParts] + parts[3 * kWarpParts]);
-      }
-      if (threadIdx.x == 0 && closes && group > 0) partial[d.partial_width - 1] = 0.f;
     }
     if (token_thread) {
       const int i = threadIdx.x - (kQueryThreads - kTokens);
@@ -1162,6 +1209,8 @@ __global__ void __launch_bounds__(kCoreBlockThreads, 1)
       // dq̃'s state part (its dot with q̃ is dl's inter term), made by the tensor cores while the
       // warps weight the score tiles.
       float acc[8][4];
+      // E's split lands on its own mbarrier: the operand warps do not wait for it.
+      mbarrier_wait(&sm.entry_full[stage], stage_parity(chunks, c));
       issue_state_product(acc, d_out, sm.e_hi[stage], sm.e_lo[stage], r0, at);
       float dl_rows[2] = {0.f, 0.f}, d_gamma[2] = {0.f, 0.f};
       // The lane's two rows' scalars, read once: read where selected, they were loads under
@@ -1223,28 +1272,10 @@ __global__ void __launch_bounds__(kCoreBlockThreads, 1)
       }
       dot = warp_sum(dot);
       if (lane == 0) sm.dot_parts[slot][warp] = dot;
-      // X for chunk c − 1: e^{l_last} X + (e^{l} dO)ᵀ Q̃, the warp's 16 rows. Each query warp
-      // first splits the e^{l} dO its rows p read (columns r0 … r0 + 15, every row t): four
-      // columns an item, rows lane / 4 + 8 i.
-      {
-        const int split_first = swizzled(lane / 4, r0 + 4 * (lane % 4));
-#pragma unroll
-        for (int i = 0; i < kC / 8; ++i) {
-          const int t = lane / 4 + 8 * i, split_at = split_first + i * kEightRows;
-          const uint2 o_raw = *reinterpret_cast<const uint2*>(d_out + split_at);
-          const float row_scale = exp_flushed(l[t / R]);
-          const float2 o01 = unpack_bf16(o_raw.x), o23 = unpack_bf16(o_raw.y);
-          store_split_quad(make_float4(o01.x * row_scale, o01.y * row_scale, o23.x * row_scale,
-                                       o23.y * row_scale),
-                           sm.ds_hi, sm.ds_lo, split_at);
-        }
-      }
-      // The product reads every query warp's columns (a warpgroup's wgmma), through the async
-      // proxy.
-      fence_shared_for_async_proxy();
-      barrier_wait(kQueryBarrier, kQueryThreads);
+      // X for chunk c − 1: e^{l_last} X + (e^{l} dO)ᵀ Q̃, the warp's 16 rows (e^{l} dO's split
+      // is the stage's).
       float update[8][4];
-      product_sum<true, true>(update, sm.ds_hi, q, sm.ds_lo, q, r0, at);
+      product_sum<true, true>(update, sm.ds_hi[stage], q, sm.ds_lo[stage], q, r0, at);
       const float decay = exp_flushed(l_last);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
@@ -1254,7 +1285,15 @@ __global__ void __launch_bounds__(kCoreBlockThreads, 1)
     } else {
       // Sᵀ = K̃ Q̃ᵀ and dAᵀ = V dOᵀ for the warp's 16 key rows, weighted by Wᵀ; dκ's chunk part.
       float st[8][4], dat[8][4];
-      score_tiles(st, dat, k, q, v, d_out, r0, at);
+      score_tiles<false>(st, dat, k, q, v, d_out, r0, at);
+      // Chunk c + 1's parts are complete (the ready barrier): its partials summed while the tensor
+      // cores make the tiles.
+      if (c + 1 < chunks) {
+        add_group_partials(d, w, sm, h, b, c + 1, static_cast<int>(threadIdx.x) - kQueryThreads);
+      }
+      wgmma_wait<0>();
+      wgmma_fence_operands(st);
+      wgmma_fence_operands(dat);
       // dk̃'s part Xᵀ v (its dot with k̃ is dl's and dκ's exit term), made by the tensor cores
       // while the warps weight the score tiles (the query warps hand X over at the chunk's start).
       wait_x_split();
@@ -1366,6 +1405,7 @@ __global__ void __launch_bounds__(kCoreBlockThreads, 1)
   if (query_side) {
     finish_chunk(0, later_l_last);
   } else {
+    add_group_partials(d, w, sm, h, b, 0, static_cast<int>(threadIdx.x) - kQueryThreads);
     // Each quad's lanes hold the same sums: lane 0 of each quad counts them once.
     d_skip = warp_sum(c4 == 0 ? d_skip : 0.f);
     // dot_parts' slot 1 (<E, X>'s parts of chunk 1, read by finish_chunk(1) before the loop's
