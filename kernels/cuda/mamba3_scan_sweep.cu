@@ -136,7 +136,7 @@ struct CoreSmem {
   float group_parts[2 * R * kN + R * kP];         // the biases' and mimo_x's over a group of chunks
   float dot_parts[2][4];                          // [slot][query warp]: <E_c, X>'s parts
   // A stage's copies land on three mbarriers, in the order they are needed: q, k, cos θ and sin θ
-  // (the rotation's), then v, dO, l, κ and γ (PsiV's and e^{l} dO's), then E's split (the query
+  // (the rotation's), then dO, v, l, κ and γ (PsiV's and e^{l} dO's), then E's split (the query
   // warps' alone, waited for by them).
   uint64_t rotation_full[2], operands_full[2], entry_full[2];
 };
@@ -146,7 +146,7 @@ struct CoreSmem {
 // among them.
 template <int R>
 constexpr unsigned kRotationBytes = sizeof(bf16) * 2 * kSwizzledTile +
-                                    sizeof(float) * 2 * kC / R* kRotationLd;
+                                    sizeof(float) * (2 * kC / R) * kRotationLd;
 template <int R>
 constexpr unsigned kOperandsBytes = sizeof(bf16) * (kSwizzledTile + kC / R * kLd) +
                                     sizeof(float) * 3 * kC / R;
@@ -330,9 +330,10 @@ __global__ void __launch_bounds__(kPrepThreads, 3)
 //  - the X barrier (1, the compute warps): the query warps arrive once X's split operand is in
 //    shared memory; the key warps wait there before their first read of it;
 //  - a stage's ready barrier (2 + stage, the block): the operand warps arrive once the chunk's
-//    stage (q and k rotated, PsiV, and the copies they waited for, E's split among them) is
-//    complete; the compute warps wait there at the chunk's start (so it is also their barrier
-//    between chunks: every part a chunk's warps left is complete, and the one before it read);
+//    stage (q and k rotated, PsiV, e^{l} dO's split, and the copies they waited for) is complete
+//    (E's split lands on its own mbarrier, entry_full, which the query warps wait for); the compute
+//    warps wait there at the chunk's start (so it is also their barrier between chunks: every part
+//    a chunk's warps left is complete, and the one before it read);
 //  - a stage's free barrier (4 + stage, the block): the compute warps arrive at the end of each
 //    chunk c > 1; the operand warps wait there before they overwrite its stage (with chunk
 //    c − 2's copies). One a stage: the operand warps arrive at chunk c − 1's ready barrier before
@@ -346,7 +347,7 @@ __global__ void __launch_bounds__(kPrepThreads, 3)
 // on this one (bench/racecheck_named_barrier.cu, session 37). Built with
 // -DMEGACPP_RACECHECK_NAMED_BARRIERS the query warps wait at the X barrier as well (the same
 // order, slower); the operand warps' hand-overs cannot be waits on both sides (each side waits for
-// the other's next one), so racecheck sees those as hazards.
+// the other's next one), so racecheck sees those as hazards (PsiV and e^{l} dO's split among them).
 constexpr int kXBarrier = 1, kReadyBarrier = 2, kFreeBarrier = 4;
 constexpr int kComputeBarrier = 8;
 __device__ __forceinline__ void barrier_wait(int id, int threads) {
@@ -803,8 +804,9 @@ __device__ __forceinline__ void finish_rotated_gradient(float (&acc)[8][4], cons
 // (`thread` 0 … 127; an item is the same thread's at every chunk): q's and k's biases (the warps'
 // column sums added) and mimo_x's, summed over the chunk's group on chip and stored to the group's
 // slot at its first chunk, the walk's last of it; and a zero for dD but in group 0's slot (the
-// pair's whole dD goes there). The query warps' finish_chunk made them until the key warps,
-// which waited for the query warps at every chunk's start, took them (bench/RESULTS.md session 47).
+// pair's whole dD goes there). They were the query warps' (finish_chunk), the role with the longest
+// chunk step; the key warps, which waited longest at the ready barrier, take them now
+// (bench/RESULTS.md session 47).
 template <int R>
 __device__ __forceinline__ void add_group_partials(const Dims& d, const Work& w, CoreSmem<R>& sm,
                                                    int h, int b, int c, int thread) {
@@ -867,7 +869,7 @@ __device__ __forceinline__ void make_operands(const Dims& d, const DevInputs& in
   const size_t pairs = static_cast<size_t>(d.batch) * d.heads;
   const size_t bh = static_cast<size_t>(b) * d.heads + h;
   // Each box fills its stage array exactly (sweep_copies' boxes), and the bytes they bring are
-  // what the stage's mbarrier expects: a count that never completed would hang the block.
+  // what its mbarrier expects: a count that never completed would hang the block.
   static_assert(kRotationBytes<R> == 2 * sizeof(sm.q[0]) + 2 * sizeof(sm.cos_theta[0]) &&
                 kOperandsBytes<R> ==
                     sizeof(sm.d_out[0]) + sizeof(sm.v[0]) + 3 * sizeof(sm.log_decay[0]) &&
@@ -902,10 +904,11 @@ __device__ __forceinline__ void make_operands(const Dims& d, const DevInputs& in
     tile_copy_to_shared<2>(sm.e_lo[stage], &copies.entry, {0, entry_row + kP}, entry);
   };
   // q and k rotated in place, lane (row = lane / 16, m = lane % 16) columns n = 2m and 2m + 1 and
-  // their partners n + N/2; then PsiV, four columns an item. A lane's rows are R-periodic in its
-  // steps, so its biases and mimo_x columns are the same at every step of every chunk: held in
-  // registers from the start (read from shared memory at each step, their loads were the largest
-  // share of the operand warps' stalls, ncu source counters).
+  // their partners n + N/2; then (make_psiv_and_split) PsiV and e^{l} dO's split, four columns an
+  // item. A lane's rows are R-periodic in its steps, so its biases and mimo_x columns are the same
+  // at every step of every chunk: held in registers from the start (read from shared memory at
+  // each step, their loads were the largest share of the operand warps' stalls, ncu source
+  // counters).
   constexpr int kRowStep = 2 * (kOperandThreads / 32);
   constexpr int kPsivRowStep = kOperandThreads / (kP / 4);
   static_assert(kRowStep % R == 0 && kPsivRowStep % R == 0);
@@ -987,8 +990,10 @@ __device__ __forceinline__ void make_operands(const Dims& d, const DevInputs& in
   // c + 1), its stage made from its copies, and chunk c − 1's copies started, once the compute
   // warps are done with chunk c + 1, whose stage it takes (the last chunk but one's at once: its
   // stage was never used). A stage's mbarriers complete a phase a use (stage_parity). Each thread's
-  // rotation writes q and k in place, which the copies will overwrite: its proxy fence orders them
-  // first (the free barrier then orders the fence before thread 0's next copies).
+  // writes (q and k rotated in place, PsiV, the split) are read by the compute warps' wgmma and
+  // the rotation's are overwritten by the next copies, both through the async proxy: its proxy
+  // fence orders them first (the ready barrier then orders the fence before the products, the
+  // free barrier before thread 0's next copies).
   if (thread == 0) load_stage(chunks - 1);
   for (int c = chunks - 1; c >= 0; --c) {
     const unsigned parity = stage_parity(chunks, c);
@@ -1366,8 +1371,9 @@ __global__ void __launch_bounds__(kCoreBlockThreads, 1)
       }
       frags_times_cols(acc, st, d_out, at);
       // dv = Σ over the token's ranks of dL/dPsiV ⊙ mimo_x (store_token_rows), and mimo_x's terms
-      // dL/dPsiV ⊙ v summed over the warp's 16 rows by rank, left for finish_chunk to add over the
-      // key warps. A thread's two rows are of rank g % R.
+      // dL/dPsiV ⊙ v summed over the warp's 16 rows by rank, left for add_group_partials to add
+      // over the key warps (at chunk c − 1's step, or after the walk). A thread's two rows are of
+      // rank g % R.
       bf16* v_rows[2];
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
@@ -1414,7 +1420,7 @@ __global__ void __launch_bounds__(kCoreBlockThreads, 1)
   }
   barrier_wait(kComputeBarrier, kCoreThreads);
   if (threadIdx.x == 0) {
-    // dD's partial of the pair, in its group 0 slot (finish_chunk zeroes the other groups').
+    // dD's partial of the pair, in its group 0 slot (add_group_partials zeroes the other groups').
     const int groups = partial_groups(d);
     const size_t slots = static_cast<size_t>(d.batch) * groups;
     w.partials[(static_cast<size_t>(h) * slots + static_cast<size_t>(b) * groups + 1) *
