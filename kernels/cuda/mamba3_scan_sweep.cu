@@ -801,7 +801,7 @@ __device__ __forceinline__ void finish_rotated_gradient(float (&acc)[8][4], cons
 }
 
 // The pair's partials of chunk c, from the parts its warps left in slot c % 2, by the key warps
-// (`thread` 0 … 127; an item is the same thread's at every chunk): q's and k's biases (the warps'
+// (an item is the same thread's at every chunk): q's and k's biases (the warps'
 // column sums added) and mimo_x's, summed over the chunk's group on chip and stored to the group's
 // slot at its first chunk, the walk's last of it; and a zero for dD but in group 0's slot (the
 // pair's whole dD goes there). They were the query warps' (finish_chunk), the role with the longest
@@ -809,8 +809,9 @@ __device__ __forceinline__ void finish_rotated_gradient(float (&acc)[8][4], cons
 // (bench/RESULTS.md session 47).
 template <int R>
 __device__ __forceinline__ void add_group_partials(const Dims& d, const Work& w, CoreSmem<R>& sm,
-                                                   int h, int b, int c, int thread) {
+                                                   int h, int b, int c) {
   constexpr int kThreads = kCoreThreads - kQueryThreads;
+  const int thread = static_cast<int>(threadIdx.x) - kQueryThreads;
   const int slot = c % 2, chunks = d.chunks;
   const int group = c / kPartialGroupChunks<R>, groups = partial_groups(d);
   const bool opens = c == min((group + 1) * kPartialGroupChunks<R>, chunks) - 1;
@@ -1293,9 +1294,7 @@ __global__ void __launch_bounds__(kCoreBlockThreads, 1)
       score_tiles<false>(st, dat, k, q, v, d_out, r0, at);
       // Chunk c + 1's parts are complete (the ready barrier): its partials summed while the tensor
       // cores make the tiles.
-      if (c + 1 < chunks) {
-        add_group_partials(d, w, sm, h, b, c + 1, static_cast<int>(threadIdx.x) - kQueryThreads);
-      }
+      if (c + 1 < chunks) add_group_partials(d, w, sm, h, b, c + 1);
       wgmma_wait<0>();
       wgmma_fence_operands(st);
       wgmma_fence_operands(dat);
@@ -1411,7 +1410,7 @@ __global__ void __launch_bounds__(kCoreBlockThreads, 1)
   if (query_side) {
     finish_chunk(0, later_l_last);
   } else {
-    add_group_partials(d, w, sm, h, b, 0, static_cast<int>(threadIdx.x) - kQueryThreads);
+    add_group_partials(d, w, sm, h, b, 0);
     // Each quad's lanes hold the same sums: lane 0 of each quad counts them once.
     d_skip = warp_sum(c4 == 0 ? d_skip : 0.f);
     // dot_parts' slot 1 (<E, X>'s parts of chunk 1, read by finish_chunk(1) before the loop's
