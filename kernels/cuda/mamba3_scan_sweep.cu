@@ -762,16 +762,55 @@ __device__ __forceinline__ void unrotate(float (&acc)[8][4], const bf16* rotated
   }
 }
 
-// The rows r0 … r0 + 15 of acc (all 64 columns) to a [B][chunks · C · R][H][64] bf16 tensor.
+// One step of a 4 × 4 transpose of 32-bit words within each quad of lanes: lanes l and l ^ kMask
+// swap blocks, the lane without bit kMask giving its words at the positions with that bit for its
+// partner's words at the positions without it, each taking the other's in place of its own.
+template <int kMask>
+__device__ __forceinline__ void quad_exchange(uint32_t (&words)[4], int c4) {
+  const bool upper = (c4 & kMask) != 0;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    if ((k & kMask) != 0) continue;
+    const uint32_t got = __shfl_xor_sync(0xffffffffu, upper ? words[k] : words[k ^ kMask], kMask);
+    words[k] = upper ? got : words[k];
+    words[k ^ kMask] = upper ? words[k ^ kMask] : got;
+  }
+}
+
+// The rows r0 … r0 + 15 of acc (all 64 columns) to a [B][chunks · C · R][H][64] bf16 tensor. A
+// quad's lanes hold a row, two of each 8 columns a lane. At R = 1 the quad transposes them first
+// (quad_exchange), so that each lane holds 8 neighbouring columns of 2 of the 8 column groups and
+// stores each in one 16-byte store: SISO forward+backward −1% (the 4-byte stores left each 32-byte
+// sector half written). At R = 4 the shuffles on the key warps, the critical role there, cost more
+// than the stores save (MIMO +1.4%; bench/RESULTS.md session 50).
+template <int R>
 __device__ __forceinline__ void store_rows(bf16* to, const float (&acc)[8][4], size_t first_row,
                                            int heads, int r0, int g, int c4) {
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    bf16* row = to + (first_row + static_cast<size_t>(r0 + g + 8 * half) * heads) * 64 + 2 * c4;
+    bf16* row = to + (first_row + static_cast<size_t>(r0 + g + 8 * half) * heads) * 64;
+    if constexpr (R == 1) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      *reinterpret_cast<__nv_bfloat162*>(row + 8 * j) =
-          __floats2bfloat162_rn(acc[j][2 * half], acc[j][2 * half + 1]);
+      for (int group = 0; group < 2; ++group) {
+        uint32_t words[4];  // columns 8 (4 group + k) + 2 c4, + 1
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const __nv_bfloat162 pair =
+              __floats2bfloat162_rn(acc[4 * group + k][2 * half], acc[4 * group + k][2 * half + 1]);
+          words[k] = *reinterpret_cast<const uint32_t*>(&pair);
+        }
+        quad_exchange<2>(words, c4);
+        quad_exchange<1>(words, c4);
+        // Now columns 8 (4 group + c4) + 2 k, + 1.
+        *reinterpret_cast<uint4*>(row + 8 * (4 * group + c4)) =
+            make_uint4(words[0], words[1], words[2], words[3]);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        *reinterpret_cast<__nv_bfloat162*>(row + 8 * j + 2 * c4) =
+            __floats2bfloat162_rn(acc[j][2 * half], acc[j][2 * half + 1]);
+      }
     }
   }
 }
@@ -796,7 +835,7 @@ __device__ __forceinline__ void finish_rotated_gradient(float (&acc)[8][4], cons
   }
   frags_times_cols(acc, f, other, at);
   unrotate<R>(acc, rotated, cos_theta, sin_theta, d_theta_part, r0, g, c4);
-  store_rows(to, acc, first_row, heads, r0, g, c4);
+  store_rows<R>(to, acc, first_row, heads, r0, g, c4);
   store_column_sums<R>(bias_part, acc, lane);
 }
 
