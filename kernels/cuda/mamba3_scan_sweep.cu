@@ -767,6 +767,7 @@ __device__ __forceinline__ void unrotate(float (&acc)[8][4], const bf16* rotated
 // partner's words at the positions without it, each taking the other's in place of its own.
 template <int kMask>
 __device__ __forceinline__ void quad_exchange(uint32_t (&words)[4], int c4) {
+  static_assert(kMask == 1 || kMask == 2, "a step within the quad");
   const bool upper = (c4 & kMask) != 0;
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
@@ -780,9 +781,10 @@ __device__ __forceinline__ void quad_exchange(uint32_t (&words)[4], int c4) {
 // The rows r0 … r0 + 15 of acc (all 64 columns) to a [B][chunks · C · R][H][64] bf16 tensor. A
 // quad's lanes hold a row, two of each 8 columns a lane. At R = 1 the quad transposes them first
 // (quad_exchange), so that each lane holds 8 neighbouring columns of 2 of the 8 column groups and
-// stores each in one 16-byte store: SISO forward+backward −1% (the 4-byte stores left each 32-byte
-// sector half written). At R = 4 the shuffles on the key warps, the critical role there, cost more
-// than the stores save (MIMO +1.4%; bench/RESULTS.md session 50).
+// stores each in one 16-byte store, 4 stores where there were 16, each warp store writing whole
+// 32-byte sectors where a 4-byte one wrote half of each it touched: SISO forward+backward −0.4% to
+// −1.3% in three calls. At R = 4 the shuffles land on the key warps, the critical role there, and
+// cost more than the stores save (MIMO +1.4% to +2.0%; bench/RESULTS.md session 50).
 template <int R>
 __device__ __forceinline__ void store_rows(bf16* to, const float (&acc)[8][4], size_t first_row,
                                            int heads, int r0, int g, int c4) {
