@@ -797,9 +797,7 @@ __device__ __forceinline__ void store_rows(bf16* to, const float (&acc)[8][4], s
         uint32_t words[4];  // columns 8 (4 group + k) + 2 c4, + 1
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-          const __nv_bfloat162 pair =
-              __floats2bfloat162_rn(acc[4 * group + k][2 * half], acc[4 * group + k][2 * half + 1]);
-          words[k] = *reinterpret_cast<const uint32_t*>(&pair);
+          words[k] = pack_bf16(acc[4 * group + k][2 * half], acc[4 * group + k][2 * half + 1]);
         }
         quad_exchange<2>(words, c4);
         quad_exchange<1>(words, c4);
