@@ -272,10 +272,10 @@ __global__ void __launch_bounds__(kOutputThreads)
 
 // chunk_state, state_pass and chunk_output in one pass (tensor cores): each block computes its
 // chunk's F_c, takes its entry state E_c from the block of chunk c − 1 (the same (b, h)), publishes
-// E_{c+1} = a_c E_c + F_c for the block of chunk c + 1, and makes o and y (o's intra-chunk tiles
-// before the wait, its entry tiles after the publish). F_c never goes through memory and the state
-// pass is not a kernel of its own (the two cost 2.5 ms of the 5.9 ms MIMO forward at M3-ref; the
-// state pass ran at 85% of DRAM bandwidth).
+// E_{c+1} = a_c E_c + F_c for the block of chunk c + 1, and makes o and y (after the publish, so
+// that the chain's step is F_c's product, the wait and E_{c+1}'s stores alone). F_c never goes
+// through memory and the state pass is not a kernel of its own (the two cost 2.5 ms of the 5.9 ms
+// MIMO forward at M3-ref; the state pass ran at 85% of DRAM bandwidth).
 //
 // Blocks take their chunk from a ticket (take_chain_chunk: why every wait ends). The recurrence is
 // the state pass's (E_0 = 0, scale_add, chunks in order), and o's two terms are rounded and added
@@ -336,6 +336,39 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
   const int lane = static_cast<int>(threadIdx.x % 32), tile = static_cast<int>(threadIdx.x / 32);
   const int tile_i0 = (tile / (D::headdim / 16)) * 16, tile_j0 = (tile % (D::headdim / 16)) * 16;
   const int g = lane / 4, t = lane % 4;
+  // F_c, the one product the next chunk's block waits for.
+  smem_mma_split<true, true, true, false>(
+      P, N, M, psiv_hi, psiv_lo, ld_pv, k_rot, nullptr, ld_qk,
+      [&](int p, int n, float value) { exit_part[p * kExitStride + n] = value; });
+  // E_c from chunk c − 1's block (chunk 0 starts from zero).
+  const size_t pair = static_cast<size_t>(pos.b) * d.heads + pos.h;
+  const size_t matrix = static_cast<size_t>(P) * N;
+  float* states = w.states + (pair * d.chunks + pos.c) * matrix;
+  int* ready = chain_flags(w, d, pair);
+  wait_ready(ready + pos.c, pos.c > 0);  // its barrier: every thread's F_c is in exit_part
+  static_assert(D::kFixed);
+  constexpr int kPerThread = (D::headdim * D::state / 4 + kOutputThreads - 1) / kOutputThreads;
+  const int quads = P * N / 4;
+  float4 entry[kPerThread];
+  const float decay = sc[kEntryDecay * C + (pos.len - 1)];
+  const bool has_next = pos.c + 1 < d.chunks;
+  const bool keeps_split = w.sweep_runs();
+#pragma unroll
+  for (int u = 0; u < kPerThread; ++u) {
+    const int quad = threadIdx.x + u * kOutputThreads;
+    if (quad >= quads) continue;
+    entry[u] = pos.c > 0 ? __ldcg(reinterpret_cast<const float4*>(states) + quad)
+                         : make_float4(0.f, 0.f, 0.f, 0.f);
+    if (pos.c == 0 && !keeps_split) reinterpret_cast<float4*>(states)[quad] = entry[u];
+    if (has_next) {
+      const float4 part = exit_part_quad<D>(exit_part, quad);
+      __stcg(reinterpret_cast<float4*>(states + matrix) + quad, scale_add(decay, entry[u], part));
+    }
+  }
+  publish_ready(ready + pos.c + 1, has_next);
+  // What follows does not delay chunk c + 1's block. Made before the wait (until session 51: the
+  // scores, o's intra-chunk tile and y's gating factors), it made MIMO's forward+backward 0.5–1.0%
+  // longer and SISO's 1.3–1.7%, in two calls (bench/RESULTS.md, session 51).
   {
     // The scores Q Kᵀ ⊙ W, rounded to bf16 a column pair at a time (smem_mma's tile, the same
     // bits). At R > 1 (even) a pair's two columns are one token: one weight for both.
@@ -363,7 +396,7 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
   }
   __syncthreads();
   // y's gating inputs of the lane's fragment elements, loaded here so that their latency passes
-  // under the two products below. Both of a thread's rows, g and g + 8 of its tile, are one rank
+  // under the product below. Both of a thread's rows, g and g + 8 of its tile, are one rank
   // (R divides 8 at the fixed shapes), so its columns of mimo_z and mimo_o are loaded once.
   static_assert(8 % D::rank == 0);
   const int rank = d.by_rank.mod(tile_i0 + g);
@@ -388,18 +421,14 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
       }
     }
   }
-  // o's intra-chunk tile Sw PsiV, made before the wait and kept in registers through it.
+  // o's intra-chunk tile Sw PsiV, in registers until o is made whole.
   float intra_tile[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
   accumulate_tile(
       SmemOperands<false, true, false, false>{weighted, nullptr, ld_sw, psiv, nullptr, ld_pv, M},
       tile_i0, tile_j0, lane, intra_tile);
-  smem_mma_split<true, true, true, false>(
-      P, N, M, psiv_hi, psiv_lo, ld_pv, k_rot, nullptr, ld_qk,
-      [&](int p, int n, float value) { exit_part[p * kExitStride + n] = value; });
-  // Before the wait too, what of o and y does not read the state: D PsiV added to the intra-chunk
-  // tile (the same expression as chunk_output's), and y's gating factors
-  // silu(z ⊙ mimo_z_r) ⊙ mimo_o_r of the fragment's elements (y's terms multiply o by them, as
-  // chunk_output's do).
+  // What of o and y does not read the state: D PsiV added to the intra-chunk tile (the same
+  // expression as chunk_output's), and y's gating factors silu(z ⊙ mimo_z_r) ⊙ mimo_o_r of the
+  // fragment's elements (y's terms multiply o by them, as chunk_output's do).
   float gating[2][4];  // as the tile's fragments: [half][2 · upper + column]
   {
     const float skip = to_f(in.d[pos.h]);
@@ -423,32 +452,6 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
       }
     }
   }
-  // E_c from chunk c − 1's block (chunk 0 starts from zero).
-  const size_t pair = static_cast<size_t>(pos.b) * d.heads + pos.h;
-  const size_t matrix = static_cast<size_t>(P) * N;
-  float* states = w.states + (pair * d.chunks + pos.c) * matrix;
-  int* ready = chain_flags(w, d, pair);
-  wait_ready(ready + pos.c, pos.c > 0);  // its barrier: every thread's F_c is in exit_part
-  static_assert(D::kFixed);
-  constexpr int kPerThread = (D::headdim * D::state / 4 + kOutputThreads - 1) / kOutputThreads;
-  const int quads = P * N / 4;
-  float4 entry[kPerThread];
-  const float decay = sc[kEntryDecay * C + (pos.len - 1)];
-  const bool has_next = pos.c + 1 < d.chunks;
-  const bool keeps_split = w.sweep_runs();
-#pragma unroll
-  for (int u = 0; u < kPerThread; ++u) {
-    const int quad = threadIdx.x + u * kOutputThreads;
-    if (quad >= quads) continue;
-    entry[u] = pos.c > 0 ? __ldcg(reinterpret_cast<const float4*>(states) + quad)
-                         : make_float4(0.f, 0.f, 0.f, 0.f);
-    if (pos.c == 0 && !keeps_split) reinterpret_cast<float4*>(states)[quad] = entry[u];
-    if (has_next) {
-      const float4 part = exit_part_quad<D>(exit_part, quad);
-      __stcg(reinterpret_cast<float4*>(states + matrix) + quad, scale_add(decay, entry[u], part));
-    }
-  }
-  publish_ready(ready + pos.c + 1, has_next);
   if (threadIdx.x == 0) w.decay[pair * d.chunks + pos.c] = decay;
   // E_c as hi + lo pairs, the operand of o's entry tiles; where the sweep will run, also in place
   // of E_c's fp32 copy, as the sweep reads it (every thread's reads of that copy were before
@@ -467,9 +470,9 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
   }
   __syncthreads();
   // o = e^{l} Q E_cᵀ + Sw PsiV + D PsiV made whole in registers, a tile a warp: its entry tile now,
-  // its intra-chunk part made before the wait (rounded and summed as chunk_output rounds and sums
-  // them), and y's terms o_r ⊙ (silu(z ⊙ mimo_z_r) ⊙ mimo_o_r) summed over a token's ranks, rows
-  // g ^ 1 … of the tile: o is never stored.
+  // its intra-chunk part and D PsiV made earlier (rounded and summed as chunk_output rounds and
+  // sums them), and y's terms o_r ⊙ (silu(z ⊙ mimo_z_r) ⊙ mimo_o_r) summed over a token's ranks,
+  // rows g ^ 1 … of the tile: o is never stored.
   const auto finish_tile = [&](const float(&from_entry)[2][4]) {
     float terms[8];  // y's terms of the lane's fragment: [upper][half][column]
     bool valid[2];
