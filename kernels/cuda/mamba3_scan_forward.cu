@@ -272,10 +272,10 @@ __global__ void __launch_bounds__(kOutputThreads)
 
 // chunk_state, state_pass and chunk_output in one pass (tensor cores): each block computes its
 // chunk's F_c, takes its entry state E_c from the block of chunk c − 1 (the same (b, h)), publishes
-// E_{c+1} = a_c E_c + F_c for the block of chunk c + 1, and makes o and y (after the publish, so
-// that the chain's step is F_c's product, the wait and E_{c+1}'s stores alone). F_c never goes
-// through memory and the state pass is not a kernel of its own (the two cost 2.5 ms of the 5.9 ms
-// MIMO forward at M3-ref; the state pass ran at 85% of DRAM bandwidth).
+// E_{c+1} = a_c E_c + F_c for the block of chunk c + 1, and makes o and y after the publish (before
+// it, only F_c's product, the wait, E_c's load and E_{c+1}'s stores). F_c never goes through memory
+// and the state pass is not a kernel of its own (the two cost 2.5 ms of the 5.9 ms MIMO forward at
+// M3-ref; the state pass ran at 85% of DRAM bandwidth).
 //
 // Blocks take their chunk from a ticket (take_chain_chunk: why every wait ends). The recurrence is
 // the state pass's (E_0 = 0, scale_add, chunks in order), and o's two terms are rounded and added
@@ -367,7 +367,7 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
   }
   publish_ready(ready + pos.c + 1, has_next);
   // What follows does not delay chunk c + 1's block. Made before the wait (until session 51: the
-  // scores, o's intra-chunk tile and y's gating factors), it made MIMO's forward+backward 0.5–1.0%
+  // scores, o's intra-chunk tile and y's gating factors), it made MIMO's forward+backward 0.5–0.9%
   // longer and SISO's 1.3–1.7%, in two calls (bench/RESULTS.md, session 51).
   {
     // The scores Q Kᵀ ⊙ W, rounded to bf16 a column pair at a time (smem_mma's tile, the same
