@@ -1139,7 +1139,11 @@ static __device__ void load_scalars(const D& d, const DevInputs& in, const Work&
   const int pairs_per_warp = 32 / span, part = lane / span, slot = lane % span;
   const int groups = (C + span - 1) / span;  // 32-token groups of a pair (one when C ≤ 32)
   const int pair_stride = warps * pairs_per_warp;
-  const int steps = (A + pair_stride - 1) / pair_stride * groups;
+  // The rounds of pairs in which this warp has one: a warp with none skips the loop (at MIMO's
+  // chunk 16, A = 16 pairs fill 8 of 16 warps, whose other 8 ran its scans on zeros).
+  const int first_pair = warp * pairs_per_warp;
+  const int rounds = first_pair < A ? (A - first_pair + pair_stride - 1) / pair_stride : 0;
+  const int steps = rounds * groups;
   const size_t bh = static_cast<size_t>(pos.b) * d.heads + pos.h;
   const float* theta_start = w.theta0 + (bh * d.chunks + pos.c) * A;
   constexpr int kStepsAhead = 4;
@@ -1405,37 +1409,27 @@ static __device__ void load_rotated(const D& d, const bf16* src, const bf16* bia
   load_alone(RotatedLoader<D>::items(d), RotatedLoader<D>(d, pos, src, bias, cosv, sinv, dst, ld));
 }
 
-// A loader with nothing to load: load_rotated_qk's companion by default.
-struct NoLoader {
-  struct Loaded {};
-  __device__ __forceinline__ Loaded load(int) const { return {}; }
-  __device__ __forceinline__ void store(int, const Loaded&) const {}
-};
-
-// q and k together: one memory latency for both, and one read of the rotation. `also` is a loader
-// over the same index space (chunk_forward's PsiV at N = P) whose loads are issued with theirs.
-template <class D, class Also = NoLoader>
+// q and k together: one memory latency for both, and one read of the rotation.
+template <class D>
 static __device__ void load_rotated_qk(const D& d, const DevInputs& in, const ChunkPos& pos,
                                        const float* cosv, const float* sinv, bf16* q_dst,
-                                       bf16* k_dst, int ld, const Also& also = Also{}) {
+                                       bf16* k_dst, int ld) {
   using Loader = RotatedLoader<D>;
   const Loader q(d, pos, in.q, in.q_bias, cosv, sinv, q_dst, ld);
   const Loader k(d, pos, in.k, in.k_bias, cosv, sinv, k_dst, ld);
-  struct All {
+  struct Both {
     typename Loader::Loaded q, k;
-    typename Also::Loaded also;
   };
   // load_together's pass, with each item's cos θ and sin θ read once for both.
   for_each_batched<Loader::kBatch>(
       Loader::items(d),
       [&](int idx) {
-        return All{q.load(idx), k.load(idx), also.load(idx)};
+        return Both{q.load(idx), k.load(idx)};
       },
-      [&](int idx, const All& all) {
+      [&](int idx, const Both& both) {
         const typename Loader::Rotation rot = q.rotation(idx);
-        q.store(idx, all.q, rot);
-        k.store(idx, all.k, rot);
-        also.store(idx, all.also);
+        q.store(idx, both.q, rot);
+        k.store(idx, both.k, rot);
       });
 }
 

@@ -312,19 +312,34 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
   const SmemStrides ld = strides_of<D>(plan);
   const int ld_qk = ld.qk, ld_pv = ld.pv, ld_sw = ld.sw;
   const int ld_split = plan.ld_split;
+  // q and k rotated, and PsiV with its exit-scaled copy as hi + lo pairs beside it (PsiV and the
+  // weighted scores stay whole for o's intra-chunk tiles): an item of each loader a thread at the
+  // fixed shapes. q's and k's rows are loaded into registers before load_scalars, so that their
+  // latency passes under its work, and v's after it, under keep_sweep_scalars'; all are rotated,
+  // scaled and stored once the scalars are made. Loaded after load_scalars, the three together
+  // (until session 52), MIMO's forward took 3% longer (forward+backward 1%) and SISO's 1%; v's
+  // loads before it as well leave too few registers (spills) and were slower (bench/RESULTS.md,
+  // session 52).
+  using Rotated = RotatedLoader<D>;
+  static_assert(D::state == D::headdim && Rotated::W * 2 == PsivLoader<D>::W);
+  static_assert(D::rows * (D::state / 2) / Rotated::W == kOutputThreads &&
+                D::rows * D::headdim / PsivLoader<D>::W == kOutputThreads);
+  const Rotated q_loader(d, pos, in.q, in.q_bias, cosv, sinv, q_rot, ld_qk);
+  const Rotated k_loader(d, pos, in.k, in.k_bias, cosv, sinv, k_rot, ld_qk);
+  PsivLoader<D> v{d, in, pos, w.psiv, false, write_psiv, psiv, ld_pv};
+  v.scaled_hi = psiv_hi;
+  v.scaled_lo = psiv_lo;
+  v.exit_scale = sc + kExitScale * C;
+  const int item = static_cast<int>(threadIdx.x);
+  const typename Rotated::Loaded q_in = q_loader.load(item), k_in = k_loader.load(item);
   load_scalars(d, in, w, pos, sc, cosv, sinv);
+  const typename PsivLoader<D>::Loaded v_in = v.load(item);
   keep_sweep_scalars(d, w, pos, sc, cosv, sinv);
   {
-    // q and k rotated, and PsiV with its exit-scaled copy as hi + lo pairs beside it (PsiV and the
-    // weighted scores stay whole for o's intra-chunk tiles), in one pass: at N = P the loaders'
-    // items are one index space, so the three tensors' loads are all issued before the first is
-    // used (one memory latency, not two).
-    static_assert(D::state == D::headdim && RotatedLoader<D>::W * 2 == PsivLoader<D>::W);
-    PsivLoader<D> v{d, in, pos, w.psiv, false, write_psiv, psiv, ld_pv};
-    v.scaled_hi = psiv_hi;
-    v.scaled_lo = psiv_lo;
-    v.exit_scale = sc + kExitScale * C;
-    load_rotated_qk(d, in, pos, cosv, sinv, q_rot, k_rot, ld_qk, v);
+    const typename Rotated::Rotation rot = q_loader.rotation(item);
+    q_loader.store(item, q_in, rot);
+    k_loader.store(item, k_in, rot);
+    v.store(item, v_in);
   }
   // Inline weights are token_weight's, fill_weights' expression: the same bits either way.
   constexpr bool kWeightsInline = forward_weights_inline(D::rank);
