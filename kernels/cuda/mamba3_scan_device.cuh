@@ -1139,8 +1139,9 @@ static __device__ void load_scalars(const D& d, const DevInputs& in, const Work&
   const int pairs_per_warp = 32 / span, part = lane / span, slot = lane % span;
   const int groups = (C + span - 1) / span;  // 32-token groups of a pair (one when C ≤ 32)
   const int pair_stride = warps * pairs_per_warp;
-  // The rounds of pairs in which this warp has one: a warp with none skips the loop (at MIMO's
-  // chunk 16, A = 16 pairs fill 8 of 16 warps, whose other 8 ran its scans on zeros).
+  // The rounds of pairs in which this warp has one: a warp with none skips the loop. At chunk 16
+  // two pairs share a warp, so A = 16 pairs fill 8 of a 16-warp block; the other 8 ran the loop
+  // on zeros until session 52 (chunk_forward at MIMO: forward −3.7%, bench/RESULTS.md).
   const int first_pair = warp * pairs_per_warp;
   const int rounds = first_pair < A ? (A - first_pair + pair_stride - 1) / pair_stride : 0;
   const int steps = rounds * groups;

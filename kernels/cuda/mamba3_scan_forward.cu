@@ -315,11 +315,12 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
   // q and k rotated, and PsiV with its exit-scaled copy as hi + lo pairs beside it (PsiV and the
   // weighted scores stay whole for o's intra-chunk tiles): an item of each loader a thread at the
   // fixed shapes. q's and k's rows are loaded into registers before load_scalars, so that their
-  // latency passes under its work, and v's after it, under keep_sweep_scalars'; all are rotated,
-  // scaled and stored once the scalars are made. Loaded after load_scalars, the three together
-  // (until session 52), MIMO's forward took 3% longer (forward+backward 1%) and SISO's 1%; v's
-  // loads before it as well leave too few registers (spills) and were slower (bench/RESULTS.md,
-  // session 52).
+  // latency passes under its work, and v's after it (under keep_sweep_scalars' where the sweep
+  // runs); all are rotated, scaled and stored once the scalars are made. Against the three loaded
+  // together after load_scalars, as until session 52: MIMO's forward −2.7% (forward+backward
+  // −1.2%), SISO's forward −1.4%. v's loads before load_scalars as well spilled more (38 and 68
+  // bytes stored at MIMO and SISO, against 6 and 30) and were slower (bench/RESULTS.md, session
+  // 52).
   using Rotated = RotatedLoader<D>;
   static_assert(D::state == D::headdim && Rotated::W * 2 == PsivLoader<D>::W);
   static_assert(D::rows * (D::state / 2) / Rotated::W == kOutputThreads &&
