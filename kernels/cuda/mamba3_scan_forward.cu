@@ -322,7 +322,6 @@ __global__ void __launch_bounds__(kOutputThreads, 2)
   // bytes stored at MIMO and SISO, against 6 and 30) and were slower (bench/RESULTS.md, session
   // 52).
   using Rotated = RotatedLoader<D>;
-  static_assert(D::state == D::headdim && Rotated::W * 2 == PsivLoader<D>::W);
   static_assert(D::rows * (D::state / 2) / Rotated::W == kOutputThreads &&
                 D::rows * D::headdim / PsivLoader<D>::W == kOutputThreads);
   const Rotated q_loader(d, pos, in.q, in.q_bias, cosv, sinv, q_rot, ld_qk);
