@@ -216,21 +216,49 @@ __global__ void __launch_bounds__(kPrepThreads, 3)
     sweep_prep_kernel(Dims d, DevInputs in, Work w, const bf16* dy, DevGrads grads) {
   constexpr int kTokens = kC / R, kStepTokens = kPrepStepTokens<R>, kStepRows = kStepTokens * R;
   constexpr int kParts = kP / 8;  // 16-byte parts of a row
+  constexpr int kWarps = kPrepThreads / 32;
   static_assert((kPartialGroupChunks<R> * kTokens) % kStepTokens == 0);
   extern __shared__ __align__(16) unsigned char prep_smem[];
   PrepSmem<R>& sm = *reinterpret_cast<PrepSmem<R>*>(prep_smem);
   const int group = blockIdx.x, bh = blockIdx.y, b = bh / d.heads, h = bh % d.heads;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 
-  // The gating's backward: a thread's eight columns p … p + 7 (16-byte rows) of the step's rows
-  // (token, rank) row, row + 32, …, one rank; dz's terms summed over a token's ranks (lanes 8
-  // apart); mimo_z's and mimo_o's terms summed over the group's chunks, then over a warp's rows
-  // of one rank of each column (lanes 8 R apart), then over the warps in order.
-  constexpr int W = 8;
-  const int p = W * (lane % W), row = threadIdx.x / W, rank = row % R;
-  const size_t wr = (static_cast<size_t>(h) * R + rank) * kP + p;
-  const Bf16Row<W> mimo_z = load_row<W>(in.mimo_z + wr), mimo_o = load_row<W>(in.mimo_o + wr);
-  float sum_z[W] = {}, sum_o[W] = {};
+  // The gating's backward of one element: dO's and dz's terms, and mimo_z's and mimo_o's terms
+  // added to their sums over the group's chunks.
+  const auto gating = [](float dy_e, float z, float o, float mz, float mo, float& d_out, float& dz,
+                         float& sum_z, float& sum_o) {
+    const float gate = z * mz, sig = sigmoidf(gate), silu = gate * sig;
+    d_out = dy_e * silu * mo;
+    sum_o += dy_e * o * silu;
+    const float d_gate = dy_e * o * mo * sig * (1.f + gate * (1.f - sig));
+    dz = d_gate * mz;
+    sum_z += d_gate * z;
+  };
+  // A thread's columns and what it sums. At R = 1 a thread takes eight columns p … p + 7
+  // (16-byte rows) of the step's rows row, row + 32, …. At R > 1 a warp takes the step's tokens
+  // warp, warp + kWarps, … and a lane two columns p, p + 1 of all of a token's R rank rows: the
+  // token's dy and z are read and converted once for its ranks, mimo_z's and mimo_o's columns once
+  // for the kernel, and dz's sum over the ranks is the thread's own. Until session 53 a thread took
+  // one rank's eight columns at every R, and the ranks' dz were summed by shuffles over lanes 8
+  // apart; a warp has the same tokens either way, and every sum the same order ((r0 + r1) +
+  // (r2 + r3) for dz). At MIMO 16% fewer instructions and sweep_prep 0.53 → 0.39 ms
+  // (bench/RESULTS.md, session 53).
+  constexpr int W = R == 1 ? 8 : 2, kRanks = R == 1 ? 1 : R;
+  const int p = R == 1 ? W * (lane % W) : W * lane, row = threadIdx.x / W;
+  Bf16Row<W> mimo_z_rows[kRanks], mimo_o_rows[kRanks];
+  float mimo_z[kRanks][W], mimo_o[kRanks][W];  // at R > 1: the rows converted once
+#pragma unroll
+  for (int r = 0; r < kRanks; ++r) {
+    const size_t wr = (static_cast<size_t>(h) * R + r) * kP + p;
+    mimo_z_rows[r] = load_row<W>(in.mimo_z + wr);
+    mimo_o_rows[r] = load_row<W>(in.mimo_o + wr);
+#pragma unroll
+    for (int e = 0; e < W; ++e) {
+      mimo_z[r][e] = mimo_z_rows[r].at(e);
+      mimo_o[r][e] = mimo_o_rows[r].at(e);
+    }
+  }
+  float sum_z[kRanks][W] = {}, sum_o[kRanks][W] = {};
   const int group_tokens = kPartialGroupChunks<R> * kTokens;
   const int group_begin = group * group_tokens;
   const int group_end = min(group_begin + group_tokens, d.seqlen);
@@ -265,49 +293,71 @@ __global__ void __launch_bounds__(kPrepThreads, 3)
     }
     __syncthreads();
     const bf16 *step_dy = sm.dy[buffer], *step_z = sm.z[buffer], *step_o = sm.o[buffer];
+    if constexpr (R == 1) {
 #pragma unroll 2
-    for (int step_row = row; step_row < kStepRows; step_row += 32) {
-      const int i = step_row / R, t = t0 + i;  // a warp's rows are whole tokens
-      if (t >= d.seqlen) break;
-      const size_t th = token_head(d, b, t, h);
-      const Bf16Row<W> dy_row = load_row<W>(step_dy + i * kP + p);
-      const Bf16Row<W> z_row = load_row<W>(step_z + i * kP + p);
-      const Bf16Row<W> o_row = load_row<W>(step_o + step_row * kP + p);
-      float d_out[W], dz[W];
+      for (int i = row; i < kStepRows; i += 32) {
+        const int t = t0 + i;
+        if (t >= d.seqlen) break;
+        const size_t th = token_head(d, b, t, h);
+        const Bf16Row<W> dy_row = load_row<W>(step_dy + i * kP + p);
+        const Bf16Row<W> z_row = load_row<W>(step_z + i * kP + p);
+        const Bf16Row<W> o_row = load_row<W>(step_o + i * kP + p);
+        float d_out[W], dz[W];
 #pragma unroll
-      for (int e = 0; e < W; ++e) {
-        const float dy_e = dy_row.at(e), z = z_row.at(e), o = o_row.at(e);
-        const float mz = mimo_z.at(e), mo = mimo_o.at(e);
-        const float gate = z * mz, sig = sigmoidf(gate), silu = gate * sig;
-        d_out[e] = dy_e * silu * mo;
-        sum_o[e] += dy_e * o * silu;
-        const float d_gate = dy_e * o * mo * sig * (1.f + gate * (1.f - sig));
-        dz[e] = d_gate * mz;
-        sum_z[e] += d_gate * z;
-      }
-      store_row(w.sweep_d_out + (th * R + rank) * kP + p, round_row<W>(d_out));
-#pragma unroll
-      for (int e = 0; e < W; ++e) {
-#pragma unroll
-        for (int offset = W; offset < W * R; offset <<= 1) {
-          dz[e] += __shfl_xor_sync(0xffffffffu, dz[e], offset);
+        for (int e = 0; e < W; ++e) {
+          gating(dy_row.at(e), z_row.at(e), o_row.at(e), mimo_z_rows[0].at(e), mimo_o_rows[0].at(e),
+                 d_out[e], dz[e], sum_z[0][e], sum_o[0][e]);
         }
+        store_row(w.sweep_d_out + th * kP + p, round_row<W>(d_out));
+        store_row(grads.z + th * kP + p, round_row<W>(dz));
       }
-      if (rank == 0) store_row(grads.z + th * kP + p, round_row<W>(dz));
+    } else {
+      static_assert(R == 4, "dz's sum over the ranks is written for four");
+#pragma unroll 2
+      for (int i = warp; i < kStepTokens; i += kWarps) {
+        const int t = t0 + i;
+        if (t >= d.seqlen) break;
+        const size_t th = token_head(d, b, t, h);
+        const Bf16Row<W> dy_row = load_row<W>(step_dy + i * kP + p);
+        const Bf16Row<W> z_row = load_row<W>(step_z + i * kP + p);
+        float dz[R][W];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const Bf16Row<W> o_row = load_row<W>(step_o + (i * R + r) * kP + p);
+          float d_out[W];
+#pragma unroll
+          for (int e = 0; e < W; ++e) {
+            gating(dy_row.at(e), z_row.at(e), o_row.at(e), mimo_z[r][e], mimo_o[r][e], d_out[e],
+                   dz[r][e], sum_z[r][e], sum_o[r][e]);
+          }
+          store_row(w.sweep_d_out + (th * R + r) * kP + p, round_row<W>(d_out));
+        }
+        float dz_sum[W];
+#pragma unroll
+        for (int e = 0; e < W; ++e) dz_sum[e] = (dz[0][e] + dz[1][e]) + (dz[2][e] + dz[3][e]);
+        store_row(grads.z + th * kP + p, round_row<W>(dz_sum));
+      }
     }
     __syncthreads();  // the step's rows are read before the copies two steps on overwrite them
   }
+  // A warp's sums by (rank, column), then the warps' in order. At R = 1 a column's sums are over
+  // the lanes 8 apart (its rows), at R > 1 the thread's own.
 #pragma unroll
-  for (int e = 0; e < W; ++e) {
-    float z = sum_z[e], o = sum_o[e];
+  for (int r = 0; r < kRanks; ++r) {
 #pragma unroll
-    for (int offset = W * R; offset < 32; offset <<= 1) {
-      z += __shfl_xor_sync(0xffffffffu, z, offset);
-      o += __shfl_xor_sync(0xffffffffu, o, offset);
-    }
-    if (lane < W * R) {
-      sm.sums[0][warp][rank * kP + p + e] = z;
-      sm.sums[1][warp][rank * kP + p + e] = o;
+    for (int e = 0; e < W; ++e) {
+      float z = sum_z[r][e], o = sum_o[r][e];
+      if constexpr (R == 1) {
+#pragma unroll
+        for (int offset = W; offset < 32; offset <<= 1) {
+          z += __shfl_xor_sync(0xffffffffu, z, offset);
+          o += __shfl_xor_sync(0xffffffffu, o, offset);
+        }
+      }
+      if (R > 1 || lane < W) {
+        sm.sums[0][warp][r * kP + p + e] = z;
+        sm.sums[1][warp][r * kP + p + e] = o;
+      }
     }
   }
   __syncthreads();
