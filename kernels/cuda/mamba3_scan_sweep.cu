@@ -241,8 +241,10 @@ __global__ void __launch_bounds__(kPrepThreads, 3)
   // for the kernel, and dz's sum over the ranks is the thread's own. Until session 53 a thread took
   // one rank's eight columns at every R, and the ranks' dz were summed by shuffles over lanes 8
   // apart; a warp has the same tokens either way, and every sum the same order ((r0 + r1) +
-  // (r2 + r3) for dz). At MIMO the kernel issues 20% fewer instructions and took 0.39 ms for 0.53
-  // under ncu, forward+backward 1.7-2.4% faster (bench/RESULTS.md, session 53).
+  // (r2 + r3) for dz). dz's rank products may now be fused into that sum (the compiler's
+  // multiply-adds), so dz can differ from the shuffled sum's in its last bit. At MIMO the kernel
+  // executes 20% fewer instructions and took 0.39 ms for 0.53 under ncu, forward+backward
+  // 1.7-2.1% faster (bench/RESULTS.md, session 53).
   constexpr int W = R == 1 ? 8 : 2, kRanks = R == 1 ? 1 : R;
   const int p = R == 1 ? W * (lane % W) : W * lane, row = threadIdx.x / W;
   Bf16Row<W> mimo_z_rows[kRanks], mimo_o_rows[kRanks];
