@@ -247,17 +247,15 @@ __global__ void __launch_bounds__(kPrepThreads, 3)
   // 1.7-2.1% faster (bench/RESULTS.md, session 53).
   constexpr int W = R == 1 ? 8 : 2, kRanks = R == 1 ? 1 : R;
   const int p = R == 1 ? W * (lane % W) : W * lane, row = threadIdx.x / W;
-  Bf16Row<W> mimo_z_rows[kRanks], mimo_o_rows[kRanks];
-  float mimo_z[kRanks][W], mimo_o[kRanks][W];  // at R > 1: the rows converted once
+  float mimo_z[kRanks][W], mimo_o[kRanks][W];  // the thread's columns, converted once
 #pragma unroll
   for (int r = 0; r < kRanks; ++r) {
     const size_t wr = (static_cast<size_t>(h) * R + r) * kP + p;
-    mimo_z_rows[r] = load_row<W>(in.mimo_z + wr);
-    mimo_o_rows[r] = load_row<W>(in.mimo_o + wr);
+    const Bf16Row<W> z_row = load_row<W>(in.mimo_z + wr), o_row = load_row<W>(in.mimo_o + wr);
 #pragma unroll
     for (int e = 0; e < W; ++e) {
-      mimo_z[r][e] = mimo_z_rows[r].at(e);
-      mimo_o[r][e] = mimo_o_rows[r].at(e);
+      mimo_z[r][e] = z_row.at(e);
+      mimo_o[r][e] = o_row.at(e);
     }
   }
   float sum_z[kRanks][W] = {}, sum_o[kRanks][W] = {};
@@ -307,8 +305,8 @@ __global__ void __launch_bounds__(kPrepThreads, 3)
         float d_out[W], dz[W];
 #pragma unroll
         for (int e = 0; e < W; ++e) {
-          gating(dy_row.at(e), z_row.at(e), o_row.at(e), mimo_z_rows[0].at(e), mimo_o_rows[0].at(e),
-                 d_out[e], dz[e], sum_z[0][e], sum_o[0][e]);
+          gating(dy_row.at(e), z_row.at(e), o_row.at(e), mimo_z[0][e], mimo_o[0][e], d_out[e],
+                 dz[e], sum_z[0][e], sum_o[0][e]);
         }
         store_row(w.sweep_d_out + th * kP + p, round_row<W>(d_out));
         store_row(grads.z + th * kP + p, round_row<W>(dz));
