@@ -234,28 +234,28 @@ __global__ void __launch_bounds__(kPrepThreads, 3)
     dz = d_gate * mz;
     sum_z += d_gate * z;
   };
-  // A thread's columns and what it sums. At R = 1 a thread takes eight columns p … p + 7
-  // (16-byte rows) of the step's rows row, row + 32, …. At R > 1 a warp takes the step's tokens
-  // warp, warp + kWarps, … and a lane two columns p, p + 1 of all of a token's R rank rows: the
-  // token's dy and z are read and converted once for its ranks, mimo_z's and mimo_o's columns once
-  // for the kernel, and dz's sum over the ranks is the thread's own. Until session 53 a thread took
-  // one rank's eight columns at every R, and the ranks' dz were summed by shuffles over lanes 8
-  // apart; a warp has the same tokens either way, and every sum the same order ((r0 + r1) +
-  // (r2 + r3) for dz). dz's rank products may now be fused into that sum (the compiler's
-  // multiply-adds), so dz can differ from the shuffled sum's in its last bit. At MIMO the kernel
-  // executes 20% fewer instructions and took 0.39 ms for 0.53 under ncu, forward+backward
-  // 1.7-2.1% faster (bench/RESULTS.md, session 53).
+  // A thread's columns and what it sums. At R = 1 a thread takes eight columns p … p + 7 (16-byte
+  // rows) of the step's rows row, row + 32, …. At R > 1 a warp takes the step's tokens warp, warp +
+  // kWarps, … and a lane two columns p, p + 1 of all of a token's R rank rows: the token's dy and z
+  // are read and converted once for its ranks, and dz's sum over the ranks is the thread's own. At
+  // every R a thread's columns of mimo_z and mimo_o are converted once for the kernel (at R = 1
+  // until session 54, at each use). Until session 53 a thread took one rank's eight columns at
+  // every R, and the ranks' dz were summed by shuffles over lanes 8 apart; a warp has the same
+  // tokens either way, and every sum the same order ((r0 + r1) + (r2 + r3) for dz). dz's rank
+  // products may now be fused into that sum (the compiler's multiply-adds), so dz can differ from
+  // the shuffled sum's in its last bit. At MIMO the kernel executes 20% fewer instructions and took
+  // 0.39 ms for 0.53 under ncu, forward+backward 1.7-2.1% faster (bench/RESULTS.md, session 53).
   constexpr int W = R == 1 ? 8 : 2, kRanks = R == 1 ? 1 : R;
   const int p = R == 1 ? W * (lane % W) : W * lane, row = threadIdx.x / W;
   float mimo_z[kRanks][W], mimo_o[kRanks][W];  // the thread's columns, converted once
 #pragma unroll
   for (int r = 0; r < kRanks; ++r) {
     const size_t wr = (static_cast<size_t>(h) * R + r) * kP + p;
-    const Bf16Row<W> z_row = load_row<W>(in.mimo_z + wr), o_row = load_row<W>(in.mimo_o + wr);
+    const Bf16Row<W> mz_row = load_row<W>(in.mimo_z + wr), mo_row = load_row<W>(in.mimo_o + wr);
 #pragma unroll
     for (int e = 0; e < W; ++e) {
-      mimo_z[r][e] = z_row.at(e);
-      mimo_o[r][e] = o_row.at(e);
+      mimo_z[r][e] = mz_row.at(e);
+      mimo_o[r][e] = mo_row.at(e);
     }
   }
   float sum_z[kRanks][W] = {}, sum_o[kRanks][W] = {};
