@@ -238,18 +238,18 @@ __global__ void __launch_bounds__(kPrepThreads, 3)
   // rows) of the step's rows row, row + 32, …. At R > 1 a warp takes the step's tokens warp, warp +
   // kWarps, … and a lane two columns p, p + 1 of all of a token's R rank rows: the token's dy and z
   // are read and converted once for its ranks, and dz's sum over the ranks is the thread's own. At
-  // every R a thread's columns of mimo_z and mimo_o are converted once for the kernel (at R = 1
-  // until session 54, at each use). Until session 53 a thread took one rank's eight columns at
-  // every R, and the ranks' dz were summed by shuffles over lanes 8 apart; a warp has the same
-  // tokens either way, and every sum the same order ((r0 + r1) + (r2 + r3) for dz). dz's rank
-  // products may now be fused into that sum (the compiler's multiply-adds), so dz can differ from
-  // the shuffled sum's in its last bit. At MIMO the kernel executes 20% fewer instructions and took
-  // 0.39 ms for 0.53 under ncu, forward+backward 1.7-2.1% faster (bench/RESULTS.md, session 53).
-  constexpr int W = R == 1 ? 8 : 2, kRanks = R == 1 ? 1 : R;
+  // every R a thread's columns of mimo_z and mimo_o are converted once for the kernel. Until
+  // session 53 a thread took one rank's eight columns at every R, and the ranks' dz were summed by
+  // shuffles over lanes 8 apart; a warp has the same tokens either way, and every sum the same
+  // order ((r0 + r1) + (r2 + r3) for dz). dz's rank products may now be fused into that sum (the
+  // compiler's multiply-adds), so dz can differ from the shuffled sum's in its last bit. At MIMO
+  // the kernel executes 20% fewer instructions and took 0.39 ms for 0.53 under ncu,
+  // forward+backward 1.7-2.1% faster (bench/RESULTS.md, session 53).
+  constexpr int W = R == 1 ? 8 : 2;
   const int p = R == 1 ? W * (lane % W) : W * lane, row = threadIdx.x / W;
-  float mimo_z[kRanks][W], mimo_o[kRanks][W];  // the thread's columns, converted once
+  float mimo_z[R][W], mimo_o[R][W];  // the thread's columns, converted once
 #pragma unroll
-  for (int r = 0; r < kRanks; ++r) {
+  for (int r = 0; r < R; ++r) {
     const size_t wr = (static_cast<size_t>(h) * R + r) * kP + p;
     const Bf16Row<W> mz_row = load_row<W>(in.mimo_z + wr), mo_row = load_row<W>(in.mimo_o + wr);
 #pragma unroll
@@ -258,7 +258,7 @@ __global__ void __launch_bounds__(kPrepThreads, 3)
       mimo_o[r][e] = mo_row.at(e);
     }
   }
-  float sum_z[kRanks][W] = {}, sum_o[kRanks][W] = {};
+  float sum_z[R][W] = {}, sum_o[R][W] = {};
   const int group_tokens = kPartialGroupChunks<R> * kTokens;
   const int group_begin = group * group_tokens;
   const int group_end = min(group_begin + group_tokens, d.seqlen);
@@ -343,7 +343,7 @@ __global__ void __launch_bounds__(kPrepThreads, 3)
   // A warp's sums by (rank, column), then the warps' in order. At R = 1 a column's sums are over
   // the lanes 8 apart (its rows), at R > 1 the thread's own.
 #pragma unroll
-  for (int r = 0; r < kRanks; ++r) {
+  for (int r = 0; r < R; ++r) {
 #pragma unroll
     for (int e = 0; e < W; ++e) {
       float z = sum_z[r][e], o = sum_o[r][e];
